@@ -1,0 +1,235 @@
+"""One typed config tree for a run, loaded from TOML with ``key.path=value`` overrides.
+
+Every section forbids unknown keys, so a misspelt key fails at load time with a message that
+names it (and suggests the closest known key). Cross-field checks live in one validator on
+``RunConfig`` with messages a user can act on.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollflow.infra.models.tiny import TinyModelSpec
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message says which key and what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Section):
+    """Identity of the run and where its data lands."""
+
+    name: str = Field("quickstart", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; storage sub-folder.")
+    storage: str = Field("runs", description="Storage root: a local folder or an s3:// URI.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options, e.g. {endpoint_url=...} for S3."
+    )
+    seed: int = Field(0, description="Seed for prompt order and sampling.")
+    num_steps: int = Field(40, ge=1, description="Outer training steps (weight syncs).")
+    eval_every: int = Field(10, ge=0, description="Held-out evaluation every N steps (0: only at start and end).")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps; resume restarts after the last one.")
+
+
+class ModelSection(_Section):
+    """The policy: a Hugging Face directory or hub id, or a tiny model built locally."""
+
+    path: str | None = Field(None, description="HF model directory or hub id. Exclusive with `tiny`.")
+    tiny: TinyModelSpec | None = Field(None, description="Build a tiny character Llama instead.")
+    warm_start_target: float = Field(
+        0.35, ge=0, le=1, description="Tiny models only: supervised warm-start stops at this held-out accuracy."
+    )
+    warm_start_max_steps: int = Field(3000, ge=0, description="Tiny models only: cap on warm-start steps.")
+    warm_start_lr: float = Field(1e-3, gt=0, description="Tiny models only: warm-start learning rate.")
+    cache_dir: str = Field("~/.cache/rollflow/models", description="Where built tiny models are cached.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("set exactly one of model.path (a HF model) or [model.tiny] (a built tiny model)")
+        return self
+
+
+class EnvSpec(_Section):
+    """One environment of the mix."""
+
+    name: str = Field(description="Built-in name (`add`, `sort_letters`) or `package.module:Class`.")
+    weight: float = Field(1.0, gt=0, description="Share of the training prompts drawn from this env.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env.")
+
+
+class SamplingSection(_Section):
+    """How rollouts are sampled from vLLM."""
+
+    group_size: int = Field(8, ge=2, description="Completions per prompt (one GRPO group).")
+    max_tokens: int = Field(8, ge=1, description="Longest completion, in tokens.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
+    eval_temperature: float = Field(0.0, ge=0, description="Temperature of held-out evaluation (0 = greedy).")
+    num_eval_prompts: int = Field(256, ge=1, description="Held-out prompts per environment per evaluation.")
+
+
+class TrainSection(_Section):
+    """The algorithm: GRPO advantages and a token-level PPO-clip loss."""
+
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    train_batch_size: int = Field(64, ge=1, description="Groups per outer step (one weight sync).")
+    mini_batch_size: int = Field(64, ge=1, description="Groups per optimizer step.")
+    max_staleness: int = Field(0, ge=0, description="Steps generation may run ahead of training (0 = on-policy).")
+    clip_eps_low: float = Field(0.2, gt=0, description="PPO clip: lower epsilon.")
+    clip_eps_high: float = Field(0.2, gt=0, description="PPO clip: upper epsilon.")
+    normalize_std: bool = Field(False, description="Divide group advantages by the group's reward std.")
+    filter_zero_advantage: bool = Field(True, description="Drop groups whose advantages are all zero.")
+
+
+class InferenceSection(_Section):
+    """The vLLM inference deployment."""
+
+    host: str = Field("127.0.0.1", description="Bind address of the vLLM server.")
+    port: int = Field(0, ge=0, le=65535, description="Port; 0 picks a free one.")
+    startup_timeout_s: float = Field(300, gt=0, description="Deadline for the server to become healthy.")
+    request_timeout_s: float = Field(120, gt=0, description="Deadline of one completion request.")
+    max_concurrency: int = Field(64, ge=1, description="Completion requests in flight at once.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments.")
+
+
+class TrainerSection(_Section):
+    """The trainer service."""
+
+    startup_timeout_s: float = Field(120, gt=0, description="Deadline for the trainer to become healthy.")
+    request_timeout_s: float = Field(600, gt=0, description="Deadline of one trainer call.")
+    weight_sync_timeout_s: float = Field(120, gt=0, description="Deadline of one weight broadcast.")
+    micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch.")
+
+
+class RunConfig(_Section):
+    """The whole run."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection
+    envs: list[EnvSpec] = Field(min_length=1, description="Environment mix.")
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    inference: InferenceSection = Field(default_factory=InferenceSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        t = self.train
+        if t.mini_batch_size > t.train_batch_size:
+            raise ValueError(
+                f"train.mini_batch_size ({t.mini_batch_size}) must be <= train.train_batch_size "
+                f"({t.train_batch_size}): a mini-batch is a slice of one outer batch"
+            )
+        if t.train_batch_size % t.mini_batch_size:
+            raise ValueError(
+                f"train.train_batch_size ({t.train_batch_size}) must be divisible by "
+                f"train.mini_batch_size ({t.mini_batch_size})"
+            )
+        names = [e.name for e in self.envs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"envs names repeat: {names}; give each environment once")
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML file (or nothing), apply ``a.b=value`` overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "overrides"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    for item in overrides:
+        apply_override(data, item)
+    return validate_config(data, source)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in ``data``; value is parsed as TOML, else kept as a string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not of the form key.path=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a raw dict; errors name the offending key path and the fix."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid config\n" + _explain(exc)) from None
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            *parent, leaf = [str(p) for p in err["loc"]]
+            known = _known_keys(parent)
+            hint = difflib.get_close_matches(leaf, known, n=1)
+            suggestion = f"; did you mean {'.'.join([*parent, hint[0]])!r}?" if hint else ""
+            lines.append(f"  unknown key {loc!r}{suggestion} (known: {', '.join(sorted(known))})")
+        else:
+            lines.append(f"  {loc or '<root>'}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def _known_keys(parent: list[str]) -> list[str]:
+    model: type[BaseModel] = RunConfig
+    for part in parent:
+        if part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def dump_config(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain JSON-able data."""
+    return cfg.model_dump(mode="json")
+

@@ -1,0 +1,233 @@
+"""The data plane: one run's files on fsspec storage (a local folder or ``s3://``).
+
+Layout (see docs/architecture.md)::
+
+    <root>/<run>/config.json
+    <root>/<run>/rollouts/step=<N>/part-0.parquet + _SUCCESS
+    <root>/<run>/batches/step=<N>/part-0.parquet  + _SUCCESS
+    <root>/<run>/checkpoints/step=<N>/...         + _SUCCESS
+    <root>/<run>/metrics/step=<N>.parquet
+    <root>/<run>/events.jsonl
+
+Invariant: a step directory counts only once its ``_SUCCESS`` marker exists, and the marker is
+written after every other file of the directory. Readers never open an unmarked directory;
+writers clear an unmarked directory before writing it again, so storage holds each step once.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SUCCESS = "_SUCCESS"
+_STEP_DIR = re.compile(r"step=(\d+)$")
+_STEP_FILE = re.compile(r"step=(\d+)\.parquet$")
+
+
+class StorageError(RuntimeError):
+    """A storage read or write that failed; the message names the path."""
+
+
+class RunStorage:
+    """Reads and writes one run's files; knows which steps are committed."""
+
+    def __init__(self, root: str, run: str, options: dict[str, Any] | None = None):
+        protocol, _ = fsspec.core.split_protocol(root)
+        if protocol in (None, "file"):
+            root = str(Path(fsspec.core.strip_protocol(root)).expanduser().resolve())
+        self.root = root.rstrip("/")
+        self.run = run
+        self.options = dict(options or {})
+        self.fs, self.base = fsspec.core.url_to_fs(f"{self.root}/{run}", **self.options)
+        self.is_local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def uri(self) -> str:
+        return f"{self.root}/{self.run}"
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.base, *parts])
+
+    def step_dir(self, kind: str, step: int) -> str:
+        return self.path(kind, f"step={step}")
+
+    def step_uri(self, kind: str, step: int) -> str:
+        return f"{self.uri}/{kind}/step={step}"
+
+    # ------------------------------------------------------------ step folders
+
+    def is_committed(self, kind: str, step: int) -> bool:
+        return self.fs.exists(f"{self.step_dir(kind, step)}/{SUCCESS}")
+
+    def committed_steps(self, kind: str) -> list[int]:
+        """Steps of ``kind`` whose folder holds a ``_SUCCESS`` marker, ascending."""
+        root = self.path(kind)
+        try:
+            markers = self.fs.glob(f"{root}/step=*/{SUCCESS}")
+        except FileNotFoundError:
+            return []
+        steps = []
+        for marker in markers:
+            match = _STEP_DIR.search(marker.rsplit("/", 2)[-2])
+            if match:
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def clear_uncommitted(self, kind: str, step: int) -> bool:
+        """Remove a half-written step folder; returns whether one was there."""
+        folder = self.step_dir(kind, step)
+        if self.fs.exists(folder) and not self.is_committed(kind, step):
+            self.fs.rm(folder, recursive=True)
+            return True
+        return False
+
+    def remove_step(self, kind: str, step: int) -> None:
+        """Remove a step folder, marker first so no reader sees it half-removed."""
+        folder = self.step_dir(kind, step)
+        marker = f"{folder}/{SUCCESS}"
+        if self.fs.exists(marker):
+            self.fs.rm(marker)
+        if self.fs.exists(folder):
+            self.fs.rm(folder, recursive=True)
+
+    def write_step_table(self, kind: str, step: int, table: pa.Table) -> str:
+        """Write one step's table and commit it; returns the step folder's URI."""
+        self.clear_uncommitted(kind, step)
+        if self.is_committed(kind, step):
+            raise StorageError(f"{self.step_uri(kind, step)} is already committed; refusing to overwrite")
+        folder = self.step_dir(kind, step)
+        self.fs.makedirs(folder, exist_ok=True)
+        self._write_bytes(f"{folder}/part-0.parquet", _parquet_bytes(table))
+        self.commit(kind, step)
+        return self.step_uri(kind, step)
+
+    def commit(self, kind: str, step: int) -> None:
+        """Write the ``_SUCCESS`` marker: the last write of a step folder."""
+        self._write_bytes(f"{self.step_dir(kind, step)}/{SUCCESS}", b"")
+
+    def read_step_table(self, kind: str, step: int) -> pa.Table:
+        """Read a committed step folder; an unmarked folder is an error."""
+        if not self.is_committed(kind, step):
+            raise StorageError(f"{self.step_uri(kind, step)} is not committed (no {SUCCESS})")
+        parts = sorted(self.fs.glob(f"{self.step_dir(kind, step)}/part-*.parquet"))
+        tables = []
+        for part in parts:
+            with self.fs.open(part, "rb") as fh:
+                tables.append(pq.read_table(fh))
+        return pa.concat_tables(tables) if tables else pa.table({})
+
+    # ----------------------------------------------------------------- metrics
+
+    def write_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"run": self.run, "step": step, **metrics}
+        self._write_bytes(self.path("metrics", f"step={step}.parquet"), _parquet_bytes(pa.Table.from_pylist([row])))
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        try:
+            files = self.fs.glob(self.path("metrics", "step=*.parquet"))
+        except FileNotFoundError:
+            return []
+        rows = []
+        for f in sorted(files, key=lambda p: int(_STEP_FILE.search(p).group(1))):
+            with self.fs.open(f, "rb") as fh:
+                rows.extend(pq.read_table(fh).to_pylist())
+        return rows
+
+    # ---------------------------------------------------------- json, events
+
+    def write_json(self, name: str, data: Any) -> None:
+        self._write_bytes(self.path(name), json.dumps(data, indent=2, sort_keys=True).encode())
+
+    def read_json(self, name: str) -> Any | None:
+        try:
+            with self.fs.open(self.path(name), "rb") as fh:
+                return json.loads(fh.read())
+        except FileNotFoundError:
+            return None
+
+    def append_event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append one event line to ``events.jsonl``."""
+        event = {"time": time.time(), "event": kind, **fields}
+        line = (json.dumps(event) + "\n").encode()
+        target = self.path("events.jsonl")
+        if self.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "ab") as fh:
+                fh.write(line)
+        else:  # object stores have no append: rewrite the (small) object in one PUT
+            old = self.fs.cat_file(target) if self.fs.exists(target) else b""
+            self._write_bytes(target, old + line)
+        return event
+
+    def read_events(self) -> list[dict[str, Any]]:
+        try:
+            raw = self.fs.cat_file(self.path("events.jsonl")).decode()
+        except FileNotFoundError:
+            return []
+        # A torn last line (killed mid-write) is skipped, never fatal.
+        events = []
+        for line in raw.splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return events
+
+    # --------------------------------------------------------- whole folders
+
+    def upload_dir(self, local: str | Path, kind: str, step: int) -> str:
+        """Copy a local folder into ``<kind>/step=<N>`` and commit it."""
+        self.clear_uncommitted(kind, step)
+        folder = self.step_dir(kind, step)
+        self.fs.makedirs(folder, exist_ok=True)
+        for file in sorted(Path(local).iterdir()):
+            if file.is_file() and file.name != SUCCESS:
+                self.fs.put_file(str(file), f"{folder}/{file.name}")
+        self.commit(kind, step)
+        return self.step_uri(kind, step)
+
+    def local_copy(self, kind: str, step: int, cache: str | Path) -> Path:
+        """A local folder holding a committed step folder (itself, when storage is local)."""
+        if not self.is_committed(kind, step):
+            raise StorageError(f"{self.step_uri(kind, step)} is not committed (no {SUCCESS})")
+        if self.is_local:
+            return Path(self.step_dir(kind, step))
+        target = Path(cache) / self.run / kind / f"step={step}"
+        if not (target / SUCCESS).exists():
+            target.mkdir(parents=True, exist_ok=True)
+            for remote in self.fs.ls(self.step_dir(kind, step), detail=False):
+                self.fs.get_file(remote, str(target / remote.rsplit("/", 1)[-1]))
+        return target
+
+    # ---------------------------------------------------------------- helpers
+
+    def _write_bytes(self, path: str, data: bytes) -> None:
+        """Write a whole file so that no reader sees half of it."""
+        try:
+            if self.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.tmp-{os.getpid()}"
+                with open(tmp, "wb") as fh:
+                    fh.write(data)
+                os.replace(tmp, path)
+            else:  # one PUT: an object is either whole or absent
+                self.fs.pipe_file(path, data)
+        except OSError as exc:
+            raise StorageError(f"writing {path}: {exc}") from exc
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
