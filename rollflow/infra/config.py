@@ -14,7 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollflow.infra.models.tiny import TinyModelSpec
+
+
+DEFAULT_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=:,>() "
 
 
 class ConfigError(ValueError):
@@ -23,6 +25,20 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelSpec(_Section):
+    """Shape of a tiny character Llama built from scratch."""
+
+    alphabet: str = Field(DEFAULT_ALPHABET, description="Characters the tokenizer knows.")
+    hidden_size: int = Field(128, ge=8, description="Model width.")
+    intermediate_size: int = Field(256, ge=8, description="MLP width.")
+    num_layers: int = Field(2, ge=1, description="Transformer blocks.")
+    num_heads: int = Field(4, ge=1, description="Attention heads (no GQA).")
+    max_position_embeddings: int = Field(
+        64, ge=8, description="Longest prompt + completion; vLLM gives NaN logprobs past it."
+    )
+    seed: int = Field(0, description="Seed of the random initialisation.")
 
 
 class RunSection(_Section):

@@ -12,29 +12,13 @@ import json
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rollflow.infra.config import DEFAULT_ALPHABET, TinyModelSpec
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
-DEFAULT_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=:,>() "
-
-
-class TinyModelSpec(BaseModel):
-    """Shape of a tiny character Llama built from scratch."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    alphabet: str = Field(DEFAULT_ALPHABET, description="Characters the tokenizer knows.")
-    hidden_size: int = Field(128, ge=8, description="Model width.")
-    intermediate_size: int = Field(256, ge=8, description="MLP width.")
-    num_layers: int = Field(2, ge=1, description="Transformer blocks.")
-    num_heads: int = Field(4, ge=1, description="Attention heads (no GQA).")
-    max_position_embeddings: int = Field(
-        64, ge=8, description="Longest prompt + completion; vLLM gives NaN logprobs past it."
-    )
-    seed: int = Field(0, description="Seed of the random initialisation.")
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:

@@ -1,0 +1,27 @@
+"""What a step's tasks need to find the run's services and data (small and JSON-able)."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from pydantic import BaseModel, ConfigDict
+
+from rollflow.infra.config import RunConfig
+from rollflow.infra.http import Endpoint
+from rollflow.infra.storage import RunStorage
+
+
+class RunContext(BaseModel):
+    """The resolved config plus where the trainer and the inference deployment listen."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, ignored_types=(cached_property,))
+
+    config: RunConfig
+    model_path: str  # the policy's HF directory at start (tokenizer, architecture)
+    trainer: Endpoint
+    inference: Endpoint
+
+    @cached_property
+    def storage(self) -> RunStorage:
+        run = self.config.run
+        return RunStorage(run.storage, run.name, run.storage_options)

@@ -1,0 +1,201 @@
+"""Async client of the vLLM OpenAI server: token-in/token-out sampling and the RL control calls.
+
+Prompts go in as token ids and completions come back as token ids with the logprob of each
+sampled token, so nothing is ever re-tokenised. Every call carries a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class InferenceClientError(RuntimeError):
+    """Base class of the errors raised by ``InferenceClient``."""
+
+
+class InferenceUnavailable(InferenceClientError):
+    """The server could not be reached, or dropped the connection (retry later)."""
+
+
+class InferenceBadRequest(InferenceClientError):
+    """The server rejected the request (HTTP 4xx); ``message`` is the server's reason."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+
+
+class InferenceServerError(InferenceClientError):
+    """The server failed while handling the request (HTTP 5xx)."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+
+
+class RequestAborted(InferenceClientError):
+    """The server aborted a generation (``finish_reason == "abort"``, e.g. pause(mode="abort"))."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: its tokens, the logprob of each, and why it stopped."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (eos / stop token) or "length"
+
+
+class InferenceClient:
+    """Talks to one vLLM server started with ``VLLM_SERVER_DEV_MODE=1``.
+
+    Invariant: every call returns or raises within its timeout; failures are typed
+    (``InferenceUnavailable``, ``InferenceBadRequest``, ``InferenceServerError``,
+    ``RequestAborted``), never a bare ``httpx`` error.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str = "policy",
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+        max_connections: int = 256,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=limits)
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Completion]:
+        """Sample ``n`` completions of a token-id prompt."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            # logprobs=0: only the sampled token's logprob, no top-k alternatives to ship.
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        data = await self._post("/v1/completions", json=body, timeout_s=timeout_s or self.timeout_s)
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        return [_completion(c) for c in choices]
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop scheduling; ``keep`` freezes in-flight requests, ``abort`` ends them, ``wait`` drains."""
+        await self._post("/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        """Resume scheduling after ``pause``."""
+        await self._post("/resume")
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (they were computed by the old weights)."""
+        await self._post("/reset_prefix_cache")
+
+    async def collective_rpc(
+        self, method: str, args: list[Any] | None = None, *, timeout_s: float | None = None
+    ) -> list[Any]:
+        """Call ``method`` of every worker (the worker extension); returns one result per worker.
+
+        Arguments are sent as strings: vLLM accepts nothing else on this endpoint.
+        """
+        body: dict[str, Any] = {"method": method, "args": [str(a) for a in (args or [])]}
+        timeout_s = timeout_s or self.control_timeout_s
+        body["timeout"] = timeout_s
+        data = await self._post("/collective_rpc", json=body, timeout_s=timeout_s + 5.0)
+        return (data or {}).get("results", [])
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server answers ``/health`` with 200."""
+        try:
+            response = await self._http.get("/health", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _post(
+        self,
+        path: str,
+        *,
+        json: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        timeout_s = timeout_s or self.control_timeout_s
+        try:
+            response = await self._http.post(path, json=json, params=params, timeout=timeout_s)
+        except httpx.TimeoutException as err:
+            raise InferenceUnavailable(f"POST {path} timed out after {timeout_s:.0f} s") from err
+        except httpx.TransportError as err:
+            raise InferenceUnavailable(f"POST {path} to {self.base_url} failed: {err!r}") from err
+        if 400 <= response.status_code < 500:
+            raise InferenceBadRequest(response.status_code, _error_message(response))
+        if response.status_code >= 500:
+            raise InferenceServerError(response.status_code, _error_message(response))
+        if not response.content:
+            return None
+        return response.json()
+
+
+def _completion(choice: dict[str, Any]) -> Completion:
+    if choice.get("finish_reason") == "abort":
+        raise RequestAborted("generation aborted by the server")
+    token_ids = [int(t) for t in choice["token_ids"]]
+    raw = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    logprobs = [float(x) if x is not None else math.nan for x in raw]
+    if len(logprobs) != len(token_ids):
+        raise InferenceClientError(
+            f"server returned {len(token_ids)} tokens but {len(logprobs)} logprobs"
+        )
+    return Completion(token_ids, logprobs, choice["finish_reason"])
+
+
+def _error_message(response: httpx.Response) -> str:
+    # vLLM answers {"error": {"message": ...}}, FastAPI {"detail": ...}, /pause {"error": "..."}.
+    try:
+        data = response.json()
+    except (json.JSONDecodeError, ValueError):
+        return response.text[:2000]
+    if isinstance(data, dict):
+        error = data.get("error", data.get("detail"))
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        if error is not None:
+            return str(error)
+    return str(data)[:2000]

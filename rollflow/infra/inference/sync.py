@@ -1,0 +1,106 @@
+"""Weight-sync orchestration between the trainer (rank 0) and the vLLM server.
+
+Both sides of each collective must run at the same time: the trainer's half is given as an
+awaitable factory (e.g. ``lambda: asyncio.to_thread(sender.broadcast, params, version)``) and
+the server's half is a ``/collective_rpc`` call; this module starts them together and bounds
+the pair by a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from rollflow.infra.inference.client import InferenceClient
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync or group set-up failed or overran its deadline."""
+
+
+async def init_weight_group(
+    client: InferenceClient,
+    connect: Callable[[], Awaitable[Any]],
+    host: str,
+    port: int,
+    world_size: int,
+    timeout_s: float,
+    metadata: list[dict[str, Any]],
+    *,
+    first_rank: int = 1,
+) -> dict[str, Any]:
+    """Form the weight group: the trainer's ``connect()`` and the server's workers join together.
+
+    ``first_rank`` is the group rank of the server's first worker (its others follow).
+    Returns ``{"ranks": [...], "init_s": ...}``.
+    """
+    start = time.perf_counter()
+    rpc = client.collective_rpc(
+        "init_weight_group",
+        [host, port, first_rank, world_size, timeout_s, json.dumps(metadata)],
+        timeout_s=timeout_s,
+    )
+    _, ranks = await _together(connect(), rpc, timeout_s, "weight group set-up")
+    return {"ranks": [int(r) for r in ranks], "init_s": time.perf_counter() - start}
+
+
+async def sync_weights(
+    client: InferenceClient,
+    send: Callable[[], Awaitable[Any]],
+    version: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Load policy ``version`` into the server in flight.
+
+    pause(keep) → {trainer broadcast ∥ workers receive + reload} → reset prefix cache → resume.
+    Requests in flight are frozen, not dropped, and continue on the new weights. The server is
+    resumed whatever happens. Returns ``pause_s``, ``broadcast_s``, ``total_s`` and ``bytes``
+    (what ``send()`` returned, if it is an int).
+    """
+    start = time.perf_counter()
+    await client.pause(mode="keep")
+    paused = time.perf_counter()
+    try:
+        rpc = client.collective_rpc("receive_weights", timeout_s=timeout_s)
+        sent, versions = await _together(send(), rpc, timeout_s, f"weight sync v{version}")
+        broadcast_done = time.perf_counter()
+        if any(int(v) != version for v in versions):
+            raise WeightSyncError(f"workers loaded versions {versions}, expected {version}")
+        # Cached KV blocks were computed by the old weights.
+        await client.reset_prefix_cache()
+    finally:
+        await client.resume()
+    end = time.perf_counter()
+    return {
+        "version": version,
+        "pause_s": paused - start,
+        "broadcast_s": broadcast_done - paused,
+        "total_s": end - start,
+        "bytes": sent if isinstance(sent, int) else None,
+    }
+
+
+async def _together(
+    local: Awaitable[Any], remote: Awaitable[Any], timeout_s: float, what: str
+) -> tuple[Any, Any]:
+    """Run both halves of a collective; the first failure cancels the other."""
+    local_task = asyncio.ensure_future(local)
+    remote_task = asyncio.ensure_future(remote)
+    try:
+        async with asyncio.timeout(timeout_s + 10.0):
+            return await asyncio.gather(local_task, remote_task)
+    except TimeoutError as err:
+        raise WeightSyncError(f"{what} did not finish within {timeout_s:.0f} s") from err
+    except Exception as err:
+        raise WeightSyncError(f"{what} failed: {err}") from err
+    finally:
+        for task in (local_task, remote_task):
+            task.cancel()
+        # A thread behind `local` cannot be cancelled; its own collective timeout ends it.
+        await asyncio.gather(local_task, remote_task, return_exceptions=True)

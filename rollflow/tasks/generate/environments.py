@@ -1,0 +1,209 @@
+"""Environments: a prompt dataset plus an async rollout of one group.
+
+An environment gives prompts (with a reference answer for the held-out split and the
+supervised warm start) and turns one prompt into a group of scored samples. Single-turn
+environments only write ``reward``; a multi-turn environment overrides ``rollout_group`` and
+calls ``ctx.sample`` as many times as it needs.
+
+Reward functions run in a worker thread, off the producer's event loop. A reward function that
+raises marks that sample with an ``error`` (and a NaN reward) instead of failing the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import math
+import random
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Split = Literal["train", "eval"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of an environment; ``answer`` is the reference completion."""
+
+    env: str
+    prompt_id: str
+    text: str
+    answer: str
+
+
+@dataclass
+class Sample:
+    """One scored rollout of a prompt."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    completion_text: str
+    finish_reason: str
+    reward: float = math.nan
+    error: str | None = None
+    generate_s: float = 0.0
+    reward_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutContext:
+    """What a rollout may use: a sampling call (with retries) and the tokenizer."""
+
+    sample: Callable[..., Awaitable[list[Any]]]  # (prompt_ids, n=...) -> list[Completion]
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos_token_id: int | None
+
+
+class Environment(ABC):
+    """A prompt dataset and a rollout of one group of samples for a prompt."""
+
+    name: str = "env"
+    # "individual": each sample scored alone, a failed sample is dropped and its group kept.
+    # "group": samples scored against each other, a failed sample drops the whole group.
+    scoring: Literal["individual", "group"] = "individual"
+
+    @abstractmethod
+    def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
+        """``count`` prompts of ``split``; the train and eval splits never share a prompt."""
+
+    @abstractmethod
+    async def rollout_group(self, prompt: Prompt, group_size: int, ctx: RolloutContext) -> list[Sample]:
+        """Sample and score ``group_size`` rollouts of ``prompt``."""
+
+
+class SingleTurnEnv(Environment):
+    """One completion per rollout, scored by ``reward(prompt, completion_text)``."""
+
+    @abstractmethod
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        """Score one completion (runs in a worker thread)."""
+
+    async def rollout_group(self, prompt: Prompt, group_size: int, ctx: RolloutContext) -> list[Sample]:
+        prompt_ids = ctx.encode(prompt.text)
+        start = time.perf_counter()
+        completions = await ctx.sample(prompt_ids, n=group_size)
+        generate_s = time.perf_counter() - start
+        samples = []
+        for c in completions:
+            ids = list(c.token_ids)
+            text_ids = ids[:-1] if ids and ids[-1] == ctx.eos_token_id else ids
+            samples.append(
+                Sample(
+                    prompt_ids=prompt_ids,
+                    completion_ids=ids,
+                    completion_logprobs=list(c.logprobs),
+                    completion_text=ctx.decode(text_ids),
+                    finish_reason=c.finish_reason,
+                    generate_s=generate_s,
+                )
+            )
+        await asyncio.to_thread(self._score, prompt, samples)
+        return samples
+
+    def _score(self, prompt: Prompt, samples: list[Sample]) -> None:
+        for s in samples:
+            start = time.perf_counter()
+            try:
+                s.reward = float(self.reward(prompt, s.completion_text))
+                if not math.isfinite(s.reward):
+                    raise ValueError(f"reward is {s.reward}")
+            except Exception as exc:  # a user's reward function may raise anything
+                s.reward, s.error = math.nan, f"reward: {type(exc).__name__}: {exc}"
+            s.reward_s = time.perf_counter() - start
+
+
+def _in_eval_split(key: str, eval_fraction: float) -> bool:
+    """A stable hash split: the same key lands in the same split on every machine."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
+
+
+class _ExactMatchEnv(SingleTurnEnv):
+    """Exact match of the stripped completion against the reference answer."""
+
+    eval_fraction = 0.2
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return float(completion.strip() == prompt.answer)
+
+    def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
+        want_eval = split == "eval"
+        out: list[Prompt] = []
+        for _ in range(count * 1000):
+            text, answer = self._draw(rng)
+            if _in_eval_split(text, self.eval_fraction) == want_eval:
+                out.append(Prompt(self.name, f"{self.name}:{text}", text, answer))
+                if len(out) == count:
+                    return out
+        raise RuntimeError(f"env {self.name!r}: could not draw {count} {split} prompts")
+
+    @abstractmethod
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        """One random (prompt text, answer)."""
+
+    def sft_examples(self, count: int, rng: random.Random) -> list[tuple[str, str]]:
+        """(prompt, answer) pairs of the train split for a supervised warm start."""
+        return [(p.text, p.answer) for p in self.prompts("train", count, rng)]
+
+
+class AddEnv(_ExactMatchEnv):
+    """Small-number addition: ``"12+34="`` → ``"46"``."""
+
+    name = "add"
+
+    def __init__(self, max_value: int = 99):
+        if max_value < 1:
+            raise ValueError(f"env add: max_value must be >= 1, got {max_value}")
+        self.max_value = max_value
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
+        return f"{a}+{b}=", str(a + b)
+
+
+class SortLettersEnv(_ExactMatchEnv):
+    """Letter sorting: ``"sort dcab="`` → ``"abcd"``."""
+
+    name = "sort_letters"
+
+    def __init__(self, letters: str = "abcdefgh", min_len: int = 3, max_len: int = 5):
+        if not 1 <= min_len <= max_len:
+            raise ValueError(f"env sort_letters: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        self.letters, self.min_len, self.max_len = letters, min_len, max_len
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        word = "".join(rng.choice(self.letters) for _ in range(rng.randint(self.min_len, self.max_len)))
+        return f"sort {word}=", "".join(sorted(word))
+
+
+BUILTIN_ENVS: dict[str, type[Environment]] = {"add": AddEnv, "sort_letters": SortLettersEnv}
+
+
+def load_env(name: str, args: dict[str, Any]) -> Environment:
+    """A built-in environment by name, or any ``package.module:Class``."""
+    if name in BUILTIN_ENVS:
+        cls: Any = BUILTIN_ENVS[name]
+    elif ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"env {name!r}: cannot import {attr!r} from {module!r}: {exc}") from exc
+    else:
+        raise ValueError(
+            f"unknown env {name!r}: use one of {sorted(BUILTIN_ENVS)} or 'package.module:Class'"
+        )
+    try:
+        env = cls(**args)
+    except TypeError as exc:
+        raise ValueError(f"env {name!r}: bad args {args}: {exc}") from exc
+    if not isinstance(env, Environment):
+        raise ValueError(f"env {name!r}: {cls!r} is not a rollflow Environment")
+    return env

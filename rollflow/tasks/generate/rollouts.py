@@ -1,0 +1,121 @@
+"""Turning prompts into scored groups of rollouts against the inference deployment.
+
+Invariant: every prompt handed to ``generate_groups`` comes back as exactly one group of rows
+(its samples, or error rows saying why it has none); nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from rollflow.infra.inference.client import InferenceClient, InferenceUnavailable, RequestAborted
+from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RetryPolicy:
+    """Exponential backoff for aborted or disconnected requests (no cap when ``max_tries`` is 0)."""
+
+    initial_s: float = 0.2
+    max_s: float = 5.0
+    max_tries: int = 0
+
+    def delay_s(self, attempt: int) -> float:
+        return min(self.max_s, self.initial_s * 2**attempt) * (0.5 + random.random() / 2)
+
+
+@dataclass
+class SamplingStats:
+    """Counters of one generation pass."""
+
+    retries: int = 0
+    retry_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class Sampler:
+    """The sampling call handed to environments: one vLLM request, retried until it completes."""
+
+    def __init__(self, client: InferenceClient, *, max_tokens: int, temperature: float, top_p: float,
+                 retry: RetryPolicy, stats: SamplingStats, deadline_s: float):
+        self.client = client
+        self.params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
+        self.retry, self.stats, self.deadline_s = retry, stats, deadline_s
+
+    async def __call__(self, prompt_ids: list[int], n: int = 1, **overrides):
+        params = {**self.params, **overrides}
+        attempt = 0
+        start = time.monotonic()
+        while True:
+            try:
+                return await self.client.complete(prompt_ids, n=n, **params)
+            except (RequestAborted, InferenceUnavailable) as exc:
+                reason = type(exc).__name__
+                self.stats.retries += 1
+                self.stats.retry_reasons[reason] = self.stats.retry_reasons.get(reason, 0) + 1
+                attempt += 1
+                elapsed = time.monotonic() - start
+                if (self.retry.max_tries and attempt >= self.retry.max_tries) or elapsed > self.deadline_s:
+                    raise RuntimeError(
+                        f"sampling failed after {attempt} tries over {elapsed:.0f}s: {exc}"
+                    ) from exc
+                log.warning("request %s (%s), retry %d", reason, exc, attempt)
+                await asyncio.sleep(self.retry.delay_s(attempt - 1))
+
+
+def select_prompts(envs: dict[str, Environment], weights: dict[str, float], count: int,
+                   split: str, seed: int) -> list[Prompt]:
+    """``count`` prompts drawn from the env mix by weight; the same seed gives the same prompts."""
+    rng = random.Random(seed)
+    names = sorted(envs)
+    picks = rng.choices(names, weights=[weights[n] for n in names], k=count)
+    out: list[Prompt] = []
+    for name in names:
+        out.extend(envs[name].prompts(split, picks.count(name), rng))
+    rng.shuffle(out)
+    return out
+
+
+async def generate_groups(envs: dict[str, Environment], prompts: list[Prompt], ctx: RolloutContext,
+                          group_size: int, max_concurrency: int) -> list[list[Sample] | str]:
+    """One entry per prompt, in order: its samples, or the error that left it without any."""
+    gate = asyncio.Semaphore(max_concurrency)
+
+    async def one(prompt: Prompt) -> list[Sample] | str:
+        async with gate:
+            try:
+                return await envs[prompt.env].rollout_group(prompt, group_size, ctx)
+            except Exception as exc:
+                log.warning("group %s failed: %s", prompt.prompt_id, exc)
+                return f"rollout: {type(exc).__name__}: {exc}"
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def to_rows(run: str, step: int, prompts: list[Prompt], results: list[list[Sample] | str],
+            group_size: int, version_started: int, version_finished: int) -> list[dict]:
+    """Rows of ``ROLLOUT_SCHEMA``: one per sample, or ``group_size`` error rows per failed group."""
+    rows = []
+    for gi, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        samples = result if isinstance(result, list) else [
+            Sample([], [], [], "", "error", error=result) for _ in range(group_size)
+        ]
+        for si, s in enumerate(samples):
+            rows.append({
+                "run": run, "step": step, "env": prompt.env, "prompt_id": prompt.prompt_id,
+                "group_index": gi, "sample_index": si, "prompt_text": prompt.text,
+                "completion_text": s.completion_text, "prompt_ids": s.prompt_ids,
+                "completion_ids": s.completion_ids, "completion_logprobs": s.completion_logprobs,
+                "reward": None if math.isnan(s.reward) else s.reward, "advantage": None,
+                "version_started": version_started, "version_finished": version_finished,
+                "finish_reason": s.finish_reason, "error": s.error, "generate_s": s.generate_s,
+                "reward_s": s.reward_s, "info": json.dumps({"answer": prompt.answer, **s.info}),
+            })
+    return rows

@@ -1,0 +1,72 @@
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollflow.infra.config import ConfigError, load_config
+
+QUICKSTART = "configs/quickstart.toml"
+
+
+def test_quickstart_config_loads():
+    cfg = load_config(QUICKSTART)
+    assert cfg.model.tiny is not None and cfg.envs
+
+
+def test_overrides_parse_toml_values_and_strings():
+    cfg = load_config(QUICKSTART, ["train.lr=2e-4", "run.name=other", "sampling.group_size=4",
+                                   "train.normalize_std=true"])
+    assert cfg.train.lr == 2e-4 and cfg.run.name == "other"
+    assert cfg.sampling.group_size == 4 and cfg.train.normalize_std is True
+
+
+def test_misspelt_key_is_named_with_suggestion():
+    with pytest.raises(ConfigError) as exc:
+        load_config(QUICKSTART, ["train.lrr=1e-4"])
+    assert "'train.lrr'" in str(exc.value) and "did you mean 'train.lr'" in str(exc.value)
+
+
+def test_misspelt_key_in_list_section(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model.tiny]\n[[envs]]\nname = "add"\nwieght = 2\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'envs.0.wieght'; did you mean 'envs.0.weight'"):
+        load_config(path)
+
+
+def test_cross_field_errors_say_what_to_do():
+    with pytest.raises(ConfigError, match="mini_batch_size .* must be <= train.train_batch_size"):
+        load_config(QUICKSTART, ["train.mini_batch_size=128"])
+    with pytest.raises(ConfigError, match="must be divisible"):
+        load_config(QUICKSTART, ["train.mini_batch_size=24"])
+    with pytest.raises(ConfigError, match="exactly one of model.path"):
+        load_config(QUICKSTART, ["model.path=/some/model"])
+
+
+def test_bad_files_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nname=1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(QUICKSTART, ["train.lr"])
+
+
+def test_cli_fails_fast_on_misspelt_key():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "rollflow.cli", "run", QUICKSTART, "sampling.temprature=0.5"],
+                          capture_output=True, text=True, timeout=30)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2
+    assert "unknown key 'sampling.temprature'" in proc.stderr
+    assert "did you mean 'sampling.temperature'" in proc.stderr
+    assert elapsed < 2.0, f"config error took {elapsed:.2f}s"
+
+
+def test_cli_dry_run_prints_resolved_config():
+    proc = subprocess.run([sys.executable, "-m", "rollflow.cli", "run", QUICKSTART, "--dry-run", "train.lr=3e-5"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert '"lr": 3e-05' in proc.stdout

@@ -1,0 +1,72 @@
+import asyncio
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from rollflow.tasks.generate.environments import (
+    AddEnv,
+    Prompt,
+    RolloutContext,
+    SingleTurnEnv,
+    SortLettersEnv,
+    load_env,
+)
+from rollflow.tasks.generate.rollouts import select_prompts
+
+
+@pytest.mark.parametrize("env", [AddEnv(), SortLettersEnv()])
+def test_train_and_eval_splits_are_disjoint_and_rewards_exact(env):
+    rng = random.Random(0)
+    train = {p.text for p in env.prompts("train", 500, rng)}
+    evals = env.prompts("eval", 200, rng)
+    assert train.isdisjoint({p.text for p in evals})
+    p = evals[0]
+    assert env.reward(p, p.answer) == 1.0
+    assert env.reward(p, p.answer + "x") == 0.0
+
+
+def test_prompts_are_reproducible_from_the_seed():
+    envs = {"add": AddEnv(), "sort_letters": SortLettersEnv()}
+    a = select_prompts(envs, {"add": 1, "sort_letters": 3}, 64, "train", seed=7)
+    b = select_prompts(envs, {"add": 1, "sort_letters": 3}, 64, "train", seed=7)
+    assert a == b and len(a) == 64
+    assert 0 < sum(p.env == "add" for p in a) < 32  # weights shape the mix
+
+
+def test_load_env_errors_name_the_env():
+    with pytest.raises(ValueError, match="unknown env 'nope'"):
+        load_env("nope", {})
+    with pytest.raises(ValueError, match="bad args"):
+        load_env("add", {"max_valu": 3})
+    with pytest.raises(ValueError, match="cannot import"):
+        load_env("no.such.module:Env", {})
+    assert isinstance(load_env("rollflow.tasks.generate.environments:AddEnv", {"max_value": 9}), AddEnv)
+
+
+class _Flaky(SingleTurnEnv):
+    name = "flaky"
+
+    def prompts(self, split, count, rng):
+        return [Prompt("flaky", str(i), "q", "a") for i in range(count)]
+
+    def reward(self, prompt, completion):
+        if completion == "boom":
+            raise ZeroDivisionError("user bug")
+        return 1.0
+
+
+def test_raising_reward_marks_only_that_sample():
+    completions = [SimpleNamespace(token_ids=[10, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),
+                   SimpleNamespace(token_ids=[11, 2], logprobs=[-0.3, -0.4], finish_reason="stop")]
+
+    async def sample(prompt_ids, n):
+        return completions[:n]
+
+    ctx = RolloutContext(sample=sample, encode=lambda t: [1, 5], eos_token_id=2,
+                         decode=lambda ids: {10: "ok", 11: "boom"}[ids[0]])
+    samples = asyncio.run(_Flaky().rollout_group(Prompt("flaky", "0", "q", "a"), 2, ctx))
+    assert samples[0].reward == 1.0 and samples[0].error is None
+    assert math.isnan(samples[1].reward) and "ZeroDivisionError: user bug" in samples[1].error
+    assert samples[0].completion_ids == [10, 2]  # the eos token is trained on
