@@ -61,7 +61,7 @@ async def sync_weights(
     pause(keep) → {trainer broadcast ∥ workers receive + reload} → reset prefix cache → resume.
     Requests in flight are frozen, not dropped, and continue on the new weights. The server is
     resumed whatever happens. Returns ``pause_s``, ``broadcast_s``, ``total_s`` and ``bytes``
-    (what ``send()`` returned, if it is an int).
+    (what ``send()`` returned: an int, or a dict with a ``"bytes"`` key).
     """
     start = time.perf_counter()
     await client.pause(mode="keep")
@@ -82,7 +82,7 @@ async def sync_weights(
         "pause_s": paused - start,
         "broadcast_s": broadcast_done - paused,
         "total_s": end - start,
-        "bytes": sent if isinstance(sent, int) else None,
+        "bytes": _num_bytes(sent),
     }
 
 
@@ -104,3 +104,9 @@ async def _together(
             task.cancel()
         # A thread behind `local` cannot be cancelled; its own collective timeout ends it.
         await asyncio.gather(local_task, remote_task, return_exceptions=True)
+
+
+def _num_bytes(sent: Any) -> int | None:
+    if isinstance(sent, dict):
+        sent = sent.get("bytes")
+    return sent if isinstance(sent, int) else None

@@ -54,7 +54,7 @@ def _rollout_context(ctx: RunContext, client: InferenceClient, *, temperature: f
 
 
 def _client(ctx: RunContext) -> InferenceClient:
-    return InferenceClient(ctx.inference.url, api_key=ctx.inference.token,
+    return InferenceClient(ctx.inference.url,
                            timeout_s=ctx.config.inference.request_timeout_s)
 
 

@@ -24,7 +24,7 @@ def sync(ctx: RunContext, version: int) -> dict:
     timeout_s = ctx.config.trainer.weight_sync_timeout_s
 
     async def run() -> dict:
-        client = InferenceClient(ctx.inference.url, api_key=ctx.inference.token, timeout_s=timeout_s)
+        client = InferenceClient(ctx.inference.url, timeout_s=timeout_s)
         async with httpx.AsyncClient() as http:
             try:
                 send = lambda: acall(http, ctx.trainer, "/weights/broadcast", {"version": version},  # noqa: E731

@@ -1,0 +1,323 @@
+"""The inference deployment against a real vLLM (CPU build) server, and the weight group.
+
+One server is started for the module (the slow part, tens of seconds on 2 cores); the tests
+then check sampling, pause/resume, an in-flight weight sync against transformers' greedy
+output, error paths, and that stopping the server leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollflow.infra.inference.client import (
+    InferenceBadRequest,
+    InferenceClient,
+    InferenceServerError,
+    InferenceUnavailable,
+)
+from rollflow.infra.inference.server import InferenceError, InferenceServer, free_port
+from rollflow.infra.inference.sync import WeightSyncError, init_weight_group, sync_weights
+from rollflow.infra.models.tiny import (
+    EOS_ID,
+    TinyModelSpec,
+    build_char_tokenizer,
+    build_tiny_llama,
+    save_hf_dir,
+)
+from rollflow.infra.weights.group import (
+    WeightGroupError,
+    WeightReceiverGroup,
+    WeightSender,
+    weight_metadata,
+)
+
+MAX_LEN = 64
+PROMPT_IDS = [1, 10, 11, 12, 13]  # <bos> + "6789"
+
+
+# ----------------------------------------------------------------- weight group, no server
+
+
+def _pair(timeout_s: float = 10.0) -> tuple[WeightSender, WeightReceiverGroup]:
+    port = free_port()
+    sender = WeightSender("127.0.0.1", port, 2, timeout_s)
+    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s)
+    joiner = threading.Thread(target=receiver.connect)
+    joiner.start()
+    sender.connect()
+    joiner.join(timeout_s)
+    return sender, receiver
+
+
+def test_weight_group_round_trip_keeps_order_shapes_and_dtypes():
+    tensors = {
+        "a.weight": torch.randn(3, 4),
+        "b.half": torch.randn(5).to(torch.bfloat16),
+        "c.bias": torch.randn(7),
+    }
+    metadata = weight_metadata(tensors.items())
+    assert json.loads(json.dumps(metadata))[1] == {
+        "name": "b.half",
+        "shape": [5],
+        "dtype": "bfloat16",
+    }
+    sender, receiver = _pair()
+    got = {}
+
+    def receive():
+        version, named = receiver.receive(metadata)
+        got.update(named, version=version)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    num_bytes = sender.broadcast(tensors.items(), version=7)
+    thread.join(10)
+    sender.close()
+    receiver.close()
+    assert got.pop("version") == 7
+    assert list(got) == list(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t)
+    assert num_bytes == 16 + (12 + 7) * 4 + 5 * 2
+
+
+def test_absent_receiver_fails_within_timeout():
+    start = time.monotonic()
+    with pytest.raises(WeightGroupError, match="could not join"):
+        WeightSender("127.0.0.1", free_port(), world_size=2, timeout_s=2).connect()
+    assert time.monotonic() - start < 6
+
+
+def test_dead_receiver_fails_broadcast_instead_of_hanging():
+    sender, receiver = _pair(timeout_s=3)
+    receiver.close()
+    start = time.monotonic()
+    with pytest.raises(WeightGroupError):
+        sender.broadcast([("w", torch.ones(1000))], version=1)
+    sender.close()
+    assert time.monotonic() - start < 8
+
+
+def test_unreachable_server_raises_unavailable():
+    async def go():
+        async with InferenceClient(f"http://127.0.0.1:{free_port()}", timeout_s=5) as client:
+            assert not await client.health()
+            with pytest.raises(InferenceUnavailable):
+                await client.complete([1, 2], max_tokens=2, temperature=0.0)
+
+    asyncio.run(go())
+
+
+# ------------------------------------------------------------------------ a real server
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Two tiny Llamas of the same shape, differently seeded: served policy and new policy."""
+    tok = build_char_tokenizer()
+    root = tmp_path_factory.mktemp("models")
+    dirs = []
+    for seed in (0, 1):
+        spec = TinyModelSpec(seed=seed, max_position_embeddings=MAX_LEN)
+        dirs.append(save_hf_dir(build_tiny_llama(spec, vocab_size=len(tok)), tok, root / f"s{seed}"))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "vllm.log"
+    srv = InferenceServer(model_dirs[0], max_model_len=MAX_LEN, log_path=log)
+    start = time.monotonic()
+    srv.start()
+    print(f"\nvLLM server healthy after {time.monotonic() - start:.1f}s")
+    yield srv
+    srv.stop()
+
+
+def run(coro_fn, server):
+    """Run ``coro_fn(client)`` with a fresh client on the module's server."""
+
+    async def go():
+        async with InferenceClient(server.url, timeout_s=60) as client:
+            return await coro_fn(client)
+
+    return asyncio.run(go())
+
+
+def _transformers_greedy(model_dir, prompt_ids, max_tokens):
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=0,
+        )
+    return model, out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.slow
+def test_completions_return_token_ids_and_finite_logprobs(server):
+    async def go(client):
+        return await client.complete(PROMPT_IDS, n=4, max_tokens=12, temperature=1.0, seed=0)
+
+    completions = run(go, server)
+    assert len(completions) == 4
+    for c in completions:
+        assert c.finish_reason in ("stop", "length")
+        assert 0 < len(c.token_ids) <= 12 and len(c.logprobs) == len(c.token_ids)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in c.logprobs)
+    assert len({tuple(c.token_ids) for c in completions}) > 1  # n samples, not n copies
+
+
+@pytest.mark.slow
+def test_bad_request_carries_the_servers_message(server):
+    async def go(client):
+        with pytest.raises(InferenceBadRequest, match="max_model_len") as err:
+            await client.complete(PROMPT_IDS, max_tokens=10 * MAX_LEN, temperature=1.0)
+        assert err.value.status_code == 400
+
+    run(go, server)
+
+
+@pytest.mark.slow
+def test_pause_keep_freezes_a_streaming_request_until_resume(server):
+    body = {
+        "model": "policy",
+        "prompt": PROMPT_IDS,
+        "max_tokens": MAX_LEN - len(PROMPT_IDS),
+        "min_tokens": MAX_LEN - len(PROMPT_IDS),
+        "temperature": 1.0,
+        "stream": True,
+    }
+
+    async def go(client):
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                chunks = response.aiter_lines()
+                await anext(chunks)  # generation has started
+                await client.pause(mode="keep")
+                try:
+                    # Drain what was produced before the pause took effect, then expect silence.
+                    with pytest.raises(TimeoutError):
+                        while True:
+                            async with asyncio.timeout(1.0):
+                                line = await anext(chunks)
+                            assert "[DONE]" not in line, "request finished while paused"
+                finally:
+                    await client.resume()
+                lines = [line async for line in chunks]
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+    run(go, server)
+
+
+@pytest.mark.slow
+def test_absent_trainer_makes_init_fail_within_timeout(server):
+    async def go(client):
+        start = time.monotonic()
+
+        async def trainer_never_joins():
+            return None
+
+        with pytest.raises(WeightSyncError, match="could not join"):
+            await init_weight_group(
+                client, trainer_never_joins, "127.0.0.1", free_port(), 2, 3.0, []
+            )
+        assert time.monotonic() - start < 15
+        assert await client.health()
+
+    run(go, server)
+
+
+@pytest.mark.slow
+def test_in_flight_sync_makes_vllm_match_transformers_on_new_weights(server, model_dirs):
+    new_model, expected = _transformers_greedy(model_dirs[1], PROMPT_IDS, 24)
+    old_model = AutoModelForCausalLM.from_pretrained(model_dirs[0]).eval()
+    new_weights = list(new_model.state_dict().items())
+    old_weights = list(old_model.state_dict().items())
+    port = free_port()
+    sender = WeightSender("127.0.0.1", port, world_size=2, timeout_s=30)
+
+    async def greedy(client):
+        return (await client.complete(PROMPT_IDS, max_tokens=24, temperature=0.0))[0].token_ids
+
+    async def go(client):
+        before = await greedy(client)
+        await init_weight_group(
+            client,
+            lambda: asyncio.to_thread(sender.connect),
+            "127.0.0.1",
+            port,
+            2,
+            30.0,
+            weight_metadata(new_weights),
+        )
+        stats = await sync_weights(
+            client, lambda: asyncio.to_thread(sender.broadcast, new_weights, 1), 1, 30.0
+        )
+        after = await greedy(client)
+        # Back to the served weights, so that tests after this one see the original policy.
+        await sync_weights(
+            client, lambda: asyncio.to_thread(sender.broadcast, old_weights, 2), 2, 30.0
+        )
+        restored = await greedy(client)
+        await client.collective_rpc("close_weight_group")
+        return before, after, restored, stats
+
+    try:
+        before, after, restored, stats = run(go, server)
+    finally:
+        sender.close()
+    print(f"\nweight sync: {json.dumps(stats)}")
+    assert after == expected[: len(after)] and len(after) == len(expected)
+    assert before != after
+    assert restored == before
+    assert stats["bytes"] > sum(t.numel() * 4 for _, t in new_weights)
+
+
+@pytest.mark.slow
+def test_collective_rpc_surfaces_worker_errors(server):
+    async def go(client):
+        with pytest.raises(InferenceServerError, match="before init_weight_group"):
+            await client.collective_rpc("receive_weights", timeout_s=10)
+
+    run(go, server)
+
+
+@pytest.mark.slow
+def test_stop_leaves_no_process_behind(server):
+    """Runs last: it stops the module's server."""
+    procs = [psutil.Process(pid) for pid in server.pids()]
+    assert len(procs) >= 2  # the guard, the API server and vLLM's engine process
+    start = time.monotonic()
+    server.stop()
+    print(f"\nstop took {time.monotonic() - start:.1f}s")
+    assert not server.is_alive()
+    assert not [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+def test_server_that_cannot_start_fails_with_its_log(tmp_path):
+    log = tmp_path / "bad.log"
+    srv = InferenceServer(tmp_path / "no-such-model", log_path=log, startup_timeout_s=120)
+    start = time.monotonic()
+    with pytest.raises(InferenceError, match="exited with code") as err:
+        srv.start()
+    assert str(log) in str(err.value)
+    assert "no-such-model" in str(err.value)  # the log's tail is in the message
+    assert time.monotonic() - start < 90
+    assert not srv.is_alive()
