@@ -42,8 +42,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     _quiet_prefect()
     from rollflow.flows.rl_run import rl_run
+    from rollflow.infra.prefect_api import local_prefect_api
 
-    rl_run(dump_config(cfg))
+    with local_prefect_api():
+        rl_run(dump_config(cfg))
     return 0
 
 

@@ -22,5 +22,5 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
 
     tok = build_char_tokenizer()
-    model = build_tiny_llama(TinyModelSpec(hidden_size=32, intermediate_size=64), vocab_size=len(tok))
+    model = build_tiny_llama(TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok))
     return save_hf_dir(model, tok, tmp_path_factory.mktemp("tiny") / "model")

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from prefect import flow
 
+from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.deployment import RunServices
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.generate.task import build_envs, evaluate
 from rollflow.tasks.train.warm_start import prepare_tiny_model
-from rollflow.flows.train_step import train_step
 
 LOCAL_CACHE = Path("~/.cache/rollflow/checkpoints").expanduser()
 

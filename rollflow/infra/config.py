@@ -14,8 +14,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-
 DEFAULT_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=:,>() "
 
 
@@ -39,6 +37,16 @@ class TinyModelSpec(_Section):
         64, ge=8, description="Longest prompt + completion; vLLM gives NaN logprobs past it."
     )
     seed: int = Field(0, description="Seed of the random initialisation.")
+
+    @model_validator(mode="after")
+    def _head_dim(self) -> TinyModelSpec:
+        head_dim, rest = divmod(self.hidden_size, self.num_heads)
+        if rest or head_dim not in (32, 64, 128):
+            raise ValueError(
+                f"hidden_size / num_heads = {self.hidden_size}/{self.num_heads} must be 32, 64 or 128: "
+                "vLLM's CPU attention supports no other head size"
+            )
+        return self
 
 
 class RunSection(_Section):

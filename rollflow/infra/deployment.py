@@ -103,11 +103,18 @@ class RunServices:
     # -------------------------------------------------------------------- stop
 
     def check_alive(self) -> None:
-        """Raise if a service died: a dead component fails the run at once."""
-        for name, alive in (("trainer", self.trainer_proc and self.trainer_proc.is_alive()),
-                            ("vLLM server", self.inference and self.inference.is_alive())):
-            if not alive:
+        """Raise if a service died or stopped answering: a dead component fails the run at once."""
+        probes = (("trainer", self.trainer_proc, f"{self.trainer.url}/health", self.trainer.headers()),
+                  ("vLLM server", self.inference, f"{self.inference.url}/health", {}))
+        for name, proc, url, headers in probes:
+            if proc is None or not proc.is_alive():
                 raise ServiceCallError(f"the {name} died; see the logs in {self.log_dir}")
+            try:
+                healthy = httpx.get(url, headers=headers, timeout=10).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            if not healthy:
+                raise ServiceCallError(f"the {name} is unhealthy ({url}); see the logs in {self.log_dir}")
 
     def stop(self) -> None:
         """Close the weight group on both sides, then stop both processes, within the deadline."""

@@ -191,9 +191,11 @@ class RunStorage:
         self.clear_uncommitted(kind, step)
         folder = self.step_dir(kind, step)
         self.fs.makedirs(folder, exist_ok=True)
-        for file in sorted(Path(local).iterdir()):
+        for file in sorted(Path(local).rglob("*")):
             if file.is_file() and file.name != SUCCESS:
-                self.fs.put_file(str(file), f"{folder}/{file.name}")
+                remote = f"{folder}/{file.relative_to(local).as_posix()}"
+                self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+                self.fs.put_file(str(file), remote)
         self.commit(kind, step)
         return self.step_uri(kind, step)
 
@@ -206,8 +208,11 @@ class RunStorage:
         target = Path(cache) / self.run / kind / f"step={step}"
         if not (target / SUCCESS).exists():
             target.mkdir(parents=True, exist_ok=True)
-            for remote in self.fs.ls(self.step_dir(kind, step), detail=False):
-                self.fs.get_file(remote, str(target / remote.rsplit("/", 1)[-1]))
+            source = self.step_dir(kind, step)
+            for remote in self.fs.find(source):
+                local = target / remote[len(source) + 1:]
+                local.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(remote, str(local))
         return target
 
     # ---------------------------------------------------------------- helpers

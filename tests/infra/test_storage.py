@@ -86,7 +86,10 @@ def test_upload_dir_and_local_copy(storage, tmp_path):
     src.mkdir()
     (src / "model.safetensors").write_bytes(b"weights")
     (src / "config.json").write_text("{}")
+    (src / "trainer").mkdir()
+    (src / "trainer" / "state.json").write_text("{}")
     storage.upload_dir(src, "checkpoints", 4)
     assert storage.committed_steps("checkpoints") == [4]
     local = storage.local_copy("checkpoints", 4, tmp_path / "cache")
     assert (local / "model.safetensors").read_bytes() == b"weights"
+    assert (local / "trainer" / "state.json").read_text() == "{}"

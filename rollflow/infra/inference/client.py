@@ -128,16 +128,22 @@ class InferenceClient:
         body: dict[str, Any] = {"method": method, "args": [str(a) for a in (args or [])]}
         timeout_s = timeout_s or self.control_timeout_s
         body["timeout"] = timeout_s
-        data = await self._post("/collective_rpc", json=body, timeout_s=timeout_s + 5.0)
+        # Never re-sent: a worker method may have run even if the connection broke.
+        data = await self._post(
+            "/collective_rpc", json=body, timeout_s=timeout_s + 5.0, resend_on_stale=False
+        )
         return (data or {}).get("results", [])
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         """Whether the server answers ``/health`` with 200."""
-        try:
-            response = await self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        for attempt in range(2):  # the first try may meet a pooled connection the server closed
+            try:
+                response = await self._http.get("/health", timeout=timeout_s)
+                return response.status_code == 200
+            except httpx.HTTPError:
+                if attempt:
+                    return False
+        return False
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -156,10 +162,19 @@ class InferenceClient:
         json: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        resend_on_stale: bool = True,
     ) -> Any:
         timeout_s = timeout_s or self.control_timeout_s
         try:
-            response = await self._http.post(path, json=json, params=params, timeout=timeout_s)
+            try:
+                response = await self._http.post(path, json=json, params=params, timeout=timeout_s)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # uvicorn closes a connection after an unhandled error (vLLM's /collective_rpc
+                # raises one for a failed worker call); the pool may hand that connection out
+                # once more. Sampling and pause/resume are safe to send again.
+                if not resend_on_stale:
+                    raise
+                response = await self._http.post(path, json=json, params=params, timeout=timeout_s)
         except httpx.TimeoutException as err:
             raise InferenceUnavailable(f"POST {path} timed out after {timeout_s:.0f} s") from err
         except httpx.TransportError as err:

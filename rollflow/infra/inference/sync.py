@@ -19,6 +19,10 @@ from rollflow.infra.inference.client import InferenceClient
 
 logger = logging.getLogger(__name__)
 
+# The workers' own collective timeout (timeout_s) must fire before vLLM's RPC timeout, so that
+# the error that reaches the caller names the real cause ("could not join", "peer closed").
+_RPC_MARGIN_S = 5.0
+
 
 class WeightSyncError(RuntimeError):
     """A weight sync or group set-up failed or overran its deadline."""
@@ -44,7 +48,7 @@ async def init_weight_group(
     rpc = client.collective_rpc(
         "init_weight_group",
         [host, port, first_rank, world_size, timeout_s, json.dumps(metadata)],
-        timeout_s=timeout_s,
+        timeout_s=timeout_s + _RPC_MARGIN_S,
     )
     _, ranks = await _together(connect(), rpc, timeout_s, "weight group set-up")
     return {"ranks": [int(r) for r in ranks], "init_s": time.perf_counter() - start}
@@ -67,7 +71,7 @@ async def sync_weights(
     await client.pause(mode="keep")
     paused = time.perf_counter()
     try:
-        rpc = client.collective_rpc("receive_weights", timeout_s=timeout_s)
+        rpc = client.collective_rpc("receive_weights", timeout_s=timeout_s + _RPC_MARGIN_S)
         sent, versions = await _together(send(), rpc, timeout_s, f"weight sync v{version}")
         broadcast_done = time.perf_counter()
         if any(int(v) != version for v in versions):
@@ -93,7 +97,7 @@ async def _together(
     local_task = asyncio.ensure_future(local)
     remote_task = asyncio.ensure_future(remote)
     try:
-        async with asyncio.timeout(timeout_s + 10.0):
+        async with asyncio.timeout(timeout_s + 2 * _RPC_MARGIN_S):
             return await asyncio.gather(local_task, remote_task)
     except TimeoutError as err:
         raise WeightSyncError(f"{what} did not finish within {timeout_s:.0f} s") from err

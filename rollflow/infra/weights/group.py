@@ -203,7 +203,9 @@ class WeightReceiverGroup(_WeightGroupMember):
     """
 
     @torch.no_grad()
-    def receive(self, metadata: list[dict[str, Any]]) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    def receive(
+        self, metadata: list[dict[str, Any]]
+    ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
         """Receive one sync; returns its version and ``(name, tensor)`` views into the buckets."""
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._broadcast(header)

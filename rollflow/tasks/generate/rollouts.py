@@ -14,10 +14,19 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from rollflow.infra.inference.client import InferenceClient, InferenceUnavailable, RequestAborted
+from rollflow.infra.inference.client import (
+    InferenceClient,
+    InferenceServerError,
+    InferenceUnavailable,
+    RequestAborted,
+)
 from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
 
 log = logging.getLogger(__name__)
+
+
+class InferenceDead(RuntimeError):
+    """The inference deployment stopped answering its health check: fatal for the step."""
 
 
 @dataclass
@@ -27,6 +36,7 @@ class RetryPolicy:
     initial_s: float = 0.2
     max_s: float = 5.0
     max_tries: int = 0
+    unhealthy_grace_s: float = 20.0  # a server unhealthy this long is dead, not restarting
 
     def delay_s(self, attempt: int) -> float:
         return min(self.max_s, self.initial_s * 2**attempt) * (0.5 + random.random() / 2)
@@ -53,10 +63,23 @@ class Sampler:
         params = {**self.params, **overrides}
         attempt = 0
         start = time.monotonic()
+        unhealthy_since: float | None = None
         while True:
             try:
                 return await self.client.complete(prompt_ids, n=n, **params)
+            except InferenceServerError as exc:
+                if not await self.client.health():
+                    raise InferenceDead(f"vLLM failed a request and is unhealthy: {exc}") from exc
+                raise
             except (RequestAborted, InferenceUnavailable) as exc:
+                if isinstance(exc, InferenceUnavailable) and not await self.client.health():
+                    unhealthy_since = unhealthy_since or time.monotonic()
+                    if time.monotonic() - unhealthy_since > self.retry.unhealthy_grace_s:
+                        raise InferenceDead(
+                            f"vLLM unreachable for {self.retry.unhealthy_grace_s:.0f}s: {exc}"
+                        ) from exc
+                else:
+                    unhealthy_since = None
                 reason = type(exc).__name__
                 self.stats.retries += 1
                 self.stats.retry_reasons[reason] = self.stats.retry_reasons.get(reason, 0) + 1
@@ -92,6 +115,8 @@ async def generate_groups(envs: dict[str, Environment], prompts: list[Prompt], c
         async with gate:
             try:
                 return await envs[prompt.env].rollout_group(prompt, group_size, ctx)
+            except InferenceDead:
+                raise
             except Exception as exc:
                 log.warning("group %s failed: %s", prompt.prompt_id, exc)
                 return f"rollout: {type(exc).__name__}: {exc}"

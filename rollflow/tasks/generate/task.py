@@ -94,6 +94,8 @@ def generate(ctx: RunContext, step: int, version: int, resumed_from: int = -1) -
 
     results = asyncio.run(run())
     generate_s = time.perf_counter() - start
+    if all(isinstance(r, str) for r in results):
+        raise RuntimeError(f"every group of step {step} failed; first error: {results[0]}")
     rows = to_rows(cfg.run.name, step, prompts, results, cfg.sampling.group_size, version, version)
     storage.write_step_table("rollouts", step, rows_to_table(rows))
     return {**_summary(rows), "reused": False, "generate_s": generate_s, "retries": stats.retries,

@@ -16,7 +16,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc

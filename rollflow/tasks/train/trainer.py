@@ -122,17 +122,19 @@ class Trainer:
             for key, value in state.items():
                 tensors[f"{names[id(p)]}::{key}"] = torch.as_tensor(value).contiguous()
         tensors["rng::torch"] = torch.get_rng_state()
-        save_file(tensors, folder / "optimizer.safetensors")
+        # In a sub-folder: vLLM loads every *.safetensors at the top of a model directory.
+        (folder / "trainer").mkdir()
+        save_file(tensors, folder / "trainer" / "optimizer.safetensors")
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         state = {"step": self.step, "param_groups": groups}
-        (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        (folder / "trainer" / "state.json").write_text(json.dumps(state, indent=2))
         return folder
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore what ``save_checkpoint`` wrote (the model must already be loaded from it)."""
         folder = Path(folder)
-        state = json.loads((folder / "trainer_state.json").read_text())
-        tensors = load_file(folder / "optimizer.safetensors")
+        state = json.loads((folder / "trainer" / "state.json").read_text())
+        tensors = load_file(folder / "trainer" / "optimizer.safetensors")
         params = dict(self.model.named_parameters())
         for key, value in tensors.items():
             name, _, field = key.partition("::")

@@ -1,0 +1,46 @@
+"""A local Prefect API for runs started without a Prefect server.
+
+Prefect's own ephemeral server outlives a SIGKILLed parent. This starts the same server as a
+``ManagedProcess``, so it dies with the run like every other service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import prefect
+from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+from rollflow.infra.service import ManagedProcess, free_port
+
+
+@contextlib.contextmanager
+def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str | None]:
+    """Use the configured Prefect API, or run a private one for the duration of the block."""
+    settings = get_current_settings()
+    if settings.api.url:
+        yield settings.api.url
+        return
+    port = free_port()
+    home = Path(settings.home).expanduser()
+    server = ManagedProcess(
+        "prefect API",
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
+         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "error", "--lifespan", "on"],
+        home / "rollflow-api.log",
+        env={"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+             **settings.to_environment_variables(exclude_unset=True)},
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    server.start()
+    try:
+        server.wait_healthy(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout_s)
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield url
+    finally:
+        server.stop(timeout_s=10)

@@ -1,0 +1,159 @@
+"""End to end: the real CLI, real vLLM, the trainer service, Prefect flows, Parquet on storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = """
+[run]
+name = "{name}"
+storage = "{storage}"
+num_steps = {steps}
+eval_every = 2
+
+[model]
+warm_start_target = 0.3
+warm_start_max_steps = 50
+cache_dir = "{cache}"
+
+[model.tiny]
+hidden_size = 64
+num_heads = 2
+intermediate_size = 128
+
+[[envs]]
+name = "sort_letters"
+
+[[envs]]
+name = "add"
+args = {{ max_value = 9 }}
+
+[sampling]
+group_size = 4
+max_tokens = 6
+num_eval_prompts = 16
+
+[train]
+lr = 1e-4
+train_batch_size = 8
+mini_batch_size = 4
+"""
+
+
+def write_config(tmp_path: Path, cache: Path, name: str = "small", steps: int = 4,
+                 storage: str | None = None) -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(SMALL.format(name=name, storage=storage or tmp_path / "runs", steps=steps, cache=cache))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def env_for(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(config: Path, tmp_path: Path, *overrides: str, timeout: float = 420) -> str:
+    proc = subprocess.run([sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides],
+                          capture_output=True, text=True, timeout=timeout, env=env_for(tmp_path), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def assert_every_step_once(run_dir: Path, steps: int) -> None:
+    import duckdb
+
+    for kind in ("rollouts", "batches", "checkpoints"):
+        found = sorted(p.name for p in (run_dir / kind).iterdir())
+        assert found == sorted(f"step={s}" for s in range(1, steps + 1)), (kind, found)
+        for s in range(1, steps + 1):
+            assert (run_dir / kind / f"step={s}" / "_SUCCESS").exists()
+    rows = duckdb.sql(
+        f"select step, count(*) n, count(distinct group_index) g from "
+        f"read_parquet('{run_dir}/rollouts/*/*.parquet', hive_partitioning=true) group by step order by step"
+    ).fetchall()
+    assert rows == [(s, 32, 8) for s in range(1, steps + 1)]
+
+
+def test_run_trains_and_writes_the_documented_layout(tmp_path, model_cache):
+    import duckdb
+    import pandas as pd
+
+    out = run_cli(write_config(tmp_path, model_cache), tmp_path)
+    assert "step 4/4" in out and "held-out reward" in out
+    run_dir = tmp_path / "runs" / "small"
+    assert_every_step_once(run_dir, 4)
+    df = pd.read_parquet(run_dir / "rollouts", partitioning=None)  # step is a column of every file
+    expected = {"run", "step", "env", "prompt_id", "group_index", "sample_index", "prompt_ids",
+                "completion_ids", "completion_logprobs", "reward", "advantage", "version_started",
+                "version_finished", "finish_reason", "error", "info"}
+    assert expected <= set(df.columns)
+    # Synchronous RL: step N was sampled by the policy of version N-1.
+    assert (df["version_started"] == df["step"] - 1).all()
+    assert all(len(ids) == len(lp) for ids, lp in zip(df["completion_ids"], df["completion_logprobs"], strict=True))
+    batches = duckdb.sql(f"select advantage from read_parquet('{run_dir}/batches/*/*.parquet')").df()
+    assert batches["advantage"].notna().all()
+    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events.count("step_committed") == 4 and events[-1] == "training_finished"
+    metrics = duckdb.sql(f"select * from read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true)").df()
+    assert sorted(metrics["step"]) == [0, 1, 2, 3, 4]
+    assert metrics["eval_reward"].notna().sum() == 3  # steps 0, 2, 4
+    # A rerun of a finished run does nothing and says so.
+    again = run_cli(write_config(tmp_path, model_cache), tmp_path)
+    assert "already committed" in again
+
+
+def _rollflow_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            text = " ".join(p.info["cmdline"] or []) + " ".join((p.info["environ"] or {}).values())
+        except (psutil.Error, TypeError):
+            continue
+        if marker in text and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+def test_sigkill_mid_step_then_rerun_finishes_with_every_step_once(tmp_path, model_cache):
+    config = write_config(tmp_path, model_cache, name="killed", steps=5)
+    run_dir = tmp_path / "runs" / "killed"
+    log = tmp_path / "first-run.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rollflow.cli", "run", str(config)], cwd=ROOT,
+                                env=env_for(tmp_path), stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    # Kill once step 2 is committed and step 3 has started writing.
+    while not (run_dir / "rollouts" / "step=3" / "_SUCCESS").exists():
+        assert proc.poll() is None, f"run exited before it could be killed:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "run made no progress"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # The services die with the run (no orphans), within seconds.
+    deadline = time.monotonic() + 30
+    while _rollflow_processes(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _rollflow_processes(str(tmp_path)), "service processes outlived the killed run"
+    committed = sorted(p.parent.name for p in run_dir.glob("checkpoints/step=*/_SUCCESS"))
+    assert "step=5" not in committed
+    out = run_cli(config, tmp_path)
+    assert "resuming after committed step" in out
+    assert_every_step_once(run_dir, 5)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "training_finished"
