@@ -1,20 +1,36 @@
-"""Lifecycle of the long-lived service processes (trainer, inference).
+"""Lifecycle of the long-lived service processes (trainer, inference, the private Prefect API).
 
 Invariant: a ``ManagedProcess`` that was started is, after ``stop()`` returns, gone together
-with every process of its session; and if our own process dies first, the kernel kills it
-(``PR_SET_PDEATHSIG``), so a killed run never leaves a service behind.
+with every process of its group; and if the thread that started it dies first (a killed run),
+the whole group is terminated too, so a run never leaves a service behind.
+
+How: the service runs under a small bash guard that leads its own process group. The kernel
+sends the guard SIGUSR1 when its parent thread dies (``PR_SET_PDEATHSIG``), and the guard then
+terminates the group, and kills it 5 s later. A parent-death signal on the service alone is not
+enough: vLLM's EngineCore and workers, children of its API server, survived it (measured).
+The signal is per *thread*: start services from a thread that lives as long as they should.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import socket
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+_GUARD = (
+    "trap 'trap \"\" TERM; kill -TERM -- -$$; sleep 5; kill -KILL -- -$$' USR1; "
+    '"$@" & child=$!; wait $child; exit $?'
+)
 
 
 class ServiceError(RuntimeError):
@@ -22,29 +38,32 @@ class ServiceError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A TCP port that is free right now on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGKILL it when its parent dies.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-
-
-def log_tail(path: str | Path, lines: int = 40) -> str:
+def log_tail(path: str | Path, num_lines: int = 40) -> str:
+    """The last ``num_lines`` lines of a text file ('' if it does not exist)."""
     try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "<no log>"
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=num_lines))
+    except FileNotFoundError:
+        return ""
+
+
+def _guard_dies_with_parent() -> None:
+    # Runs in the child between fork and exec.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1)
 
 
 class ManagedProcess:
-    """A subprocess in its own session with a log file, a health probe and a bounded stop."""
+    """A subprocess in its own process group, with a log file, a health wait and a bounded stop."""
 
     def __init__(self, name: str, argv: list[str], log_path: str | Path, env: dict[str, str] | None = None):
-        self.name, self.argv, self.log_path = name, argv, Path(log_path)
+        self.name, self.argv, self.log_path = name, list(argv), Path(log_path)
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
@@ -52,12 +71,17 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, start_new_session=True, preexec_fn=_die_with_parent,
+                ["bash", "-c", _GUARD, f"rollflow-{self.name.replace(' ', '-')}-guard", *self.argv],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                start_new_session=True, preexec_fn=_guard_dies_with_parent,
             )
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def error(self, message: str) -> ServiceError:
+        return ServiceError(f"{self.name}: {message}; log: {self.log_path}\n"
+                            f"--- last lines of the log ---\n{log_tail(self.log_path)}")
 
     def wait_healthy(self, probe: Callable[[], bool], timeout_s: float, interval_s: float = 0.25) -> float:
         """Poll ``probe`` until true; fail at once if the process exits, or at the deadline."""
@@ -65,52 +89,46 @@ class ManagedProcess:
         while True:
             if not self.is_alive():
                 code = self.proc.returncode if self.proc else None
-                raise ServiceError(
-                    f"{self.name} exited with code {code} before becoming healthy; "
-                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
-                )
-            try:
+                raise self.error(f"exited with code {code} before becoming healthy")
+            with contextlib.suppress(Exception):
                 if probe():
                     return time.monotonic() - start
-            except Exception:
-                pass
             if time.monotonic() - start > timeout_s:
                 self.stop()
-                raise ServiceError(
-                    f"{self.name} not healthy after {timeout_s:.0f}s; log {self.log_path}:\n"
-                    f"{log_tail(self.log_path)}"
-                )
+                raise self.error(f"not healthy after {timeout_s:.0f}s")
             time.sleep(interval_s)
 
+    def pids(self) -> list[int]:
+        """The guard, the service and every descendant still alive."""
+        if self.proc is None:
+            return []
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root.pid] + [p.pid for p in root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
     def stop(self, timeout_s: float = 30) -> None:
-        """SIGTERM the whole session, then SIGKILL what is left after ``timeout_s``."""
+        """SIGTERM the group, then SIGKILL whatever is left after ``timeout_s``."""
         if self.proc is None:
             return
+        procs = []
+        for pid in self.pids():  # descendants that left the group are still ours
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs.append(psutil.Process(pid))
         pgid = self.proc.pid
         _signal_group(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(pgid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        # Session members that outlived the leader (e.g. spawned workers) get the same end.
-        deadline = time.monotonic() + 5
-        while _group_alive(pgid) and time.monotonic() < deadline:
+        _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+        if alive or self.proc.poll() is None:
             _signal_group(pgid, signal.SIGKILL)
-            time.sleep(0.05)
+            for p in alive:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(alive, timeout=5.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5.0)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False

@@ -36,9 +36,9 @@ def test_misspelt_key_in_list_section(tmp_path):
 
 def test_cross_field_errors_say_what_to_do():
     with pytest.raises(ConfigError, match="mini_batch_size .* must be <= train.train_batch_size"):
-        load_config(QUICKSTART, ["train.mini_batch_size=128"])
+        load_config(QUICKSTART, ["train.mini_batch_size=256"])
     with pytest.raises(ConfigError, match="must be divisible"):
-        load_config(QUICKSTART, ["train.mini_batch_size=24"])
+        load_config(QUICKSTART, ["train.mini_batch_size=48"])
     with pytest.raises(ConfigError, match="exactly one of model.path"):
         load_config(QUICKSTART, ["model.path=/some/model"])
 
