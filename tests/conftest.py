@@ -24,3 +24,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     tok = build_char_tokenizer()
     model = build_tiny_llama(TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok))
     return save_hf_dir(model, tok, tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 endpoint (moto's server) on 127.0.0.1 with one bucket."""
+    from moto.server import ThreadedMotoServer
+
+    # Credentials for moto, inherited by the services a test starts.
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="rollflow")
+    yield url
+    server.stop()

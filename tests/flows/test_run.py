@@ -157,3 +157,21 @@ def test_sigkill_mid_step_then_rerun_finishes_with_every_step_once(tmp_path, mod
     assert_every_step_once(run_dir, 5)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "training_finished"
+
+
+def test_run_on_s3_resumes_from_s3(tmp_path, model_cache, s3_endpoint):
+    """The whole layout on S3 (moto's server): rollouts, checkpoints, and a resume that reads them."""
+    import fsspec
+
+    storage = f"s3://rollflow/{tmp_path.name}"
+    options = f'run.storage_options={{endpoint_url="{s3_endpoint}"}}'
+    config = write_config(tmp_path, model_cache, name="ons3", steps=2, storage=storage)
+    run_cli(config, tmp_path, options)
+    out = run_cli(config, tmp_path, options, "run.num_steps=3")
+    assert "resuming after committed step 2" in out
+    fs = fsspec.filesystem("s3", endpoint_url=s3_endpoint)
+    root = f"rollflow/{tmp_path.name}/ons3"
+    for kind in ("rollouts", "batches", "checkpoints"):
+        assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{root}/{kind}/step=*/_SUCCESS")) == \
+            ["step=1", "step=2", "step=3"]
+    assert fs.exists(f"{root}/checkpoints/step=3/trainer/optimizer.safetensors")

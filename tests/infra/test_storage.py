@@ -1,28 +1,7 @@
-import os
-
 import pyarrow as pa
 import pytest
 
 from rollflow.infra.storage import RunStorage, StorageError
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A real S3 endpoint (moto's server) on 127.0.0.1 with one bucket."""
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    import boto3
-
-    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="rollflow")
-    yield url
-    server.stop()
 
 
 @pytest.fixture(params=["local", "s3"])
