@@ -13,6 +13,7 @@ from collections import defaultdict
 from functools import lru_cache
 from statistics import fmean
 
+import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -58,22 +59,24 @@ def _client(ctx: RunContext) -> InferenceClient:
                            timeout_s=ctx.config.inference.request_timeout_s)
 
 
-def reusable(ctx: RunContext, step: int, resumed_from: int) -> bool:
-    """Whether committed rollouts of ``step`` may be trained on after resuming from ``resumed_from``."""
+def reusable_rollouts(ctx: RunContext, step: int, resumed_from: int) -> pa.Table | None:
+    """Committed rollouts of ``step`` that may be trained on after resuming from ``resumed_from``."""
     storage = ctx.storage
     if not storage.is_committed("rollouts", step):
-        return False
-    versions = storage.read_step_table("rollouts", step).column("version_started")
+        return None
+    table = storage.read_step_table("rollouts", step)
+    versions = table.column("version_started")
     low = step - 1 - ctx.config.train.max_staleness
-    return pc.min(versions).as_py() >= low and pc.max(versions).as_py() <= resumed_from
+    ok = pc.min(versions).as_py() >= low and pc.max(versions).as_py() <= resumed_from
+    return table if ok else None
 
 
 @task(name="generate", cache_policy=NO_CACHE, persist_result=False)
 def generate(ctx: RunContext, step: int, version: int, resumed_from: int = -1) -> dict:
     """Sample ``train_batch_size`` groups for ``step`` with policy ``version``; commit them."""
     storage = ctx.storage
-    if reusable(ctx, step, resumed_from):
-        table = storage.read_step_table("rollouts", step)
+    table = reusable_rollouts(ctx, step, resumed_from)
+    if table is not None:
         return {**_summary(table.to_pylist()), "reused": True, "generate_s": 0.0}
     storage.remove_step("rollouts", step)
     cfg = ctx.config

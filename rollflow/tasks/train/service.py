@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 import uvicorn
@@ -91,7 +92,7 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
             state["batch"], state["batch_step"] = storage.read_step_table("batches", step), step
         table = state["batch"]
         if groups is not None:
-            table = table.filter(pc.is_in(table["group_index"], value_set=_int_array(groups)))
+            table = table.filter(pc.is_in(table["group_index"], value_set=pa.array(groups, type=pa.int32())))
         return table.select(["prompt_ids", "completion_ids", "completion_logprobs", "advantage"]).to_pylist()
 
     @app.get("/health")
@@ -160,12 +161,6 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
         return {"ok": True}
 
     return app
-
-
-def _int_array(values: list[int]):
-    import pyarrow as pa
-
-    return pa.array(values, type=pa.int32())
 
 
 def main(argv: list[str] | None = None) -> None:
