@@ -1,6 +1,7 @@
 """The ``rollflow`` command line.
 
     rollflow run CONFIG [key.path=value ...] [--dry-run]
+    rollflow status RUN [--storage ROOT]
 
 Config errors are reported before anything heavy is imported, so a misspelt key fails at once.
 """
@@ -20,8 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", help="TOML config, e.g. configs/quickstart.toml")
     run.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=2e-4")
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
+    status = sub.add_parser("status", help="a table of a run's steps: reward, evaluation, timings")
+    status.add_argument("run", help="run name (run.name)")
+    status.add_argument("--storage", default="runs", help="storage root (run.storage), default: runs")
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
+    if args.command == "status":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return cmd_status(args)
     unknown = [e for e in extra if "=" not in e or e.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -46,6 +54,39 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     with local_prefect_api():
         rl_run(dump_config(cfg))
+    return 0
+
+
+# (metrics key, header, format): every cell is 8 characters wide.
+STATUS_COLUMNS = (("step", "step", "{:>8}"), ("reward_mean", "reward", "{:>8.3f}"),
+                  ("eval_reward", "eval", "{:>8.3f}"), ("num_groups_kept", "kept", "{:>8}"),
+                  ("loss", "loss", "{:>+8.4f}"), ("generate_phase_s", "gen_s", "{:>8.2f}"),
+                  ("train_phase_s", "train_s", "{:>8.2f}"), ("sync_phase_s", "sync_s", "{:>8.2f}"),
+                  ("step_s", "step_s", "{:>8.2f}"))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print one line per metrics row of a run (reads Parquet only: fast)."""
+    from rollflow.infra.storage import RunStorage
+
+    storage = RunStorage(args.storage, args.run)
+    rows = storage.read_metrics()
+    if not rows:
+        print(f"error: no metrics for run {args.run!r} in {storage.uri}; "
+              "is --storage the run's run.storage?", file=sys.stderr)
+        return 2
+    print(" ".join(f"{header:>8}" for _, header, _ in STATUS_COLUMNS))
+    for row in rows:
+        cells = []
+        for key, _, fmt in STATUS_COLUMNS:
+            value = row.get(key)
+            missing = value is None or value != value  # absent or NaN
+            cells.append(f"{'-':>8}" if missing else fmt.format(value))
+        print(" ".join(cells))
+    committed = storage.committed_steps("checkpoints")
+    finished = any(e["event"] == "training_finished" for e in storage.read_events())
+    print(f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
+          f"{', training finished' if finished else ''}; data in {storage.uri}")
     return 0
 
 

@@ -113,6 +113,11 @@ def test_run_trains_and_writes_the_documented_layout(tmp_path, model_cache):
     metrics = duckdb.sql(f"select * from read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true)").df()
     assert sorted(metrics["step"]) == [0, 1, 2, 3, 4]
     assert metrics["eval_reward"].notna().sum() == 3  # steps 0, 2, 4
+    status = subprocess.run([sys.executable, "-m", "rollflow.cli", "status", "small", "--storage",
+                             str(tmp_path / "runs")], capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[5].split()[0] == "4"  # header, steps 0..4
+    assert "4 steps committed (last: 4), training finished" in status.stdout
     # A rerun of a finished run does nothing and says so.
     again = run_cli(write_config(tmp_path, model_cache), tmp_path)
     assert "already committed" in again
