@@ -2,51 +2,284 @@
 
 Every loss returns the SUM of its per-token terms; the caller divides by the number of loss
 tokens of the whole optimizer step (all micro-batches, later all ranks), so that a token counts
-the same wherever it lands.
+the same wherever it lands. Summed terms add: the loss of a batch is the sum of the losses of
+any split of it into whole sequences (GSPO's ratio is per sequence, so a sequence must never be
+split across micro-batches).
+
+Three logprobs per token may be in play:
+- ``logprobs``: the trainer's current policy, the only one with a gradient;
+- ``old_logprobs``: the behaviour policy the ratio is taken against (the trainer's own logprobs
+  of the weights that sampled, or the sampler's when nothing recomputes them);
+- ``inference_logprobs``: what the sampler (vLLM) reported. When it differs from ``old``,
+  truncated importance sampling reweights each token by min(exp(old - inference), C).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+
+LossKind = Literal["ppo", "gspo"]
 
 
 @dataclass
 class LossOutput:
-    """Summed loss and summed statistics over the masked tokens of one micro-batch."""
+    """Summed loss and summed statistics over the masked tokens of one micro-batch.
+
+    Every ``*_sum`` and ``*_tokens`` field is a sum over loss tokens: divide by the global number
+    of loss tokens for a mean. ``sums_B`` holds the same sums per sequence (detached, shape [B])
+    so that the caller can group them by environment.
+    """
 
     loss_sum: torch.Tensor
     num_tokens: int
     clipped_tokens: float
     ratio_sum: float
     mismatch_kl_sum: float
+    pg_loss_sum: float = 0.0
+    kl_sum: float = 0.0
+    entropy_sum: float = 0.0
+    tis_weight_sum: float = 0.0
+    tis_capped_tokens: float = 0.0
+    sums_B: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def ppo_clip_loss(logprobs_B_T: torch.Tensor, old_logprobs_B_T: torch.Tensor, advantages_B: torch.Tensor,
-                  mask_B_T: torch.Tensor, eps_low: float, eps_high: float) -> LossOutput:
-    """Token-level PPO clip with the sampler's logprobs as the behaviour policy."""
-    log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T) * mask_B_T
-    ratio_B_T = torch.exp(log_ratio_B_T)
-    adv_B_T = advantages_B[:, None].expand_as(ratio_B_T)
-    unclipped = ratio_B_T * adv_B_T
-    clipped = torch.clamp(ratio_B_T, 1 - eps_low, 1 + eps_high) * adv_B_T
-    per_token = -torch.minimum(unclipped, clipped)
+@dataclass(frozen=True)
+class LossConfig:
+    """Coefficients of the loss; the same fields serve both kinds.
+
+    eps_low / eps_high: the ratio is clipped to [1 - eps_low, 1 + eps_high]. The ratio is per
+        token for PPO (0.2 / 0.28 are usual) and per sequence for GSPO, whose ratio stays much
+        closer to 1 (the GSPO paper uses 3e-4 / 4e-4).
+    tis_cap: C of truncated importance sampling, min(exp(old - inference), C); None turns it
+        off. At least 1, so that on-policy tokens (weight 1) are never scaled down.
+    kl_coef: beta of the k3 KL penalty to the reference model; 0 turns it off.
+    entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 turns it off.
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    tis_cap: float | None = 2.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0.0 <= self.eps_low < 1.0:
+            problems.append(f"eps_low={self.eps_low} must be in [0, 1)")
+        if self.eps_high < 0.0:
+            problems.append(f"eps_high={self.eps_high} must be >= 0")
+        if self.tis_cap is not None and self.tis_cap < 1.0:
+            problems.append(f"tis_cap={self.tis_cap} must be >= 1 (or None to turn TIS off)")
+        if self.kl_coef < 0.0:
+            problems.append(f"kl_coef={self.kl_coef} must be >= 0")
+        if self.entropy_coef < 0.0:
+            problems.append(f"entropy_coef={self.entropy_coef} must be >= 0")
+        if problems:
+            raise ValueError("invalid LossConfig: " + "; ".join(problems))
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of one micro-batch, right-padded to [B, T]; ``mask_B_T`` marks loss tokens.
+
+    Only ``logprobs_B_T`` (and ``entropy_B_T``, if the bonus is on) should carry a gradient.
+    ``inference_logprobs_B_T`` enables TIS, ``ref_logprobs_B_T`` the KL term and its metric,
+    ``entropy_B_T`` the entropy bonus and its metric.
+    """
+
+    logprobs_B_T: torch.Tensor
+    old_logprobs_B_T: torch.Tensor
+    advantages_B: torch.Tensor
+    mask_B_T: torch.Tensor
+    inference_logprobs_B_T: torch.Tensor | None = None
+    ref_logprobs_B_T: torch.Tensor | None = None
+    entropy_B_T: torch.Tensor | None = None
+
+
+# ------------------------------------------------------------------------- per-token terms
+
+
+def clipped_surrogate_B_T(
+    ratio_B_T: torch.Tensor, advantages_B: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token -min(r·A, clip(r, 1-eps_low, 1+eps_high)·A) and where the clip is active.
+
+    A token counts as clipped when the clipped branch wins strictly, i.e. exactly when its
+    gradient is zero; at the boundary itself the two branches tie and the gradient flows.
+    """
+    adv_B_T = advantages_B[:, None].to(ratio_B_T.dtype).expand_as(ratio_B_T)
+    unclipped_B_T = ratio_B_T * adv_B_T
+    clipped_B_T = torch.clamp(ratio_B_T, 1 - eps_low, 1 + eps_high) * adv_B_T
+    loss_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
+    return loss_B_T, (clipped_B_T < unclipped_B_T).detach()
+
+
+def gspo_token_ratio_B_T(
+    logprobs_B_T: torch.Tensor, old_logprobs_B_T: torch.Tensor, mask_B_T: torch.Tensor
+) -> torch.Tensor:
+    """GSPO-token ratio: s_i · π(y_t) / sg[π(y_t)], with s_i = exp(mean_t(logp - old)) detached.
+
+    Its value at every token of sequence i is the sequence ratio s_i, the geometric mean of the
+    token ratios over the loss tokens; its gradient at token t is s_i · ∇log π(y_t). Summed over
+    the |y_i| tokens this is |y_i| times the gradient of the sequence-level GSPO objective
+    (paper eq. 5 vs. eq. 10: identical when the advantage is the same for every token).
+    """
+    mask_b = mask_B_T.bool()
+    log_ratio_B_T = torch.where(mask_b, logprobs_B_T - old_logprobs_B_T, 0.0)
+    num_tokens_B = mask_b.sum(-1).clamp(min=1)
+    seq_log_ratio_B = log_ratio_B_T.detach().sum(-1) / num_tokens_B
+    token_log_ratio_B_T = torch.where(mask_b, logprobs_B_T - logprobs_B_T.detach(), 0.0)
+    return torch.exp(seq_log_ratio_B[:, None] + token_log_ratio_B_T)
+
+
+def tis_weights_B_T(
+    old_logprobs_B_T: torch.Tensor, inference_logprobs_B_T: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weights min(exp(old - inference), cap), detached."""
     with torch.no_grad():
-        was_clipped = (clipped < unclipped).float() * mask_B_T
-        # k3 estimator of KL(sampler || trainer): ratio - 1 - log ratio, per token.
-        mismatch_kl = (ratio_B_T - 1 - log_ratio_B_T) * mask_B_T
+        return torch.exp(old_logprobs_B_T - inference_logprobs_B_T).clamp(max=cap)
+
+
+def k3_B_T(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(π || π_ref) per token sampled from π: exp(d) - d - 1, d = ref - logp.
+
+    Non-negative, zero exactly where the two logprobs agree; its gradient pulls logp toward ref.
+    """
+    d_B_T = ref_logprobs_B_T - logprobs_B_T
+    return torch.exp(d_B_T) - d_B_T - 1
+
+
+# ------------------------------------------------------------------------------ the loss
+
+
+def compute_loss(kind: LossKind, inputs: LossInputs, cfg: LossConfig) -> LossOutput:
+    """Summed loss of one micro-batch: policy gradient (PPO or GSPO) · TIS + β·k3 - c·entropy.
+
+    ``ppo``: token ratio exp(logp - old), clipped per token.
+    ``gspo``: GSPO-token (see ``gspo_token_ratio_B_T``): the sequence's geometric-mean ratio,
+    clipped as a whole, with each token's gradient through its own logprob. Because the caller
+    divides by the global token count, a sequence weighs by its length (token-level mean), not
+    1/G as in the paper's sequence-level mean.
+
+    The TIS weight multiplies the policy-gradient term only (per token, for both kinds); the KL
+    and entropy terms are unweighted. ``mismatch_kl`` is k3 of KL(sampler || trainer) between the
+    current logprobs and the inference logprobs (``old`` when no inference logprobs are given).
+    """
+    if kind not in ("ppo", "gspo"):
+        raise ValueError(f"unknown loss kind {kind!r}; expected 'ppo' or 'gspo'")
+    _check_inputs(inputs, cfg)
+    logp_B_T, old_B_T = inputs.logprobs_B_T, inputs.old_logprobs_B_T
+    mask_b = inputs.mask_B_T.bool()
+
+    if kind == "ppo":
+        ratio_B_T = torch.exp(torch.where(mask_b, logp_B_T - old_B_T, 0.0))
+    else:
+        ratio_B_T = gspo_token_ratio_B_T(logp_B_T, old_B_T, mask_b)
+    pg_B_T, clipped_B_T = clipped_surrogate_B_T(
+        ratio_B_T, inputs.advantages_B, cfg.eps_low, cfg.eps_high
+    )
+
+    stats_B_T: dict[str, torch.Tensor] = {}
+    if inputs.inference_logprobs_B_T is not None and cfg.tis_cap is not None:
+        weight_B_T = tis_weights_B_T(old_B_T, inputs.inference_logprobs_B_T, cfg.tis_cap)
+        pg_B_T = pg_B_T * weight_B_T
+        stats_B_T["tis_weight"] = weight_B_T
+        stats_B_T["tis_capped"] = weight_B_T >= cfg.tis_cap
+    else:
+        stats_B_T["tis_weight"] = torch.ones_like(ratio_B_T)
+        stats_B_T["tis_capped"] = torch.zeros_like(mask_b)
+    loss_B_T = pg_B_T
+
+    if inputs.ref_logprobs_B_T is not None:
+        kl_B_T = k3_B_T(logp_B_T, inputs.ref_logprobs_B_T)
+        if cfg.kl_coef > 0:
+            loss_B_T = loss_B_T + cfg.kl_coef * kl_B_T
+        stats_B_T["kl"] = kl_B_T
+    if inputs.entropy_B_T is not None:
+        if cfg.entropy_coef > 0:
+            loss_B_T = loss_B_T - cfg.entropy_coef * inputs.entropy_B_T
+        stats_B_T["entropy"] = inputs.entropy_B_T
+
+    sampler_B_T = (
+        inputs.inference_logprobs_B_T if inputs.inference_logprobs_B_T is not None else old_B_T
+    )
+    with torch.no_grad():
+        log_ratio_B_T = torch.where(mask_b, logp_B_T - sampler_B_T, 0.0)
+        stats_B_T["mismatch_kl"] = log_ratio_B_T.exp() - 1 - log_ratio_B_T
+    stats_B_T.update(num_tokens=mask_b, clipped_tokens=clipped_B_T, ratio=ratio_B_T, pg_loss=pg_B_T)
+    sums_B = {name: _masked_sum_B(x, mask_b) for name, x in stats_B_T.items()}
+    # One host sync for all the statistics, not one per field.
+    totals = dict(
+        zip(sums_B, torch.stack([s.sum() for s in sums_B.values()]).tolist(), strict=True)
+    )
+
     return LossOutput(
-        loss_sum=(per_token * mask_B_T).sum(),
-        num_tokens=int(mask_B_T.sum().item()),
-        clipped_tokens=float(was_clipped.sum()),
-        ratio_sum=float((ratio_B_T.detach() * mask_B_T).sum()),
-        mismatch_kl_sum=float(mismatch_kl.sum()),
+        loss_sum=torch.where(mask_b, loss_B_T, 0.0).sum(),
+        num_tokens=int(totals["num_tokens"]),
+        clipped_tokens=totals["clipped_tokens"],
+        ratio_sum=totals["ratio"],
+        mismatch_kl_sum=totals["mismatch_kl"],
+        pg_loss_sum=totals["pg_loss"],
+        kl_sum=totals.get("kl", 0.0),
+        entropy_sum=totals.get("entropy", 0.0),
+        tis_weight_sum=totals["tis_weight"],
+        tis_capped_tokens=totals["tis_capped"],
+        sums_B=sums_B,
     )
 
 
-def sequence_logprobs(model: torch.nn.Module, input_ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor) -> torch.Tensor:
+def ppo_clip_loss(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> LossOutput:
+    """Token-level PPO clip against old_logprobs_B_T alone: no TIS, KL or entropy term."""
+    inputs = LossInputs(logprobs_B_T, old_logprobs_B_T, advantages_B, mask_B_T)
+    return compute_loss("ppo", inputs, LossConfig(eps_low=eps_low, eps_high=eps_high, tis_cap=None))
+
+
+def _masked_sum_B(x_B_T: torch.Tensor, mask_b_B_T: torch.Tensor) -> torch.Tensor:
+    """Detached per-sequence sum over loss tokens, in float64 so that counts stay exact."""
+    return torch.where(mask_b_B_T, x_B_T.detach().to(torch.float64), 0.0).sum(-1)
+
+
+def _check_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
+    """Shapes agree, and every term the config turns on has its input."""
+    shape = tuple(inputs.logprobs_B_T.shape)
+    for name in (
+        "old_logprobs_B_T",
+        "mask_B_T",
+        "inference_logprobs_B_T",
+        "ref_logprobs_B_T",
+        "entropy_B_T",
+    ):
+        x = getattr(inputs, name)
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, logprobs_B_T has {shape}")
+    if tuple(inputs.advantages_B.shape) != shape[:1]:
+        raise ValueError(
+            f"advantages_B has shape {tuple(inputs.advantages_B.shape)}, expected {shape[:1]}"
+        )
+    if cfg.kl_coef > 0 and inputs.ref_logprobs_B_T is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs_B_T (or set kl_coef=0)")
+    if cfg.entropy_coef > 0 and inputs.entropy_B_T is None:
+        raise ValueError("entropy_coef > 0 needs entropy_B_T (or set entropy_coef=0)")
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, input_ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor
+) -> torch.Tensor:
     """Log-prob of each token given its prefix; position t holds log p(x_t | x_<t), t=0 is 0."""
     logits_B_T_V = model(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T).logits.float()
-    logp_B_T = torch.log_softmax(logits_B_T_V[:, :-1], dim=-1).gather(-1, input_ids_B_T[:, 1:, None]).squeeze(-1)
+    logp_B_T = (
+        torch.log_softmax(logits_B_T_V[:, :-1], dim=-1)
+        .gather(-1, input_ids_B_T[:, 1:, None])
+        .squeeze(-1)
+    )
     return torch.nn.functional.pad(logp_B_T, (1, 0))

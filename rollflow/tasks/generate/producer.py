@@ -1,0 +1,321 @@
+"""The rollout producer: groups generated ahead of training, admitted under the staleness bound.
+
+One long-lived asyncio component keeps up to K groups in flight and hands each step's generate
+task ``train_batch_size`` finished groups, first finished first out. It knows nothing of HTTP:
+it calls a ``run_group(prompt, version_started)`` coroutine (see ``group_runner``) and counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from statistics import fmean
+
+from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
+from rollflow.tasks.generate.rollouts import InferenceDead, select_prompts
+
+log = logging.getLogger(__name__)
+
+GroupResult = list[Sample] | str  # the samples, or why the group has none
+RunGroup = Callable[[Prompt, int], Awaitable[GroupResult]]
+
+
+class TrainingFinished(RuntimeError):
+    """The producer was finished by the explicit ``training_finished`` event: no more groups."""
+
+
+class ProducerFailed(RuntimeError):
+    """``run_group`` raised (e.g. ``InferenceDead``): the producer stopped; the cause is chained."""
+
+
+@dataclass(frozen=True)
+class FinishedGroup:
+    """One finished group; ``index`` is its admission order (0-based, since the start)."""
+
+    index: int
+    prompt: Prompt
+    result: GroupResult
+    version_started: int
+    version_finished: int  # the version current when the group finished
+    started_s: float
+    finished_s: float
+
+    @property
+    def error(self) -> str | None:
+        return self.result if isinstance(self.result, str) else None
+
+
+class RolloutProducer:
+    """Generates groups ahead of training, never further ahead than ``max_staleness`` steps.
+
+    Invariants (B = ``train_batch_size``, S = ``max_staleness``, v = versions synced since start):
+
+    - admission: a group is admitted only if afterwards ``admitted ≤ (S + v + 1) · B``, so group
+      ``index`` i started from a version ``≥ i // B - S``. S = 0 is synchronous on-policy RL.
+    - accounting, at every await point: ``admitted == in_flight + ready + emitted + cancelled``,
+      where ``cancelled`` only grows in ``finish()``. A group whose run returned an error string
+      is emitted like any other (and counted in ``failed``); it is never retried or dropped here,
+      so a failing group cannot starve a step under the bound.
+    - every admitted group is emitted at most once, to exactly one step, first finished first
+      out; steps waiting at once are served lowest step first; ``take(step)`` again returns the
+      same groups (a retried generate task loses nothing).
+    - admission bounds how far generation runs ahead, not each group's age: a group overtaken by
+      faster ones is emitted at a later step, so ``version - version_started`` at take time can
+      exceed S (``step_metrics`` reports it). S = 0 admits one step at a time, so it cannot.
+    - the end is explicit: only ``finish()`` stops the producer; every waiting or later ``take``
+      then raises ``TrainingFinished``. A raise from ``run_group`` stops it with ``ProducerFailed``.
+    """
+
+    def __init__(self, run_group: RunGroup, prompts: Iterator[Prompt] | Callable[[], Prompt], *,
+                 train_batch_size: int, max_staleness: int, max_in_flight: int, version: int = 0,
+                 clock: Callable[[], float] = time.monotonic, lag_interval_s: float = 0.1):
+        B, S, K = train_batch_size, max_staleness, max_in_flight
+        if B < 1 or S < 0:
+            raise ValueError(f"need train.train_batch_size >= 1 (got {B}) and "
+                             f"train.max_staleness >= 0 (got {S})")
+        if not B <= K <= B * (S + 1):
+            raise ValueError(
+                f"groups in flight K (inference.max_concurrency) = {K} must satisfy "
+                f"train.train_batch_size <= K <= "
+                f"train.train_batch_size * (train.max_staleness + 1), "
+                f"i.e. {B} <= K <= {B * (S + 1)}: fewer cannot fill one step, more can never be "
+                f"admitted under the staleness bound")
+        self.train_batch_size, self.max_staleness, self.max_in_flight = B, S, K
+        self._run_group = run_group
+        self._next_prompt = prompts.__next__ if isinstance(prompts, Iterator) else prompts
+        self._clock, self._lag_interval_s = clock, lag_interval_s
+        self._version0 = self.version = version
+        self._ready: deque[FinishedGroup] = deque()
+        self._tasks: set[asyncio.Task] = set()
+        self._service_tasks: list[asyncio.Task] = []
+        self._changed = asyncio.Event()
+        self._pending_steps: set[int] = set()
+        self._taken: dict[int, list[FinishedGroup]] = {}
+        self._step_metrics: dict[int, dict] = {}
+        self._lags_s: deque[float] = deque(maxlen=3000)  # the last ~5 min at 10 Hz
+        self.num_admitted = self.num_emitted = self.num_failed = self.num_cancelled = 0
+        self._blocked_s, self._blocked_since = 0.0, None
+        self._exhausted = False
+        self._stopped: BaseException | None = None  # TrainingFinished or ProducerFailed
+
+    def start(self) -> None:
+        """Start admitting (call from the event loop that will run the producer)."""
+        self._service_tasks = [asyncio.create_task(self._admit_loop(), name="producer-admit"),
+                               asyncio.create_task(self._sample_lag(), name="producer-lag")]
+
+    async def __aenter__(self) -> RolloutProducer:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.finish()
+
+    def set_version(self, version: int) -> None:
+        """Record a weight sync: the inference engine now holds policy ``version``."""
+        if version < self.version:
+            raise ValueError(f"policy version went back from {self.version} to {version}")
+        self.version = version
+        self._notify()
+
+    async def finish(self, timeout_s: float = 30.0) -> None:
+        """The ``training_finished`` event: stop admitting, cancel in-flight groups, end waiters."""
+        self._stop(TrainingFinished("training finished: the producer emits no more groups"))
+        tasks = [*self._tasks, *self._service_tasks]
+        pending = (await asyncio.wait(tasks, timeout=timeout_s))[1] if tasks else set()
+        if pending:
+            raise TimeoutError(f"{len(pending)} producer tasks still running {timeout_s:g}s "
+                               "after cancellation")
+
+    async def take(self, step: int, timeout_s: float) -> list[FinishedGroup]:
+        """The first ``train_batch_size`` groups to finish that no step has taken yet."""
+        if step in self._taken:
+            return self._taken[step]
+        start = self._clock()
+        self._pending_steps.add(step)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    changed = self._changed
+                    if self._stopped is not None:
+                        raise self._stop_error()
+                    if (len(self._ready) >= self.train_batch_size
+                            and step == min(self._pending_steps)):
+                        break
+                    await changed.wait()
+        except TimeoutError:
+            raise TimeoutError(self._timeout_message(step, timeout_s)) from None
+        finally:
+            self._pending_steps.discard(step)
+        groups = [self._ready.popleft() for _ in range(self.train_batch_size)]
+        self.num_emitted += len(groups)
+        staleness = [self.version - g.version_started for g in groups]
+        self._step_metrics[step] = {
+            "version": self.version, "wait_s": self._clock() - start,
+            "staleness_mean": fmean(staleness), "staleness_max": max(staleness),
+            "num_failed": sum(g.error is not None for g in groups)}
+        self._taken[step] = groups
+        for old in [s for s in self._taken if s < step - self.max_staleness - 2]:
+            del self._taken[old]  # only a retry of a recent step can ask again
+        self._notify()
+        return groups
+
+    def step_metrics(self, step: int) -> dict:
+        """Numbers of ``take(step)``: version at take, wait, staleness mean/max, failures."""
+        return dict(self._step_metrics[step])
+
+    def snapshot(self) -> dict:
+        """Counters and event-loop lag, cheap enough to log every step."""
+        lags = sorted(self._lags_s)
+        pick = (lambda q: lags[min(len(lags) - 1, int(q * len(lags)))]) if lags else (lambda q: 0.0)
+        blocked = self._blocked_s + (self._clock() - self._blocked_since
+                                     if self._blocked_since is not None else 0.0)
+        last = self._step_metrics[max(self._step_metrics)] if self._step_metrics else {}
+        return {
+            "version": self.version, "num_in_flight": len(self._tasks),
+            "num_ready": len(self._ready),
+            "num_admitted": self.num_admitted, "num_emitted": self.num_emitted,
+            "num_failed": self.num_failed, "num_cancelled": self.num_cancelled,
+            "admission_bound": self._bound(), "blocked_by_bound_s": blocked,
+            "loop_lag_p50_s": pick(0.50), "loop_lag_p99_s": pick(0.99), "loop_lag_max_s": pick(1.0),
+            "staleness_mean": last.get("staleness_mean", 0.0),
+            "staleness_max": last.get("staleness_max", 0),
+        }
+
+    def _bound(self) -> int:
+        return (self.max_staleness + self.version - self._version0 + 1) * self.train_batch_size
+
+    async def _admit_loop(self) -> None:
+        try:
+            while self._stopped is None and not self._exhausted:
+                changed = self._changed
+                has_room = len(self._tasks) < self.max_in_flight
+                if has_room and self.num_admitted < self._bound():
+                    self._end_blocked()
+                    self._admit_one()
+                    continue
+                if has_room and self._blocked_since is None:
+                    self._blocked_since = self._clock()  # capacity idle only because of the bound
+                elif not has_room:
+                    self._end_blocked()
+                await changed.wait()
+        except Exception as exc:  # a broken prompt source must end the waiters, not hang them
+            self._stop(_failed(f"admission stopped: {type(exc).__name__}: {exc}", exc))
+        finally:
+            self._end_blocked()
+
+    def _admit_one(self) -> None:
+        try:
+            prompt = self._next_prompt()
+        except StopIteration:
+            self._exhausted = True
+            log.warning("prompt source exhausted after %d groups: admitting no more",
+                        self.num_admitted)
+            self._notify()
+            return
+        index, version = self.num_admitted, self.version
+        self.num_admitted += 1
+        task = asyncio.create_task(self._run_one(index, prompt, version), name=f"group-{index}")
+        self._tasks.add(task)
+        task.add_done_callback(self._cancelled_before_start)
+
+    def _cancelled_before_start(self, task: asyncio.Task) -> None:
+        # A task cancelled before its first step never runs _run_one's bookkeeping.
+        if task in self._tasks:
+            self._tasks.discard(task)
+            self.num_cancelled += 1
+
+    async def _run_one(self, index: int, prompt: Prompt, version: int) -> None:
+        started_s = self._clock()
+        try:
+            result = await self._run_group(prompt, version)
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
+        except Exception as exc:  # run_group returns recoverable errors; a raise is fatal
+            self.num_cancelled += 1
+            self._stop(_failed(f"run_group raised on group {index} ({prompt.prompt_id}): "
+                               f"{type(exc).__name__}: {exc}", exc))
+            return
+        finally:
+            self._tasks.discard(asyncio.current_task())
+        self.num_failed += isinstance(result, str)
+        self._ready.append(FinishedGroup(index, prompt, result, version, self.version,
+                                         started_s, self._clock()))
+        self._notify()
+
+    def _stop(self, reason: BaseException) -> None:
+        if self._stopped is None:
+            self._stopped = reason
+            for task in [*self._tasks, *self._service_tasks]:
+                if task is not asyncio.current_task():
+                    task.cancel()
+        self._notify()
+
+    def _stop_error(self) -> BaseException:
+        # A fresh exception per waiter: one shared instance would pile up their tracebacks.
+        assert self._stopped is not None
+        err = type(self._stopped)(*self._stopped.args)
+        err.__cause__ = self._stopped.__cause__
+        return err
+
+    def _notify(self) -> None:
+        # Swap in a fresh event: every waiter re-checks, and none can miss a change.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _end_blocked(self) -> None:
+        if self._blocked_since is not None:
+            self._blocked_s += self._clock() - self._blocked_since
+            self._blocked_since = None
+
+    async def _sample_lag(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(self._lag_interval_s)
+            self._lags_s.append(max(0.0, loop.time() - t0 - self._lag_interval_s))
+
+    def _timeout_message(self, step: int, timeout_s: float) -> str:
+        why = ("blocked by the staleness bound" if self.num_admitted >= self._bound()
+               else "prompt source exhausted" if self._exhausted
+               else "waiting for groups to finish")
+        ahead = sorted(s for s in self._pending_steps if s < step)
+        return (f"take(step={step}) timed out after {timeout_s:g}s: {len(self._ready)}/"
+                f"{self.train_batch_size} groups ready, {len(self._tasks)} in flight, "
+                f"version {self.version}, admitted {self.num_admitted} of bound {self._bound()} "
+                f"({why})" + (f"; steps {ahead} are served first" if ahead else ""))
+
+
+def _failed(message: str, cause: BaseException) -> ProducerFailed:
+    (err := ProducerFailed(message)).__cause__ = cause
+    return err
+
+
+def group_runner(envs: dict[str, Environment], ctx: RolloutContext, group_size: int) -> RunGroup:
+    """``run_group`` for environments: a failed group becomes its error string, as in
+    ``generate_groups``; ``InferenceDead`` propagates and stops the producer."""
+
+    async def run_group(prompt: Prompt, version_started: int) -> GroupResult:
+        try:
+            return await envs[prompt.env].rollout_group(prompt, group_size, ctx)
+        except InferenceDead:
+            raise
+        except Exception as exc:
+            log.warning("group %s failed: %s", prompt.prompt_id, exc)
+            return f"rollout: {type(exc).__name__}: {exc}"
+
+    return run_group
+
+
+def prompt_stream(envs: dict[str, Environment], weights: dict[str, float], train_batch_size: int,
+                  seed: int, first_step: int = 1) -> Iterator[Prompt]:
+    """Training prompts in admission order: step N's draw of ``select_prompts`` (same seed as the
+    synchronous generate task), then step N+1's, ...; a resumed run starts at its next step."""
+    for step in itertools.count(first_step):
+        yield from select_prompts(envs, weights, train_batch_size, "train",
+                                  seed=seed * 1_000_003 + step)

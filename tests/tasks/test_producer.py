@@ -1,0 +1,283 @@
+"""RolloutProducer: staleness admission, FIFO emission, exactly once, timeouts, the explicit end."""
+
+import asyncio
+import itertools
+import random
+import time
+
+import pytest
+
+from rollflow.tasks.generate.environments import AddEnv, Prompt, Sample
+from rollflow.tasks.generate.producer import (
+    ProducerFailed,
+    RolloutProducer,
+    TrainingFinished,
+    group_runner,
+    prompt_stream,
+)
+from rollflow.tasks.generate.rollouts import InferenceDead, select_prompts
+
+
+def numbered_prompts():
+    """An endless, deterministic prompt source whose ids are the admission order."""
+    return (Prompt("fake", str(i), f"q{i}", "a") for i in itertools.count())
+
+
+class FakeGroups:
+    """A ``run_group`` with seeded random durations that records every start and finish."""
+
+    def __init__(self, seed: int, fail_every: int = 0, max_s: float = 0.004):
+        self.rng, self.fail_every, self.max_s = random.Random(seed), fail_every, max_s
+        self.started: list[tuple[str, int]] = []
+        self.finished: list[str] = []
+        self.producer: RolloutProducer | None = None
+
+    async def __call__(self, prompt: Prompt, version_started: int):
+        p = self.producer
+        if p is not None:  # the accounting invariant, checked at this await point too
+            assert_accounting(p)
+        self.started.append((prompt.prompt_id, version_started))
+        await asyncio.sleep(self.rng.random() * self.max_s)
+        self.finished.append(prompt.prompt_id)
+        if self.fail_every and int(prompt.prompt_id) % self.fail_every == 0:
+            return "rollout: RuntimeError: injected"
+        return [Sample([1], [2], [-0.1], "x", "stop", reward=1.0)]
+
+
+def assert_accounting(p: RolloutProducer) -> None:
+    s = p.snapshot()
+    assert s["num_admitted"] == (s["num_in_flight"] + s["num_ready"] + s["num_emitted"]
+                                 + s["num_cancelled"]), s
+    assert s["num_admitted"] <= s["admission_bound"], s
+
+
+async def watch_accounting(p: RolloutProducer) -> None:
+    while True:
+        assert_accounting(p)
+        await asyncio.sleep(0)
+
+
+async def train_loop(p: RolloutProducer, num_steps: int, seed: int, *, overlap: bool = False):
+    """Take each step, 'train' for a random while, then sync; with ``overlap`` the next step's
+    take is already waiting while this step trains, as overlapping step flows do."""
+    rng = random.Random(seed)
+    batches: dict[int, list] = {}
+    nxt = asyncio.create_task(p.take(1, timeout_s=5))
+    for step in range(1, num_steps + 1):
+        batches[step] = await nxt
+        if step < num_steps:
+            if overlap:
+                nxt = asyncio.create_task(p.take(step + 1, timeout_s=5))
+            await asyncio.sleep(rng.random() * 0.003)
+            p.set_version(step)
+            if not overlap:
+                nxt = asyncio.create_task(p.take(step + 1, timeout_s=5))
+    return batches
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_admission_bound_fifo_and_exactly_once(max_staleness, overlap):
+    B, num_steps = 6, 15
+
+    async def main():
+        fake = FakeGroups(seed=100 + max_staleness, fail_every=7)
+        p = RolloutProducer(fake, numbered_prompts(), train_batch_size=B,
+                            max_staleness=max_staleness, max_in_flight=B * (max_staleness + 1))
+        fake.producer = p
+        async with p:
+            watcher = asyncio.create_task(watch_accounting(p))
+            batches = await train_loop(p, num_steps, seed=max_staleness, overlap=overlap)
+            watcher.cancel()
+            with pytest.raises(asyncio.CancelledError):  # an assertion in it would surface here
+                await watcher
+            assert_accounting(p)
+            finished_before_end = list(fake.finished)
+        return p, fake, batches, finished_before_end
+
+    p, fake, batches, finished = asyncio.run(main())
+    emitted = [g for step in sorted(batches) for g in batches[step]]
+    assert all(len(batches[s]) == B for s in batches)
+    # Exactly once: no duplicate, and every admitted group is emitted, ready or cancelled.
+    ids = [g.prompt.prompt_id for g in emitted]
+    assert len(ids) == len(set(ids)) == num_steps * B
+    assert p.num_admitted == p.num_emitted + len(p._ready) + p.num_cancelled
+    # First finished, first out: the emission order is a prefix of the finish order.
+    assert ids == finished[: len(ids)]
+    started = dict(fake.started)
+    for g in emitted:
+        assert started[g.prompt.prompt_id] == g.version_started
+        assert g.index == int(g.prompt.prompt_id)
+        # The admission bound, checked for every group at the version it was admitted with.
+        assert g.index + 1 <= (max_staleness + g.version_started + 1) * B
+        assert g.version_finished >= g.version_started
+    if max_staleness == 0:  # synchronous RL: step N's groups all started from version N - 1
+        for step, groups in batches.items():
+            assert {g.version_started for g in groups} == {step - 1}
+    failed = [g for g in emitted if g.error]
+    assert failed and all(int(g.prompt.prompt_id) % 7 == 0 for g in failed)
+    assert p.num_failed >= len(failed)
+    m = p.step_metrics(num_steps)
+    assert 0 <= m["staleness_mean"] <= m["staleness_max"]
+
+
+def test_staleness_zero_waits_for_the_sync():
+    async def main():
+        p = RolloutProducer(FakeGroups(seed=1), numbered_prompts(), train_batch_size=4,
+                            max_staleness=0, max_in_flight=4)
+        async with p:
+            await p.take(1, timeout_s=2)
+            await asyncio.sleep(0.05)
+            s = p.snapshot()
+            assert s["num_admitted"] == 4 and s["num_in_flight"] == 0
+            assert s["blocked_by_bound_s"] >= 0.03
+            with pytest.raises(TimeoutError) as err:
+                await p.take(2, timeout_s=0.05)
+            assert "blocked by the staleness bound" in str(err.value)
+            p.set_version(1)
+            groups = await p.take(2, timeout_s=2)
+            assert {g.version_started for g in groups} == {1}
+            assert p.num_admitted == 8
+
+    asyncio.run(main())
+
+
+def test_take_timeout_names_what_it_waited_for():
+    async def hang(prompt, version):
+        await asyncio.Event().wait()
+
+    async def main():
+        p = RolloutProducer(hang, numbered_prompts(), train_batch_size=4, max_staleness=1,
+                            max_in_flight=6)
+        async with p:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError) as err:
+                await p.take(3, timeout_s=0.1)
+            assert time.monotonic() - t0 < 1
+        return str(err.value)
+
+    msg = asyncio.run(main())
+    for part in ["take(step=3)", "0.1s", "0/4 groups ready", "6 in flight", "version 0",
+                 "admitted 6 of bound 8"]:
+        assert part in msg, msg
+
+
+def test_finish_ends_every_waiter_and_leaves_no_tasks():
+    async def hang(prompt, version):
+        await asyncio.Event().wait()
+
+    async def main():
+        p = RolloutProducer(hang, numbered_prompts(), train_batch_size=4, max_staleness=1,
+                            max_in_flight=8)
+        p.start()
+        waiters = [asyncio.create_task(p.take(s, timeout_s=30)) for s in (1, 2)]
+        await asyncio.sleep(0.02)
+        assert p.snapshot()["num_in_flight"] == 8
+        t0 = time.monotonic()
+        await p.finish()
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+        assert time.monotonic() - t0 < 1
+        assert all(isinstance(r, TrainingFinished) for r in results)
+        with pytest.raises(TrainingFinished):
+            await p.take(3, timeout_s=30)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+        s = p.snapshot()
+        assert s["num_in_flight"] == 0 and s["num_cancelled"] == s["num_admitted"] == 8
+
+    asyncio.run(main())
+
+
+def test_finish_before_a_task_starts_still_counts_it():
+    async def main():
+        p = RolloutProducer(FakeGroups(seed=2), numbered_prompts(), train_batch_size=2,
+                            max_staleness=0, max_in_flight=2)
+        p.start()
+        await asyncio.sleep(0)  # the admission loop has created tasks that have not run yet
+        await p.finish()
+        assert_accounting(p)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())
+
+
+def test_a_raise_from_run_group_fails_takes_with_the_cause():
+    async def dead(prompt, version):
+        raise InferenceDead("vLLM unreachable for 20s")
+
+    async def main():
+        async with RolloutProducer(dead, numbered_prompts(), train_batch_size=2, max_staleness=0,
+                                   max_in_flight=2) as p:
+            with pytest.raises(ProducerFailed, match="InferenceDead") as err:
+                await p.take(1, timeout_s=5)
+            assert isinstance(err.value.__cause__, InferenceDead)
+
+    asyncio.run(main())
+
+
+def test_steps_are_served_lowest_first_and_a_retake_returns_the_same_groups():
+    async def main():
+        fake = FakeGroups(seed=3)
+        async with RolloutProducer(fake, numbered_prompts(), train_batch_size=3, max_staleness=1,
+                                   max_in_flight=6) as p:
+            later = asyncio.create_task(p.take(2, timeout_s=5))
+            await asyncio.sleep(0)
+            first = await p.take(1, timeout_s=5)
+            second = await later
+            assert [g.prompt.prompt_id for g in first + second] == fake.finished[:6]
+            assert await p.take(1, timeout_s=5) is first
+            assert p.num_emitted == 6
+
+    asyncio.run(main())
+
+
+def test_event_loop_lag_is_sampled():
+    async def main():
+        async with RolloutProducer(FakeGroups(seed=4), numbered_prompts(), train_batch_size=1,
+                                   max_staleness=0, max_in_flight=1, lag_interval_s=0.02) as p:
+            await asyncio.sleep(0.05)
+            time.sleep(0.15)  # block the loop, as CPU work on it would
+            await asyncio.sleep(0.05)
+            s = p.snapshot()
+            assert s["loop_lag_max_s"] >= 0.1
+            assert s["loop_lag_p50_s"] <= s["loop_lag_p99_s"] <= s["loop_lag_max_s"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("B,S,K,keys", [
+    (4, 1, 3, ["train.train_batch_size", "inference.max_concurrency", "4 <= K <= 8"]),
+    (4, 1, 9, ["train.max_staleness", "4 <= K <= 8"]),
+    (4, 0, 5, ["4 <= K <= 4"]),
+    (0, 0, 1, ["train.train_batch_size"]),
+    (2, -1, 2, ["train.max_staleness"]),
+])
+def test_validation_errors_name_the_keys(B, S, K, keys):
+    with pytest.raises(ValueError) as err:
+        RolloutProducer(FakeGroups(0), numbered_prompts(), train_batch_size=B, max_staleness=S,
+                        max_in_flight=K)
+    assert all(k in str(err.value) for k in keys), str(err.value)
+
+
+def test_prompt_stream_follows_the_per_step_seed():
+    envs, weights = {"add": AddEnv()}, {"add": 1.0}
+    stream = prompt_stream(envs, weights, 4, seed=7, first_step=3)
+    got = [next(stream) for _ in range(8)]
+    want = [*select_prompts(envs, weights, 4, "train", seed=7 * 1_000_003 + 3),
+            *select_prompts(envs, weights, 4, "train", seed=7 * 1_000_003 + 4)]
+    assert got == want
+
+
+def test_group_runner_turns_errors_into_strings_but_not_inference_death():
+    class Env:
+        def __init__(self, exc):
+            self.exc = exc
+
+        async def rollout_group(self, prompt, group_size, ctx):
+            raise self.exc
+
+    prompt = Prompt("e", "0", "q", "a")
+    ok = group_runner({"e": Env(ValueError("bad"))}, ctx=None, group_size=2)
+    assert asyncio.run(ok(prompt, 0)) == "rollout: ValueError: bad"
+    dead = group_runner({"e": Env(InferenceDead("gone"))}, ctx=None, group_size=2)
+    with pytest.raises(InferenceDead):
+        asyncio.run(dead(prompt, 0))
