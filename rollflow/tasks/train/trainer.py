@@ -54,7 +54,7 @@ class Trainer:
             logp = sequence_logprobs(self.model, ids, attn)
             out = ppo_clip_loss(logp, old, adv, mask, eps_low, eps_high)
             (out.loss_sum / total_loss_tokens).backward()
-            totals["loss_sum"] += float(out.loss_sum)
+            totals["loss_sum"] += out.loss_sum.detach().item()
             totals["num_tokens"] += out.num_tokens
             totals["clipped"] += out.clipped_tokens
             totals["ratio"] += out.ratio_sum
