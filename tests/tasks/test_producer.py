@@ -12,10 +12,9 @@ from rollflow.tasks.generate.producer import (
     ProducerFailed,
     RolloutProducer,
     TrainingFinished,
-    group_runner,
     prompt_stream,
 )
-from rollflow.tasks.generate.rollouts import InferenceDead, select_prompts
+from rollflow.tasks.generate.rollouts import InferenceDead, group_runner, select_prompts
 
 
 def numbered_prompts():

@@ -12,18 +12,14 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from statistics import fmean
 
-from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
-from rollflow.tasks.generate.rollouts import InferenceDead, select_prompts
+from rollflow.tasks.generate.environments import Environment, Prompt
+from rollflow.tasks.generate.rollouts import GroupResult, RunGroup, select_prompts
 
 log = logging.getLogger(__name__)
-
-GroupResult = list[Sample] | str  # the samples, or why the group has none
-RunGroup = Callable[[Prompt, int], Awaitable[GroupResult]]
-
 
 class TrainingFinished(RuntimeError):
     """The producer was finished by the explicit ``training_finished`` event: no more groups."""
@@ -294,22 +290,6 @@ class RolloutProducer:
 def _failed(message: str, cause: BaseException) -> ProducerFailed:
     (err := ProducerFailed(message)).__cause__ = cause
     return err
-
-
-def group_runner(envs: dict[str, Environment], ctx: RolloutContext, group_size: int) -> RunGroup:
-    """``run_group`` for environments: a failed group becomes its error string, as in
-    ``generate_groups``; ``InferenceDead`` propagates and stops the producer."""
-
-    async def run_group(prompt: Prompt, version_started: int) -> GroupResult:
-        try:
-            return await envs[prompt.env].rollout_group(prompt, group_size, ctx)
-        except InferenceDead:
-            raise
-        except Exception as exc:
-            log.warning("group %s failed: %s", prompt.prompt_id, exc)
-            return f"rollout: {type(exc).__name__}: {exc}"
-
-    return run_group
 
 
 def prompt_stream(envs: dict[str, Environment], weights: dict[str, float], train_batch_size: int,

@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from rollflow.infra.inference.client import (
@@ -106,20 +107,34 @@ def select_prompts(envs: dict[str, Environment], weights: dict[str, float], coun
     return out
 
 
+GroupResult = list[Sample] | str  # the samples, or why the group has none
+RunGroup = Callable[[Prompt, int], Awaitable[GroupResult]]  # (prompt, version_started)
+
+
+def group_runner(envs: dict[str, Environment], ctx: RolloutContext, group_size: int) -> RunGroup:
+    """One group of a prompt: a failed group becomes its error string; ``InferenceDead`` propagates."""
+
+    async def run_group(prompt: Prompt, version_started: int = 0) -> GroupResult:
+        try:
+            return await envs[prompt.env].rollout_group(prompt, group_size, ctx)
+        except InferenceDead:
+            raise
+        except Exception as exc:
+            log.warning("group %s failed: %s", prompt.prompt_id, exc)
+            return f"rollout: {type(exc).__name__}: {exc}"
+
+    return run_group
+
+
 async def generate_groups(envs: dict[str, Environment], prompts: list[Prompt], ctx: RolloutContext,
-                          group_size: int, max_concurrency: int) -> list[list[Sample] | str]:
+                          group_size: int, max_concurrency: int) -> list[GroupResult]:
     """One entry per prompt, in order: its samples, or the error that left it without any."""
     gate = asyncio.Semaphore(max_concurrency)
+    run_group = group_runner(envs, ctx, group_size)
 
-    async def one(prompt: Prompt) -> list[Sample] | str:
+    async def one(prompt: Prompt) -> GroupResult:
         async with gate:
-            try:
-                return await envs[prompt.env].rollout_group(prompt, group_size, ctx)
-            except InferenceDead:
-                raise
-            except Exception as exc:
-                log.warning("group %s failed: %s", prompt.prompt_id, exc)
-                return f"rollout: {type(exc).__name__}: {exc}"
+            return await run_group(prompt)
 
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
