@@ -201,13 +201,15 @@ def test_pause_keep_freezes_a_streaming_request_until_resume(server):
         "max_tokens": MAX_LEN - len(PROMPT_IDS),
         "min_tokens": MAX_LEN - len(PROMPT_IDS),
         "temperature": 1.0,
+        "n": 16,
         "stream": True,
     }
 
-    lines: list[str] = []
+    # Many streams at once: the tiny model is fast enough to finish one before pause lands.
+    streams: list[list[str]] = [[] for _ in range(32)]
     started = asyncio.Event()
 
-    async def consume(http):
+    async def consume(http, lines):
         async with http.stream("POST", "/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line:
@@ -215,23 +217,29 @@ def test_pause_keep_freezes_a_streaming_request_until_resume(server):
                     started.set()
 
     async def go(client):
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-            stream = asyncio.create_task(consume(http))
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+            tasks = [asyncio.create_task(consume(http, lines)) for lines in streams]
             await asyncio.wait_for(started.wait(), 30)
             await client.pause(mode="keep")
             try:
                 await asyncio.sleep(0.3)  # chunks already produced may still be in transit
-                num_paused = len(lines)
+                frozen = {i: len(lines) for i, lines in enumerate(streams) if "data: [DONE]" not in lines}
+                assert frozen, "every stream finished before the pause: nothing to check"
                 await asyncio.sleep(1.0)
-                assert len(lines) == num_paused, "tokens arrived while paused"
-                assert "data: [DONE]" not in lines
+                for i, count in frozen.items():
+                    assert len(streams[i]) == count, "tokens arrived while paused"
+                    assert "data: [DONE]" not in streams[i]
             finally:
                 await client.resume()
-            await asyncio.wait_for(stream, 30)
-        assert lines[-1] == "data: [DONE]"
-        events = [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert len(events) > num_paused
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        for i, count in frozen.items():
+            lines = streams[i]
+            assert lines[-1] == "data: [DONE]"
+            events = [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
+            reasons = {c["finish_reason"] for e in events for c in e["choices"]} - {None}
+            assert reasons == {"length"}
+            assert len(events) > count - 1
 
     run(go, server)
 

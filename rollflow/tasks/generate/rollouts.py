@@ -139,11 +139,15 @@ async def generate_groups(envs: dict[str, Environment], prompts: list[Prompt], c
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def to_rows(run: str, step: int, prompts: list[Prompt], results: list[list[Sample] | str],
-            group_size: int, version_started: int, version_finished: int) -> list[dict]:
-    """Rows of ``ROLLOUT_SCHEMA``: one per sample, or ``group_size`` error rows per failed group."""
+def to_rows(run: str, step: int, prompts: list[Prompt], results: list[GroupResult], group_size: int,
+            versions: list[tuple[int, int]]) -> list[dict]:
+    """Rows of ``ROLLOUT_SCHEMA``: one per sample, or ``group_size`` error rows per failed group.
+
+    ``versions`` holds each group's (version_started, version_finished).
+    """
     rows = []
-    for gi, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+    for gi, (prompt, result, (version_started, version_finished)) in enumerate(
+            zip(prompts, results, versions, strict=True)):
         samples = result if isinstance(result, list) else [
             Sample([], [], [], "", "error", error=result) for _ in range(group_size)
         ]
