@@ -17,8 +17,8 @@ from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
 from rollflow.tasks.sync.task import sync
 from rollflow.tasks.train.task import checkpoint, train
 
-PRODUCER_METRICS = ("trainer_wait_for_data_s", "staleness_mean", "staleness_max", "groups_in_flight",
-                    "producer_blocked_s", "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s")
+PRODUCER_METRICS = ("retries_total", "trainer_wait_for_data_s", "staleness_mean", "staleness_max",
+                    "groups_in_flight", "producer_blocked_s", "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s")
 
 
 @flow(name="train-step", flow_run_name="{ctx.config.run.name}-step-{step}", persist_result=False,
@@ -43,7 +43,7 @@ def train_step(ctx: RunContext, step: int, resumed_from: int) -> dict:
         "reward_mean": rollouts["reward_mean"],
         **{f"reward/{env}": r for env, r in rollouts["reward_by_env"].items()},
         "num_rollouts": rollouts["num_rollouts"], "num_errors": rollouts["num_errors"],
-        "rollouts_reused": rollouts["reused"], "retries": rollouts.get("retries", 0),
+        "rollouts_reused": rollouts["reused"],
         "num_groups_kept": batch["num_groups_kept"], "num_samples_kept": batch["num_samples_kept"],
         **{k: v for k, v in trained.items() if not isinstance(v, dict)},
         "sync_s": synced.get("total_s"), "sync_pause_s": synced.get("pause_s"),

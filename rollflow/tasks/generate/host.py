@@ -19,7 +19,7 @@ from rollflow.infra.config import RunConfig
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.tasks.generate.environments import RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
-from rollflow.tasks.generate.rollouts import group_runner
+from rollflow.tasks.generate.rollouts import SamplingStats, group_runner
 
 _HOSTS: dict[str, ProducerHost] = {}
 
@@ -44,10 +44,11 @@ class ProducerHost:
         self._committed = self._taken = resumed_from
         self._closed: BaseException | None = None
         self._cond = threading.Condition()
+        self.sampling_stats = SamplingStats()  # retries of aborted / disconnected requests
 
         async def build() -> tuple[InferenceClient, RolloutProducer]:
             client = InferenceClient(inference_url, timeout_s=cfg.inference.request_timeout_s)
-            ctx: RolloutContext = make_ctx(client)
+            ctx: RolloutContext = make_ctx(client, stats=self.sampling_stats)
             t = cfg.train
             producer = RolloutProducer(
                 group_runner(envs, ctx, cfg.sampling.group_size),
@@ -76,6 +77,7 @@ class ProducerHost:
         self._wait(lambda: self._taken >= step - 1, timeout_s, f"step {step} waited for step {step - 1} to take its groups")
         groups = self._call(self.producer.take(step, timeout_s), timeout_s + 5)
         metrics = self._call(_gather(self.producer, step), 10)
+        metrics["retries_total"] = self.sampling_stats.retries
         self.skip(step)
         return groups, metrics
 

@@ -95,7 +95,7 @@ def make_rollout_context(cfg: RunConfig, model_path: str, client: InferenceClien
     s, inf = cfg.sampling, cfg.inference
     sampler = Sampler(client, max_tokens=s.max_tokens, temperature=temperature, top_p=s.top_p,
                       retry=RetryPolicy(), stats=stats or SamplingStats(),
-                      deadline_s=inf.startup_timeout_s + inf.request_timeout_s)
+                      deadline_s=inf.startup_timeout_s + inf.request_timeout_s, max_requests=inf.max_concurrency)
     return RolloutContext(sample=sampler, encode=lambda text: tok(text).input_ids,
                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                           eos_token_id=tok.eos_token_id)
