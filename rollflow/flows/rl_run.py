@@ -6,14 +6,9 @@ never redoing a committed step (see docs/architecture.md, "Resume").
 
 from __future__ import annotations
 
-import contextvars
 import math
 import random
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
-from functools import partial
 from pathlib import Path
 
 from prefect import flow
@@ -23,8 +18,7 @@ from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.deployment import RunServices
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.generate.host import ProducerHost
-from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context
+from rollflow.tasks.generate.task import build_envs, evaluate
 from rollflow.tasks.train.warm_start import prepare_tiny_model
 
 LOCAL_CACHE = Path("~/.cache/rollflow/checkpoints").expanduser()
@@ -61,47 +55,12 @@ def rl_run(config: dict) -> dict:
             storage.write_metrics(0, {"eval_reward": ev["eval_reward"],
                                       **{f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()}})
             say(f"step 0: held-out reward {_fmt_env(ev['eval_reward'], ev['eval_reward_by_env'])}")
-        host = ProducerHost(cfg, build_envs(cfg), partial(make_rollout_context, cfg, str(base_model),
-                                                          temperature=cfg.sampling.temperature),
-                            services.inference.url, resumed_from)
-        run_steps(ctx, services, host, resumed_from)
-        host.close()  # the explicit end of training: the producer stops admitting and drains
+        for step in range(resumed_from + 1, cfg.run.num_steps + 1):
+            services.check_alive()
+            metrics = train_step(ctx, step, resumed_from)
+            say(progress_line(step, cfg.run.num_steps, metrics))
         storage.append_event("training_finished", step=cfg.run.num_steps)
     return summarize(storage, say)
-
-
-def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resumed_from: int) -> None:
-    """Run the step flows in order, up to ``max_staleness + 2`` at once (each its own flow run).
-
-    One flow beyond the staleness bound waits at its generate task while the others work, so
-    a flow run's start-up cost (~1 s) is never on the critical path.
-    """
-    cfg = ctx.config
-    workers = cfg.train.max_staleness + 2
-    steps = iter(range(resumed_from + 1, cfg.run.num_steps + 1))
-    running: deque[tuple[int, Future]] = deque()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="step") as pool:
-        try:
-            while True:
-                while len(running) < workers and (step := next(steps, None)) is not None:
-                    # A copy of the context per thread: each step flow is a child of this run.
-                    run = contextvars.copy_context().run
-                    running.append((step, pool.submit(run, train_step, ctx, step, resumed_from)))
-                if not running:
-                    return
-                step, future = running.popleft()
-                while True:
-                    try:
-                        metrics = future.result(timeout=10)
-                        break
-                    except FuturesTimeout:
-                        services.check_alive()
-                say(progress_line(step, cfg.run.num_steps, metrics))
-        except BaseException as exc:
-            for _, future in running:
-                future.cancel()
-            host.close(exc)  # ends the step flows still waiting, before the pool waits for them
-            raise
 
 
 def prepare_policy(cfg: RunConfig) -> Path | str:

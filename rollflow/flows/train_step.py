@@ -12,42 +12,33 @@ from prefect import flow
 
 from rollflow.infra.context import RunContext
 from rollflow.tasks.advantage.task import advantage
-from rollflow.tasks.generate.host import host_for
-from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
+from rollflow.tasks.generate.task import evaluate, generate
 from rollflow.tasks.sync.task import sync
 from rollflow.tasks.train.task import checkpoint, train
-
-PRODUCER_METRICS = ("retries_total", "trainer_wait_for_data_s", "staleness_mean", "staleness_max",
-                    "groups_in_flight", "producer_blocked_s", "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s")
 
 
 @flow(name="train-step", flow_run_name="{ctx.config.run.name}-step-{step}", persist_result=False,
       validate_parameters=False)
 def train_step(ctx: RunContext, step: int, resumed_from: int) -> dict:
-    """Run step ``step``; step flows overlap, up to ``max_staleness`` steps ahead; returns its metrics."""
+    """Run step ``step`` with the policy of version ``step - 1``; returns its metrics row."""
     cfg = ctx.config
-    host = host_for(cfg.run.name)
     t0 = time.perf_counter()
-    rollouts = generate(ctx, step, resumed_from=resumed_from)
+    rollouts = generate(ctx, step, version=step - 1, resumed_from=resumed_from)
     t1 = time.perf_counter()
     batch = advantage(ctx, step, reuse=rollouts["reused"])
-    # Optimizer steps stay in step order however the step flows overlap.
-    host.wait_committed(step - 1, take_timeout_s(cfg))
     t2 = time.perf_counter()
     trained = train(ctx, step, batch["minibatches"])
     t3 = time.perf_counter()
     synced = sync(ctx, version=step)
-    host.set_version(step)  # vLLM serves it now: admit the groups it unblocks
     t4 = time.perf_counter()
     metrics = {
         "reward_mean": rollouts["reward_mean"],
         **{f"reward/{env}": r for env, r in rollouts["reward_by_env"].items()},
         "num_rollouts": rollouts["num_rollouts"], "num_errors": rollouts["num_errors"],
-        "rollouts_reused": rollouts["reused"],
+        "rollouts_reused": rollouts["reused"], "retries": rollouts.get("retries", 0),
         "num_groups_kept": batch["num_groups_kept"], "num_samples_kept": batch["num_samples_kept"],
         **{k: v for k, v in trained.items() if not isinstance(v, dict)},
         "sync_s": synced.get("total_s"), "sync_pause_s": synced.get("pause_s"),
-        **{k: rollouts[k] for k in PRODUCER_METRICS if k in rollouts},
         "generate_phase_s": t1 - t0, "advantage_phase_s": t2 - t1, "train_phase_s": t3 - t2,
         "sync_phase_s": t4 - t3,
     }
@@ -60,5 +51,4 @@ def train_step(ctx: RunContext, step: int, resumed_from: int) -> dict:
     if step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps:
         checkpoint(ctx, step)
     ctx.storage.append_event("step_committed", step=step)
-    host.mark_committed(step)
     return metrics

@@ -24,7 +24,6 @@ from rollflow.infra.context import RunContext
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.schema import rows_to_table
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
-from rollflow.tasks.generate.host import host_for
 from rollflow.tasks.generate.rollouts import (
     RetryPolicy,
     Sampler,
@@ -42,6 +41,17 @@ def _tokenizer(model_path: str):
 
 def build_envs(cfg: RunConfig) -> dict[str, Environment]:
     return {spec.name: load_env(spec.name, spec.args) for spec in cfg.envs}
+
+
+def _rollout_context(ctx: RunContext, client: InferenceClient, *, temperature: float,
+                     stats: SamplingStats) -> RolloutContext:
+    tok = _tokenizer(ctx.model_path)
+    s, inf = ctx.config.sampling, ctx.config.inference
+    sampler = Sampler(client, max_tokens=s.max_tokens, temperature=temperature, top_p=s.top_p,
+                      retry=RetryPolicy(), stats=stats, deadline_s=inf.startup_timeout_s + inf.request_timeout_s)
+    return RolloutContext(sample=sampler, encode=lambda text: tok(text).input_ids,
+                          decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                          eos_token_id=tok.eos_token_id)
 
 
 def _client(ctx: RunContext) -> InferenceClient:
@@ -62,43 +72,38 @@ def reusable_rollouts(ctx: RunContext, step: int, resumed_from: int) -> pa.Table
 
 
 @task(name="generate", cache_policy=NO_CACHE, persist_result=False)
-def generate(ctx: RunContext, step: int, resumed_from: int = -1) -> dict:
-    """Take ``train_batch_size`` finished groups for ``step`` from the run's producer; commit them."""
-    storage, cfg = ctx.storage, ctx.config
+def generate(ctx: RunContext, step: int, version: int, resumed_from: int = -1) -> dict:
+    """Sample ``train_batch_size`` groups for ``step`` with policy ``version``; commit them."""
+    storage = ctx.storage
     table = reusable_rollouts(ctx, step, resumed_from)
     if table is not None:
-        host_for(cfg.run.name).skip(step)
         return {**_summary(table.to_pylist()), "reused": True, "generate_s": 0.0}
     storage.remove_step("rollouts", step)
+    cfg = ctx.config
+    envs = build_envs(cfg)
+    prompts = select_prompts(envs, {e.name: e.weight for e in cfg.envs}, cfg.train.train_batch_size,
+                             "train", seed=cfg.run.seed * 1_000_003 + step)
+    stats = SamplingStats()
     start = time.perf_counter()
-    groups, producer = host_for(cfg.run.name).take(step, take_timeout_s(cfg))
-    wait_s = time.perf_counter() - start
-    if all(g.error is not None for g in groups):
-        raise RuntimeError(f"every group of step {step} failed; first error: {groups[0].error}")
-    rows = to_rows(cfg.run.name, step, [g.prompt for g in groups], [g.result for g in groups],
-                   cfg.sampling.group_size, [(g.version_started, g.version_finished) for g in groups])
+
+    async def run():
+        client = _client(ctx)
+        try:
+            rctx = _rollout_context(ctx, client, temperature=cfg.sampling.temperature, stats=stats)
+            return await generate_groups(envs, prompts, rctx, cfg.sampling.group_size,
+                                         cfg.inference.max_concurrency)
+        finally:
+            await client.aclose()
+
+    results = asyncio.run(run())
+    generate_s = time.perf_counter() - start
+    if all(isinstance(r, str) for r in results):
+        raise RuntimeError(f"every group of step {step} failed; first error: {results[0]}")
+    rows = to_rows(cfg.run.name, step, prompts, results, cfg.sampling.group_size,
+                   [(version, version)] * len(prompts))
     storage.write_step_table("rollouts", step, rows_to_table(rows))
-    return {**_summary(rows), "reused": False, "generate_s": time.perf_counter() - start,
-            "trainer_wait_for_data_s": wait_s, **producer}
-
-
-def take_timeout_s(cfg: RunConfig) -> float:
-    """How long a step may wait for its groups: a whole step of every earlier overlapping step."""
-    per_step = cfg.inference.request_timeout_s + cfg.trainer.request_timeout_s + cfg.trainer.weight_sync_timeout_s
-    return per_step * (cfg.train.max_staleness + 2)
-
-
-def make_rollout_context(cfg: RunConfig, model_path: str, client: InferenceClient, *,
-                         temperature: float, stats: SamplingStats | None = None) -> RolloutContext:
-    """Sampling with retries plus the policy's tokenizer, for environments."""
-    tok = _tokenizer(model_path)
-    s, inf = cfg.sampling, cfg.inference
-    sampler = Sampler(client, max_tokens=s.max_tokens, temperature=temperature, top_p=s.top_p,
-                      retry=RetryPolicy(), stats=stats or SamplingStats(),
-                      deadline_s=inf.startup_timeout_s + inf.request_timeout_s, max_requests=inf.max_concurrency)
-    return RolloutContext(sample=sampler, encode=lambda text: tok(text).input_ids,
-                          decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                          eos_token_id=tok.eos_token_id)
+    return {**_summary(rows), "reused": False, "generate_s": generate_s, "retries": stats.retries,
+            "retry_reasons": dict(stats.retry_reasons)}
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -131,7 +136,7 @@ def evaluate(ctx: RunContext) -> dict:
     async def run():
         client = _client(ctx)
         try:
-            rctx = make_rollout_context(cfg, ctx.model_path, client, temperature=s.eval_temperature, stats=stats)
+            rctx = _rollout_context(ctx, client, temperature=s.eval_temperature, stats=stats)
             return await generate_groups(envs, prompts, rctx, 1, cfg.inference.max_concurrency)
         finally:
             await client.aclose()
