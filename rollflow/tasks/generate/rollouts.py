@@ -55,23 +55,12 @@ class Sampler:
     """The sampling call handed to environments: one vLLM request, retried until it completes."""
 
     def __init__(self, client: InferenceClient, *, max_tokens: int, temperature: float, top_p: float,
-                 retry: RetryPolicy, stats: SamplingStats, deadline_s: float, max_requests: int | None = None):
+                 retry: RetryPolicy, stats: SamplingStats, deadline_s: float):
         self.client = client
         self.params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         self.retry, self.stats, self.deadline_s = retry, stats, deadline_s
-        # Requests in flight at once, however many groups are admitted (created lazily: on the loop).
-        self.max_requests = max_requests
-        self._gate: asyncio.Semaphore | None = None
 
     async def __call__(self, prompt_ids: list[int], n: int = 1, **overrides):
-        if self.max_requests is None:
-            return await self._complete(prompt_ids, n, overrides)
-        if self._gate is None:
-            self._gate = asyncio.Semaphore(self.max_requests)
-        async with self._gate:
-            return await self._complete(prompt_ids, n, overrides)
-
-    async def _complete(self, prompt_ids: list[int], n: int, overrides: dict):
         params = {**self.params, **overrides}
         attempt = 0
         start = time.monotonic()
