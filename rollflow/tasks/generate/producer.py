@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from statistics import fmean
 
 from rollflow.tasks.generate.environments import Environment, Prompt
-from rollflow.tasks.generate.rollouts import GroupResult, RunGroup, select_prompts
+from rollflow.tasks.generate.rollouts import (
+    GroupResult,
+    RunGroup,
+    select_prompts,
+    train_prompt_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -298,4 +303,4 @@ def prompt_stream(envs: dict[str, Environment], weights: dict[str, float], train
     synchronous generate task), then step N+1's, ...; a resumed run starts at its next step."""
     for step in itertools.count(first_step):
         yield from select_prompts(envs, weights, train_batch_size, "train",
-                                  seed=seed * 1_000_003 + step)
+                                  seed=train_prompt_seed(seed, step))

@@ -94,6 +94,11 @@ class Sampler:
                 await asyncio.sleep(self.retry.delay_s(attempt - 1))
 
 
+def train_prompt_seed(run_seed: int, step: int) -> int:
+    """The seed of step ``step``'s training prompts: a resumed or regenerated step draws the same."""
+    return run_seed * 1_000_003 + step
+
+
 def select_prompts(envs: dict[str, Environment], weights: dict[str, float], count: int,
                    split: str, seed: int) -> list[Prompt]:
     """``count`` prompts drawn from the env mix by weight; the same seed gives the same prompts."""

@@ -25,12 +25,14 @@ from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.schema import rows_to_table
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
 from rollflow.tasks.generate.rollouts import (
+    GroupResult,
     RetryPolicy,
     Sampler,
     SamplingStats,
     generate_groups,
     select_prompts,
     to_rows,
+    train_prompt_seed,
 )
 
 
@@ -54,9 +56,20 @@ def _rollout_context(ctx: RunContext, client: InferenceClient, *, temperature: f
                           eos_token_id=tok.eos_token_id)
 
 
-def _client(ctx: RunContext) -> InferenceClient:
-    return InferenceClient(ctx.inference.url,
-                           timeout_s=ctx.config.inference.request_timeout_s)
+def _sample(ctx: RunContext, envs: dict[str, Environment], prompts: list, group_size: int,
+            temperature: float) -> tuple[list[GroupResult], SamplingStats]:
+    """One group per prompt from the inference deployment, on a short-lived client."""
+    stats = SamplingStats()
+
+    async def run():
+        client = InferenceClient(ctx.inference.url, timeout_s=ctx.config.inference.request_timeout_s)
+        try:
+            rctx = _rollout_context(ctx, client, temperature=temperature, stats=stats)
+            return await generate_groups(envs, prompts, rctx, group_size, ctx.config.inference.max_concurrency)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run()), stats
 
 
 def reusable_rollouts(ctx: RunContext, step: int, resumed_from: int) -> pa.Table | None:
@@ -82,20 +95,9 @@ def generate(ctx: RunContext, step: int, version: int, resumed_from: int = -1) -
     cfg = ctx.config
     envs = build_envs(cfg)
     prompts = select_prompts(envs, {e.name: e.weight for e in cfg.envs}, cfg.train.train_batch_size,
-                             "train", seed=cfg.run.seed * 1_000_003 + step)
-    stats = SamplingStats()
+                             "train", seed=train_prompt_seed(cfg.run.seed, step))
     start = time.perf_counter()
-
-    async def run():
-        client = _client(ctx)
-        try:
-            rctx = _rollout_context(ctx, client, temperature=cfg.sampling.temperature, stats=stats)
-            return await generate_groups(envs, prompts, rctx, cfg.sampling.group_size,
-                                         cfg.inference.max_concurrency)
-        finally:
-            await client.aclose()
-
-    results = asyncio.run(run())
+    results, stats = _sample(ctx, envs, prompts, cfg.sampling.group_size, cfg.sampling.temperature)
     generate_s = time.perf_counter() - start
     if all(isinstance(r, str) for r in results):
         raise RuntimeError(f"every group of step {step} failed; first error: {results[0]}")
@@ -131,17 +133,7 @@ def evaluate(ctx: RunContext) -> dict:
     for i, name in enumerate(sorted(envs)):
         prompts += select_prompts({name: envs[name]}, {name: 1.0}, s.num_eval_prompts, "eval",
                                   seed=cfg.run.seed * 7919 + i)
-    stats = SamplingStats()
-
-    async def run():
-        client = _client(ctx)
-        try:
-            rctx = _rollout_context(ctx, client, temperature=s.eval_temperature, stats=stats)
-            return await generate_groups(envs, prompts, rctx, 1, cfg.inference.max_concurrency)
-        finally:
-            await client.aclose()
-
-    results = asyncio.run(run())
+    results, _ = _sample(ctx, envs, prompts, 1, s.eval_temperature)
     by_env: dict[str, list[float]] = defaultdict(list)
     for prompt, samples in zip(prompts, results, strict=True):
         ok = isinstance(samples, list) and samples and samples[0].error is None
