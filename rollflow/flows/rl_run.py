@@ -6,9 +6,14 @@ never redoing a committed step (see docs/architecture.md, "Resume").
 
 from __future__ import annotations
 
+import contextvars
 import math
 import random
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from functools import partial
 from pathlib import Path
 
 from prefect import flow
@@ -18,7 +23,8 @@ from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.deployment import RunServices
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.generate.task import build_envs, evaluate
+from rollflow.tasks.generate.host import ProducerHost
+from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context, reused_steps
 from rollflow.tasks.train.warm_start import prepare_tiny_model
 
 LOCAL_CACHE = Path("~/.cache/rollflow/checkpoints").expanduser()
@@ -55,12 +61,54 @@ def rl_run(config: dict) -> dict:
             storage.write_metrics(0, {"eval_reward": ev["eval_reward"],
                                       **{f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()}})
             say(f"step 0: held-out reward {_fmt_env(ev['eval_reward'], ev['eval_reward_by_env'])}")
-        for step in range(resumed_from + 1, cfg.run.num_steps + 1):
-            services.check_alive()
-            metrics = train_step(ctx, step, resumed_from)
-            say(progress_line(step, cfg.run.num_steps, metrics))
+        reused = reused_steps(ctx, resumed_from)
+        if reused:
+            say(f"reusing the committed rollouts of steps {reused} (within the staleness bound)")
+        host = ProducerHost(cfg, build_envs(cfg),
+                            partial(make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature),
+                            services.inference.url, resumed_from, reused)
+        try:
+            run_steps(ctx, services, host, resumed_from)
+        except BaseException as exc:
+            host.close(exc)
+            raise
+        host.close()  # the explicit end of training: the producer stops admitting and drains
         storage.append_event("training_finished", step=cfg.run.num_steps)
     return summarize(storage, say)
+
+
+def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resumed_from: int) -> None:
+    """Run the step flows in step order, up to ``max_staleness + 2`` at once (each its own flow run).
+
+    The flow beyond the staleness bound waits at its generate task while the others work, so a
+    flow run's start-up cost (~1 s) is never on the critical path. A failed step closes the
+    producer, which ends the flows waiting on it, and fails the run.
+    """
+    cfg = ctx.config
+    workers = cfg.train.max_staleness + 2
+    steps = iter(range(resumed_from + 1, cfg.run.num_steps + 1))
+    running: deque[tuple[int, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="step") as pool:
+        try:
+            while True:
+                while len(running) < workers and (step := next(steps, None)) is not None:
+                    run = contextvars.copy_context().run  # each thread's flow is a child of this run
+                    running.append((step, pool.submit(run, train_step, ctx, step)))
+                if not running:
+                    return
+                step, future = running.popleft()
+                while True:
+                    try:
+                        metrics = future.result(timeout=5)
+                        break
+                    except FuturesTimeout:
+                        services.check_alive()
+                say(progress_line(step, cfg.run.num_steps, metrics))
+        except BaseException as exc:
+            for _, future in running:
+                future.cancel()
+            host.close(exc)  # ends the step flows still waiting, before the pool joins them
+            raise
 
 
 def prepare_policy(cfg: RunConfig) -> Path | str:
@@ -119,10 +167,11 @@ def _fmt_env(total: float, by_env: dict[str, float]) -> str:
 
 
 def progress_line(step: int, num_steps: int, m: dict) -> str:
-    """One line per step: reward, what was kept, loss, and where the time went."""
+    """One line per step: reward, what was kept, loss, staleness, and where the time went."""
     line = (f"step {step}/{num_steps}: reward {m['reward_mean']:.3f}, kept {m['num_groups_kept']} groups, "
-            f"loss {m.get('loss', math.nan):+.4f} | gen {m['generate_phase_s']:.2f}s "
-            f"train {m['train_phase_s']:.2f}s sync {m['sync_phase_s']:.2f}s | step {m['step_s']:.2f}s")
+            f"loss {m.get('loss', math.nan):+.4f}, staleness {m.get('staleness_mean', 0.0):.1f} | "
+            f"wait {m['trainer_wait_for_data_s']:.2f}s train {m['train_phase_s']:.2f}s "
+            f"sync {m['sync_phase_s']:.2f}s | step {m['step_s']:.2f}s")
     if "eval_reward" in m:
         by_env = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("eval_reward/")}
         line += f"\n  held-out reward {_fmt_env(m['eval_reward'], by_env)}"

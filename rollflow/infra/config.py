@@ -110,10 +110,17 @@ class TrainSection(_Section):
     train_batch_size: int = Field(64, ge=1, description="Groups per outer step (one weight sync).")
     mini_batch_size: int = Field(64, ge=1, description="Groups per optimizer step.")
     max_staleness: int = Field(0, ge=0, description="Steps generation may run ahead of training (0 = on-policy).")
+    max_in_flight_groups: int | None = Field(
+        None, ge=1, description="Groups generating at once (K); default train_batch_size * (max_staleness + 1)."
+    )
     clip_eps_low: float = Field(0.2, gt=0, description="PPO clip: lower epsilon.")
     clip_eps_high: float = Field(0.2, gt=0, description="PPO clip: upper epsilon.")
     normalize_std: bool = Field(False, description="Divide group advantages by the group's reward std.")
     filter_zero_advantage: bool = Field(True, description="Drop groups whose advantages are all zero.")
+
+    def in_flight_groups(self) -> int:
+        """K: groups the rollout producer keeps generating at once."""
+        return self.max_in_flight_groups or self.train_batch_size * (self.max_staleness + 1)
 
 
 class InferenceSection(_Section):
@@ -159,6 +166,13 @@ class RunConfig(_Section):
             raise ValueError(
                 f"train.train_batch_size ({t.train_batch_size}) must be divisible by "
                 f"train.mini_batch_size ({t.mini_batch_size})"
+            )
+        k, high = t.in_flight_groups(), t.train_batch_size * (t.max_staleness + 1)
+        if not t.train_batch_size <= k <= high:
+            raise ValueError(
+                f"train.max_in_flight_groups ({k}) must be between train.train_batch_size "
+                f"({t.train_batch_size}) and train_batch_size * (max_staleness + 1) ({high}): fewer "
+                "cannot fill a step, more can never be admitted under the staleness bound"
             )
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):

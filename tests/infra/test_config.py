@@ -41,6 +41,12 @@ def test_cross_field_errors_say_what_to_do():
         load_config(QUICKSTART, ["train.mini_batch_size=48"])
     with pytest.raises(ConfigError, match="exactly one of model.path"):
         load_config(QUICKSTART, ["model.path=/some/model"])
+    # K groups in flight: at least one step's worth, at most what the staleness bound admits.
+    with pytest.raises(ConfigError, match=r"train.max_in_flight_groups \(64\) must be between .* \(128\)"):
+        load_config(QUICKSTART, ["train.max_in_flight_groups=64"])
+    with pytest.raises(ConfigError, match=r"\(300\) must be between .*max_staleness \+ 1\) \(256\)"):
+        load_config(QUICKSTART, ["train.max_in_flight_groups=300", "train.max_staleness=1"])
+    assert load_config(QUICKSTART, ["train.max_staleness=2"]).train.in_flight_groups() == 384
 
 
 def test_bad_files_and_overrides(tmp_path):

@@ -46,7 +46,7 @@ class FakeGroups:
 def assert_accounting(p: RolloutProducer) -> None:
     s = p.snapshot()
     assert s["num_admitted"] == (s["num_in_flight"] + s["num_ready"] + s["num_emitted"]
-                                 + s["num_cancelled"]), s
+                                 + s["num_cancelled"] + s["num_stale_dropped"]), s
     assert s["num_admitted"] <= s["admission_bound"], s
 
 
@@ -100,16 +100,20 @@ def test_admission_bound_fifo_and_exactly_once(max_staleness, overlap):
     # Exactly once: no duplicate, and every admitted group is emitted, ready or cancelled.
     ids = [g.prompt.prompt_id for g in emitted]
     assert len(ids) == len(set(ids)) == num_steps * B
-    assert p.num_admitted == p.num_emitted + len(p._ready) + p.num_cancelled
-    # First finished, first out: the emission order is a prefix of the finish order.
-    assert ids == finished[: len(ids)]
+    assert p.num_admitted == p.num_emitted + len(p._ready) + p.num_cancelled + p.num_stale_dropped
+    # First finished, first out: the emission order is the finish order less the stale drops.
+    position = {pid: i for i, pid in enumerate(finished)}
+    assert [position[i] for i in ids] == sorted(position[i] for i in ids)
+    assert len(ids) + p.num_stale_dropped >= len(finished[: position[ids[-1]] + 1])
     started = dict(fake.started)
-    for g in emitted:
-        assert started[g.prompt.prompt_id] == g.version_started
-        assert g.index == int(g.prompt.prompt_id)
-        # The admission bound, checked for every group at the version it was admitted with.
-        assert g.index + 1 <= (max_staleness + g.version_started + 1) * B
-        assert g.version_finished >= g.version_started
+    for step, groups in batches.items():
+        for g in groups:
+            assert started[g.prompt.prompt_id] == g.version_started
+            assert g.index == int(g.prompt.prompt_id)
+            # The admission bound, checked for every group at the version it was admitted with.
+            assert g.index + 1 <= (max_staleness + g.version_started + 1) * B + p.num_stale_dropped
+            assert g.version_finished >= g.version_started
+            assert step - 1 - g.version_started <= max_staleness  # the staleness bound, strictly
     if max_staleness == 0:  # synchronous RL: step N's groups all started from version N - 1
         for step, groups in batches.items():
             assert {g.version_started for g in groups} == {step - 1}
@@ -244,7 +248,7 @@ def test_event_loop_lag_is_sampled():
 
 
 @pytest.mark.parametrize("B,S,K,keys", [
-    (4, 1, 3, ["train.train_batch_size", "inference.max_concurrency", "4 <= K <= 8"]),
+    (4, 1, 3, ["train.train_batch_size", "train.max_in_flight_groups", "4 <= K <= 8"]),
     (4, 1, 9, ["train.max_staleness", "4 <= K <= 8"]),
     (4, 0, 5, ["4 <= K <= 4"]),
     (0, 0, 1, ["train.train_batch_size"]),
@@ -280,3 +284,37 @@ def test_group_runner_turns_errors_into_strings_but_not_inference_death():
     dead = group_runner({"e": Env(InferenceDead("gone"))}, ctx=None, group_size=2)
     with pytest.raises(InferenceDead):
         asyncio.run(dead(prompt, 0))
+
+
+def test_a_group_overtaken_past_the_bound_is_dropped_counted_and_replaced():
+    """S = 1: a slow group admitted for step 1 that finishes only after step 2 was served is too
+    old for step 3 (version 0 < 3 - 1 - 1); it is dropped, counted, and its slot refilled."""
+    slow = asyncio.Event
+
+    async def main():
+        release = slow()
+        fast = FakeGroups(seed=3)
+
+        async def run_group(prompt, version):
+            if prompt.prompt_id == "0":
+                await release.wait()
+                return [Sample([1], [2], [-0.1], "x", "stop", reward=0.0)]
+            return await fast(prompt, version)
+
+        p = RolloutProducer(run_group, numbered_prompts(), train_batch_size=2, max_staleness=1,
+                            max_in_flight=4)
+        async with p:
+            one = await p.take(1, timeout_s=2)
+            p.set_version(1)
+            two = await p.take(2, timeout_s=2)
+            release.set()
+            await asyncio.sleep(0.01)  # group 0 finishes: version 0, fine for step 2, not step 3
+            p.set_version(2)
+            three = await p.take(3, timeout_s=2)
+            assert_accounting(p)
+            return p, one + two + three, three
+
+    p, emitted, three = asyncio.run(main())
+    assert "0" not in [g.prompt.prompt_id for g in emitted]
+    assert p.num_stale_dropped == 1 and p.step_metrics(3)["stale_dropped_total"] == 1
+    assert all(3 - 1 - g.version_started <= 1 for g in three)

@@ -33,9 +33,9 @@ def test_committed_rollouts_reused_only_within_the_bound(tmp_path, max_staleness
                                                          resumed_from, reused):
     ctx = _ctx(tmp_path, max_staleness)
     _commit(ctx, step, version)
-    assert (reusable_rollouts(ctx, step, resumed_from) is not None) == reused
+    assert reusable_rollouts(ctx, step, resumed_from) == reused
 
 
 def test_uncommitted_rollouts_are_never_reused(tmp_path):
     ctx = _ctx(tmp_path, 0)
-    assert reusable_rollouts(ctx, 1, 0) is None
+    assert reusable_rollouts(ctx, 1, 0) is False

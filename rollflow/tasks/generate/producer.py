@@ -54,34 +54,40 @@ class FinishedGroup:
 class RolloutProducer:
     """Generates groups ahead of training, never further ahead than ``max_staleness`` steps.
 
-    Invariants (B = ``train_batch_size``, S = ``max_staleness``, v = versions synced since start):
+    Invariants (B = ``train_batch_size``, S = ``max_staleness``, v = the policy version vLLM holds,
+    F = ``first_step``, the step the first admitted group goes to; F = v + 1 on a fresh start):
 
-    - admission: a group is admitted only if afterwards ``admitted ≤ (S + v + 1) · B``, so group
-      ``index`` i started from a version ``≥ i // B - S``. S = 0 is synchronous on-policy RL.
-    - accounting, at every await point: ``admitted == in_flight + ready + emitted + cancelled``,
-      where ``cancelled`` only grows in ``finish()``. A group whose run returned an error string
-      is emitted like any other (and counted in ``failed``); it is never retried or dropped here,
-      so a failing group cannot starve a step under the bound.
+    - admission: a group is admitted only if afterwards ``admitted ≤ (S + v + 2 - F) · B``, so
+      group ``index`` i, which step F + i // B trains on, started from a version
+      ``≥ F + i // B - 1 - S``. S = 0 is synchronous on-policy RL. A resumed run whose next steps
+      reuse committed rollouts starts with F past them, so those steps count against the bound.
+    - accounting, at every await point (the issue's ``submitted == accepted + filtered +
+      running``): ``admitted == emitted + (stale_dropped + cancelled) + (in_flight + ready)``,
+      where ``cancelled`` only grows in ``finish()`` or a fatal failure. A group whose run
+      returned an error string is emitted like any other (and counted in ``failed``); it is never
+      retried or dropped here, so a failing group cannot starve a step under the bound.
     - every admitted group is emitted at most once, to exactly one step, first finished first
       out; steps waiting at once are served lowest step first; ``take(step)`` again returns the
       same groups (a retried generate task loses nothing).
-    - admission bounds how far generation runs ahead, not each group's age: a group overtaken by
-      faster ones is emitted at a later step, so ``version - version_started`` at take time can
-      exceed S (``step_metrics`` reports it). S = 0 admits one step at a time, so it cannot.
+    - staleness ``(step - 1) - version_started`` of every emitted group is ``≤ S``. Admission
+      alone cannot promise it: a group overtaken by faster ones is emitted at a later step. Such
+      a group, too old for the step being served, is dropped, counted in ``stale_dropped`` and
+      logged, and its admission slot is given back, so a replacement starts from the current
+      version. S = 0 admits one step at a time, so nothing is ever dropped there.
     - the end is explicit: only ``finish()`` stops the producer; every waiting or later ``take``
       then raises ``TrainingFinished``. A raise from ``run_group`` stops it with ``ProducerFailed``.
     """
 
     def __init__(self, run_group: RunGroup, prompts: Iterator[Prompt] | Callable[[], Prompt], *,
                  train_batch_size: int, max_staleness: int, max_in_flight: int, version: int = 0,
-                 clock: Callable[[], float] = time.monotonic, lag_interval_s: float = 0.1):
+                 first_step: int | None = None, clock: Callable[[], float] = time.monotonic, lag_interval_s: float = 0.1):
         B, S, K = train_batch_size, max_staleness, max_in_flight
         if B < 1 or S < 0:
             raise ValueError(f"need train.train_batch_size >= 1 (got {B}) and "
                              f"train.max_staleness >= 0 (got {S})")
         if not B <= K <= B * (S + 1):
             raise ValueError(
-                f"groups in flight K (inference.max_concurrency) = {K} must satisfy "
+                f"groups in flight K (train.max_in_flight_groups) = {K} must satisfy "
                 f"train.train_batch_size <= K <= "
                 f"train.train_batch_size * (train.max_staleness + 1), "
                 f"i.e. {B} <= K <= {B * (S + 1)}: fewer cannot fill one step, more can never be "
@@ -90,7 +96,9 @@ class RolloutProducer:
         self._run_group = run_group
         self._next_prompt = prompts.__next__ if isinstance(prompts, Iterator) else prompts
         self._clock, self._lag_interval_s = clock, lag_interval_s
-        self._version0 = self.version = version
+        self.version = version
+        # Group i goes to step first_step + i // B, which trains on version first_step + i // B - 1.
+        self.first_step = version + 1 if first_step is None else first_step
         self._ready: deque[FinishedGroup] = deque()
         self._tasks: set[asyncio.Task] = set()
         self._service_tasks: list[asyncio.Task] = []
@@ -100,6 +108,7 @@ class RolloutProducer:
         self._step_metrics: dict[int, dict] = {}
         self._lags_s: deque[float] = deque(maxlen=3000)  # the last ~5 min at 10 Hz
         self.num_admitted = self.num_emitted = self.num_failed = self.num_cancelled = 0
+        self.num_stale_dropped = 0
         self._blocked_s, self._blocked_since = 0.0, None
         self._exhausted = False
         self._stopped: BaseException | None = None  # TrainingFinished or ProducerFailed
@@ -144,9 +153,10 @@ class RolloutProducer:
                     changed = self._changed
                     if self._stopped is not None:
                         raise self._stop_error()
-                    if (len(self._ready) >= self.train_batch_size
-                            and step == min(self._pending_steps)):
-                        break
+                    if step == min(self._pending_steps):
+                        self._drop_stale(step)
+                        if len(self._ready) >= self.train_batch_size:
+                            break
                     await changed.wait()
         except TimeoutError:
             raise TimeoutError(self._timeout_message(step, timeout_s)) from None
@@ -154,9 +164,10 @@ class RolloutProducer:
             self._pending_steps.discard(step)
         groups = [self._ready.popleft() for _ in range(self.train_batch_size)]
         self.num_emitted += len(groups)
-        staleness = [self.version - g.version_started for g in groups]
+        staleness = [step - 1 - g.version_started for g in groups]
         self._step_metrics[step] = {
             "version": self.version, "wait_s": self._clock() - start,
+            "stale_dropped_total": self.num_stale_dropped,
             "staleness_mean": fmean(staleness), "staleness_max": max(staleness),
             "num_failed": sum(g.error is not None for g in groups)}
         self._taken[step] = groups
@@ -164,6 +175,18 @@ class RolloutProducer:
             del self._taken[old]  # only a retry of a recent step can ask again
         self._notify()
         return groups
+
+    def _drop_stale(self, step: int) -> None:
+        oldest_ok = step - 1 - self.max_staleness
+        stale = [g for g in self._ready if g.version_started < oldest_ok]
+        if not stale:
+            return
+        self._ready = deque(g for g in self._ready if g.version_started >= oldest_ok)
+        self.num_stale_dropped += len(stale)
+        log.warning("step %d: dropped %d finished groups started from versions %s, older than the "
+                    "staleness bound allows (>= %d); their admission slots are reused",
+                    step, len(stale), sorted({g.version_started for g in stale}), oldest_ok)
+        self._notify()  # the freed slots let admission go on
 
     def step_metrics(self, step: int) -> dict:
         """Numbers of ``take(step)``: version at take, wait, staleness mean/max, failures."""
@@ -181,6 +204,7 @@ class RolloutProducer:
             "num_ready": len(self._ready),
             "num_admitted": self.num_admitted, "num_emitted": self.num_emitted,
             "num_failed": self.num_failed, "num_cancelled": self.num_cancelled,
+            "num_stale_dropped": self.num_stale_dropped,
             "admission_bound": self._bound(), "blocked_by_bound_s": blocked,
             "loop_lag_p50_s": pick(0.50), "loop_lag_p99_s": pick(0.99), "loop_lag_max_s": pick(1.0),
             "staleness_mean": last.get("staleness_mean", 0.0),
@@ -188,7 +212,9 @@ class RolloutProducer:
         }
 
     def _bound(self) -> int:
-        return (self.max_staleness + self.version - self._version0 + 1) * self.train_batch_size
+        # Group i may start once version >= (its step) - 1 - S, i.e. admitted <= (S + v + 2 - first_step) · B.
+        steps_open = self.max_staleness + self.version + 2 - self.first_step
+        return max(0, steps_open) * self.train_batch_size + self.num_stale_dropped
 
     async def _admit_loop(self) -> None:
         try:

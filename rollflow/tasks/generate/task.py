@@ -1,8 +1,12 @@
 """The generate stage: rollouts of one step, written to ``rollouts/step=N``; and evaluation.
 
+Training rollouts come from the run's rollout producer (``host.py``), which generates ahead of
+training under the staleness bound; the generate task takes a step's groups and commits them.
+
 Resume rule (one rule for every staleness bound): committed rollouts of step N are reused when
 every group started from a policy version v with ``N - 1 - max_staleness <= v <= C`` (C: the
-checkpoint the run resumed from); otherwise they are removed and generated again.
+checkpoint the run resumed from); otherwise they are removed and generated again. Only the
+consecutive steps after C that qualify are reused (``reused_steps``): the producer starts after them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from collections import defaultdict
 from functools import lru_cache
 from statistics import fmean
 
-import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -24,6 +27,7 @@ from rollflow.infra.context import RunContext
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.schema import rows_to_table
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
+from rollflow.tasks.generate.host import host_for
 from rollflow.tasks.generate.rollouts import (
     GroupResult,
     RetryPolicy,
@@ -32,7 +36,6 @@ from rollflow.tasks.generate.rollouts import (
     generate_groups,
     select_prompts,
     to_rows,
-    train_prompt_seed,
 )
 
 
@@ -45,10 +48,11 @@ def build_envs(cfg: RunConfig) -> dict[str, Environment]:
     return {spec.name: load_env(spec.name, spec.args) for spec in cfg.envs}
 
 
-def _rollout_context(ctx: RunContext, client: InferenceClient, *, temperature: float,
-                     stats: SamplingStats) -> RolloutContext:
-    tok = _tokenizer(ctx.model_path)
-    s, inf = ctx.config.sampling, ctx.config.inference
+def make_rollout_context(cfg: RunConfig, model_path: str, client: InferenceClient, stats: SamplingStats,
+                         *, temperature: float) -> RolloutContext:
+    """Sampling with retries plus the policy's tokenizer: what environments need to roll out."""
+    tok = _tokenizer(model_path)
+    s, inf = cfg.sampling, cfg.inference
     sampler = Sampler(client, max_tokens=s.max_tokens, temperature=temperature, top_p=s.top_p,
                       retry=RetryPolicy(), stats=stats, deadline_s=inf.startup_timeout_s + inf.request_timeout_s)
     return RolloutContext(sample=sampler, encode=lambda text: tok(text).input_ids,
@@ -57,55 +61,65 @@ def _rollout_context(ctx: RunContext, client: InferenceClient, *, temperature: f
 
 
 def _sample(ctx: RunContext, envs: dict[str, Environment], prompts: list, group_size: int,
-            temperature: float) -> tuple[list[GroupResult], SamplingStats]:
+            temperature: float) -> list[GroupResult]:
     """One group per prompt from the inference deployment, on a short-lived client."""
-    stats = SamplingStats()
 
     async def run():
         client = InferenceClient(ctx.inference.url, timeout_s=ctx.config.inference.request_timeout_s)
         try:
-            rctx = _rollout_context(ctx, client, temperature=temperature, stats=stats)
+            rctx = make_rollout_context(ctx.config, ctx.model_path, client, SamplingStats(),
+                                        temperature=temperature)
             return await generate_groups(envs, prompts, rctx, group_size, ctx.config.inference.max_concurrency)
         finally:
             await client.aclose()
 
-    return asyncio.run(run()), stats
+    return asyncio.run(run())
 
 
-def reusable_rollouts(ctx: RunContext, step: int, resumed_from: int) -> pa.Table | None:
-    """Committed rollouts of ``step`` that may be trained on after resuming from ``resumed_from``."""
+def reusable_rollouts(ctx: RunContext, step: int, resumed_from: int) -> bool:
+    """Whether the committed rollouts of ``step`` may be trained on after resuming from ``resumed_from``."""
     storage = ctx.storage
     if not storage.is_committed("rollouts", step):
-        return None
-    table = storage.read_step_table("rollouts", step)
-    versions = table.column("version_started")
+        return False
+    versions = storage.read_step_table("rollouts", step).column("version_started")
     low = step - 1 - ctx.config.train.max_staleness
-    ok = pc.min(versions).as_py() >= low and pc.max(versions).as_py() <= resumed_from
-    return table if ok else None
+    return pc.min(versions).as_py() >= low and pc.max(versions).as_py() <= resumed_from
+
+
+def reused_steps(ctx: RunContext, resumed_from: int) -> list[int]:
+    """The consecutive steps after the checkpoint whose committed rollouts are reused."""
+    steps = []
+    for step in range(resumed_from + 1, ctx.config.run.num_steps + 1):
+        if not reusable_rollouts(ctx, step, resumed_from):
+            break
+        steps.append(step)
+    return steps
 
 
 @task(name="generate", cache_policy=NO_CACHE, persist_result=False)
-def generate(ctx: RunContext, step: int, version: int, resumed_from: int = -1) -> dict:
-    """Sample ``train_batch_size`` groups for ``step`` with policy ``version``; commit them."""
-    storage = ctx.storage
-    table = reusable_rollouts(ctx, step, resumed_from)
-    if table is not None:
-        return {**_summary(table.to_pylist()), "reused": True, "generate_s": 0.0}
+def generate(ctx: RunContext, step: int) -> dict:
+    """Take ``train_batch_size`` finished groups for ``step`` from the run's producer; commit them."""
+    storage, cfg = ctx.storage, ctx.config
+    host = host_for(cfg.run.name)
+    if host.reuses(step):
+        return {**_summary(storage.read_step_table("rollouts", step).to_pylist()), "reused": True}
     storage.remove_step("rollouts", step)
-    cfg = ctx.config
-    envs = build_envs(cfg)
-    prompts = select_prompts(envs, {e.name: e.weight for e in cfg.envs}, cfg.train.train_batch_size,
-                             "train", seed=train_prompt_seed(cfg.run.seed, step))
     start = time.perf_counter()
-    results, stats = _sample(ctx, envs, prompts, cfg.sampling.group_size, cfg.sampling.temperature)
-    generate_s = time.perf_counter() - start
-    if all(isinstance(r, str) for r in results):
-        raise RuntimeError(f"every group of step {step} failed; first error: {results[0]}")
-    rows = to_rows(cfg.run.name, step, prompts, results, cfg.sampling.group_size,
-                   [(version, version)] * len(prompts))
+    groups, producer = host.take(step, take_timeout_s(cfg))
+    waited_s = time.perf_counter() - start
+    if all(g.error is not None for g in groups):
+        raise RuntimeError(f"every group of step {step} failed; first error: {groups[0].error}")
+    rows = to_rows(cfg.run.name, step, [g.prompt for g in groups], [g.result for g in groups],
+                   cfg.sampling.group_size, [(g.version_started, g.version_finished) for g in groups])
     storage.write_step_table("rollouts", step, rows_to_table(rows))
-    return {**_summary(rows), "reused": False, "generate_s": generate_s, "retries": stats.retries,
-            "retry_reasons": dict(stats.retry_reasons)}
+    return {**_summary(rows), "reused": False, "take_wait_s": waited_s, **producer}
+
+
+def take_timeout_s(cfg: RunConfig) -> float:
+    """How long a step may wait for its groups: a whole step of every earlier overlapping step."""
+    per_step = (cfg.inference.request_timeout_s + cfg.trainer.request_timeout_s
+                + cfg.trainer.weight_sync_timeout_s)
+    return per_step * (cfg.train.max_staleness + 2)
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -133,7 +147,7 @@ def evaluate(ctx: RunContext) -> dict:
     for i, name in enumerate(sorted(envs)):
         prompts += select_prompts({name: envs[name]}, {name: 1.0}, s.num_eval_prompts, "eval",
                                   seed=cfg.run.seed * 7919 + i)
-    results, _ = _sample(ctx, envs, prompts, 1, s.eval_temperature)
+    results = _sample(ctx, envs, prompts, 1, s.eval_temperature)
     by_env: dict[str, list[float]] = defaultdict(list)
     for prompt, samples in zip(prompts, results, strict=True):
         ok = isinstance(samples, list) and samples and samples[0].error is None
