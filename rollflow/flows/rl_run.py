@@ -22,12 +22,14 @@ from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.deployment import RunServices
+from rollflow.infra.events import publish
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.generate.host import ProducerHost
 from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context, reused_steps
 from rollflow.tasks.train.warm_start import prepare_tiny_model
 
 LOCAL_CACHE = Path("~/.cache/rollflow/checkpoints").expanduser()
+TRAINING_FINISHED_DEADLINE_S = 30.0
 
 
 def say(message: str) -> None:
@@ -51,7 +53,7 @@ def rl_run(config: dict) -> dict:
         policy_dir = storage.local_copy("checkpoints", resumed_from, LOCAL_CACHE)
     else:
         policy_dir = base_model
-    storage.append_event("run_started", resumed_from=resumed_from)
+    publish(storage, "run_started", resumed_from=resumed_from)
     log_dir = _log_dir(storage)
     with RunServices(cfg, policy_dir, resumed_from or None, log_dir, progress=say) as services:
         ctx = RunContext(config=cfg, model_path=str(base_model), trainer=services.trainer,
@@ -66,14 +68,16 @@ def rl_run(config: dict) -> dict:
             say(f"reusing the committed rollouts of steps {reused} (within the staleness bound)")
         host = ProducerHost(cfg, build_envs(cfg),
                             partial(make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature),
-                            services.inference.url, resumed_from, reused)
+                            services.inference.url, services.trainer, resumed_from, reused)
         try:
             run_steps(ctx, services, host, resumed_from)
+            # The end is the trainer's to say; the producer has stopped on it already.
+            finished = host.wait_training_finished(TRAINING_FINISHED_DEADLINE_S)
         except BaseException as exc:
             host.close(exc)
             raise
-        host.close()  # the explicit end of training: the producer stops admitting and drains
-        storage.append_event("training_finished", step=cfg.run.num_steps)
+        publish(storage, "training_finished", source="trainer", **finished)
+        host.close()
     return summarize(storage, say)
 
 

@@ -14,6 +14,7 @@ import time
 from prefect import flow
 
 from rollflow.infra.context import RunContext
+from rollflow.infra.events import publish
 from rollflow.tasks.advantage.task import advantage
 from rollflow.tasks.generate.host import host_for
 from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
@@ -70,6 +71,6 @@ def train_step(ctx: RunContext, step: int) -> dict:
     ctx.storage.write_metrics(step, metrics)
     if step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps:
         checkpoint(ctx, step)
-    ctx.storage.append_event("step_committed", step=step)
+    publish(ctx.storage, "step_committed", step=step)
     host.mark_committed(step)
     return metrics

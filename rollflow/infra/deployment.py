@@ -56,6 +56,7 @@ class RunServices:
             "storage_root": cfg.run.storage, "storage_options": cfg.run.storage_options, "run": cfg.run.name,
             "lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "max_grad_norm": cfg.train.max_grad_norm,
             "micro_batch_tokens": cfg.trainer.micro_batch_tokens, "seed": cfg.run.seed, "host": host, "port": port,
+            "num_steps": cfg.run.num_steps,
         }
         self.trainer = Endpoint("trainer", f"http://{host}:{port}", self.token)
         self.trainer_proc = ManagedProcess(

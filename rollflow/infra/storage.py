@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import pyarrow.parquet as pq
 SUCCESS = "_SUCCESS"
 _STEP_DIR = re.compile(r"step=(\d+)$")
 _STEP_FILE = re.compile(r"step=(\d+)\.parquet$")
+_EVENTS_LOCK = threading.Lock()  # overlapping step flows append from several threads
 
 
 class StorageError(RuntimeError):
@@ -157,10 +159,15 @@ class RunStorage:
             return None
 
     def append_event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one event line to ``events.jsonl``."""
+        """Append one event line to ``events.jsonl`` (thread-safe within this process)."""
         event = {"time": time.time(), "event": kind, **fields}
         line = (json.dumps(event) + "\n").encode()
         target = self.path("events.jsonl")
+        with _EVENTS_LOCK:
+            self._append(target, line)
+        return event
+
+    def _append(self, target: str, line: bytes) -> None:
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "ab") as fh:
@@ -168,7 +175,6 @@ class RunStorage:
         else:  # object stores have no append: rewrite the (small) object in one PUT
             old = self.fs.cat_file(target) if self.fs.exists(target) else b""
             self._write_bytes(target, old + line)
-        return event
 
     def read_events(self) -> list[dict[str, Any]]:
         try:

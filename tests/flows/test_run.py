@@ -188,6 +188,7 @@ def test_one_step_off_policy_overlaps_steps(tmp_path, model_cache):
 
     config = write_config(tmp_path, model_cache, name="async1", steps=4)
     out = run_cli(config, tmp_path, "train.max_staleness=1")
+    exited = time.time()
     assert "step 4/4" in out
     run_dir = tmp_path / "runs" / "async1"
     assert_every_step_once(run_dir, 4)
@@ -201,3 +202,11 @@ def test_one_step_off_policy_overlaps_steps(tmp_path, model_cache):
     metrics = duckdb.sql(f"select staleness_max, loop_lag_p99_s, trainer_wait_for_data_s from read_parquet("
                          f"'{run_dir}/metrics/*.parquet', union_by_name=true) where step > 0").fetchall()
     assert all(None not in m for m in metrics)
+    # The end came from the trainer, with generation still under way (S = 1 runs a step ahead),
+    # and the teardown (producer, weight group, both services) took well under its 30 s deadline.
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    end = events[-1]
+    assert end["event"] == "training_finished" and end["source"] == "trainer" and end["step"] == 4
+    assert end["groups_in_flight"] + end["groups_ready"] > 0
+    assert exited - end["time"] < 30
+    assert not _rollflow_processes(str(tmp_path)), "service processes outlived the run"

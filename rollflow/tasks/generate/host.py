@@ -4,6 +4,10 @@ Step flows run in several threads at once (they overlap); the producer is not th
 lives on one loop and every call from a task crosses into that loop. The host also keeps the
 trainer's order: step N trains only after step N-1 has committed, however the flows overlap.
 
+The end of training is the trainer's to say: a watcher on the host's loop long-polls the
+trainer service's ``/training_finished``; when the trainer publishes it (after the run's last
+optimizer step) the producer is finished at once: it stops admitting and cancels what is in flight.
+
 Invariant: ``close()`` (after the ``training_finished`` event, or on a failure) ends every
 waiter: pending ``take`` calls raise ``TrainingFinished``, ``wait_committed`` raises, the loop stops.
 """
@@ -11,17 +15,22 @@ waiter: pending ``take`` calls raise ``TrainingFinished``, ``wait_committed`` ra
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import httpx
+
 from rollflow.infra.config import RunConfig
+from rollflow.infra.http import Endpoint, ServiceCallError, acall
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.tasks.generate.environments import Environment, RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
 from rollflow.tasks.generate.rollouts import SamplingStats, group_runner
 
+log = logging.getLogger(__name__)
 _HOSTS: dict[str, ProducerHost] = {}
 
 
@@ -45,7 +54,7 @@ class ProducerHost:
     """
 
     def __init__(self, cfg: RunConfig, envs: dict[str, Environment], make_ctx: MakeContext,
-                 inference_url: str, resumed_from: int, reused_steps: list[int] = ()):
+                 inference_url: str, trainer: Endpoint, resumed_from: int, reused_steps: list[int] = ()):
         self.cfg = cfg
         self.reused_steps = frozenset(reused_steps)
         first_step = resumed_from + 1 + len(self.reused_steps)
@@ -57,6 +66,8 @@ class ProducerHost:
         self._closed: BaseException | None = None
         self._cond = threading.Condition()
         self.sampling_stats = SamplingStats()  # retries of aborted or disconnected requests
+        self.training_finished = threading.Event()
+        self.finished_info: dict = {}
 
         async def build() -> tuple[InferenceClient, RolloutProducer]:
             client = InferenceClient(inference_url, timeout_s=cfg.inference.request_timeout_s)
@@ -68,6 +79,7 @@ class ProducerHost:
                 train_batch_size=t.train_batch_size, max_staleness=t.max_staleness,
                 max_in_flight=t.in_flight_groups(), version=resumed_from, first_step=first_step)
             producer.start()
+            self._watcher = asyncio.create_task(self._watch_training_finished(trainer), name="end-watcher")
             return client, producer
 
         try:
@@ -117,6 +129,33 @@ class ProducerHost:
         """The inference deployment now serves ``version``: admit the groups it unblocks."""
         self.loop.call_soon_threadsafe(self.producer.set_version, version)
 
+    # ------------------------------------------------------------ end of training
+
+    async def _watch_training_finished(self, trainer: Endpoint) -> None:
+        async with httpx.AsyncClient() as http:
+            while True:
+                try:
+                    info = await acall(http, trainer, "/training_finished?wait_s=10", method="GET",
+                                       timeout_s=20)
+                except ServiceCallError as exc:  # the run's health probe fails the run if it is dead
+                    log.debug("training_finished poll: %s", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                if info["finished"]:
+                    break
+        self.finished_info = info
+        snap = self.producer.snapshot()
+        await self.producer.finish()  # stop admitting, cancel in-flight groups, end the waiters
+        self.finished_info.update(groups_in_flight=snap["num_in_flight"], groups_ready=snap["num_ready"])
+        self.training_finished.set()
+
+    def wait_training_finished(self, timeout_s: float) -> dict:
+        """The trainer's ``training_finished`` (step, optimizer step, groups still in flight)."""
+        if not self.training_finished.wait(timeout_s):
+            raise TimeoutError(f"the trainer did not publish training_finished within {timeout_s:.0f}s "
+                               f"after step {self.cfg.run.num_steps}; see its log")
+        return dict(self.finished_info)
+
     # --------------------------------------------------------------- step order
 
     def wait_committed(self, step: int, timeout_s: float) -> float:
@@ -149,6 +188,7 @@ class ProducerHost:
             self._cond.notify_all()
         _HOSTS.pop(self.cfg.run.name, None)
         try:
+            self.loop.call_soon_threadsafe(self._watcher.cancel)
             self._call(self.producer.finish(timeout_s), timeout_s + 5)
             self._call(self.client.aclose(), 10)
         finally:

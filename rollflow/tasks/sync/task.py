@@ -13,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.context import RunContext
+from rollflow.infra.events import publish
 from rollflow.infra.http import acall
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.sync import sync_weights
@@ -34,5 +35,5 @@ def sync(ctx: RunContext, version: int) -> dict:
                 await client.aclose()
 
     result = asyncio.run(run())
-    ctx.storage.append_event("weights_published", version=version)
+    publish(ctx.storage, "weights_published", version=version)
     return result

@@ -45,6 +45,7 @@ class ServiceArgs(BaseModel):
     max_grad_norm: float
     micro_batch_tokens: int
     seed: int = 0
+    num_steps: int | None = None  # the run's last outer step: training_finished follows it
     host: str = "127.0.0.1"
     port: int
 
@@ -54,6 +55,10 @@ class ForwardBackward(BaseModel):
     group_indices: list[int] | None = None
     eps_low: float = 0.2
     eps_high: float = 0.2
+
+
+class EndStep(BaseModel):
+    step: int  # the outer step whose optimizer steps are all done
 
 
 class WeightConnect(BaseModel):
@@ -79,7 +84,8 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
     if args.checkpoint_step is not None:
         trainer.load_checkpoint(args.model_path)
     lock = threading.Lock()
-    state: dict[str, Any] = {"sender": None, "batch_step": None, "batch": None}
+    state: dict[str, Any] = {"sender": None, "batch_step": None, "batch": None, "finished": None}
+    finished = threading.Event()  # set once, after the optimizer step that ends training
 
     def auth(authorization: str = Header("")) -> None:
         if authorization != f"Bearer {token}":
@@ -112,7 +118,26 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
     @app.post("/optim_step")
     def optim_step() -> dict:
         with lock:
+            if finished.is_set():
+                raise HTTPException(409, f"training finished after step {args.num_steps}: "
+                                         "no more optimizer steps")
             return trainer.optim_step()
+
+    @app.post("/end_step")
+    def end_step(req: EndStep) -> dict:
+        """Step ``req.step`` made all its optimizer steps; after the run's last, training ends."""
+        with lock:
+            if req.step == args.num_steps and not finished.is_set():
+                state["finished"] = {"step": req.step, "optim_step": trainer.step, "time": time.time()}
+                finished.set()
+                log.info("training finished: step %s, optimizer step %s", req.step, trainer.step)
+            return {"finished": finished.is_set()}
+
+    @app.get("/training_finished")
+    def training_finished(wait_s: float = 0.0) -> dict:
+        """The explicit end of training; a long poll of at most 30 s (no lock: calls go on)."""
+        finished.wait(min(max(wait_s, 0.0), 30.0))
+        return {"finished": finished.is_set(), **(state["finished"] or {})}
 
     @app.post("/checkpoint")
     def checkpoint(req: SaveCheckpoint) -> dict:

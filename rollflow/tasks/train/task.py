@@ -29,6 +29,8 @@ def train(ctx: RunContext, step: int, minibatches: list[list[int]]) -> dict:
     metrics = {k: fmean(r[k] for r in results) for k in keys} if results else {}
     metrics["num_optim_steps"] = len(results)
     metrics["num_loss_tokens"] = sum(r["num_loss_tokens"] for r in results)
+    # The trainer publishes training_finished after the run's last step (even one with no data).
+    call(ctx.trainer, "/end_step", {"step": step}, timeout_s=timeout_s)
     metrics["train_s"] = time.perf_counter() - start
     return metrics
 
