@@ -88,12 +88,15 @@ def reusable_rollouts(ctx: RunContext, step: int, resumed_from: int) -> pa.Table
 def generate(ctx: RunContext, step: int, version: int, resumed_from: int = -1) -> dict:
     """Sample ``train_batch_size`` groups for ``step`` with policy ``version``; commit them."""
     storage = ctx.storage
-    table = reusable_rollouts(ctx, step, resumed_from)
-    if table is not None:
-        return {**_summary(table.to_pylist()), "reused": True, "generate_s": 0.0}
-    storage.remove_step("rollouts", step)
     cfg = ctx.config
     envs = build_envs(cfg)
+    # Malformed dataset rows are skipped when an env loads; the count travels with every step.
+    num_skipped_rows = sum(env.num_skipped_rows for env in envs.values())
+    table = reusable_rollouts(ctx, step, resumed_from)
+    if table is not None:
+        return {**_summary(table.to_pylist()), "reused": True, "generate_s": 0.0,
+                "num_skipped_rows": num_skipped_rows}
+    storage.remove_step("rollouts", step)
     prompts = select_prompts(envs, {e.name: e.weight for e in cfg.envs}, cfg.train.train_batch_size,
                              "train", seed=train_prompt_seed(cfg.run.seed, step))
     start = time.perf_counter()
@@ -105,7 +108,7 @@ def generate(ctx: RunContext, step: int, version: int, resumed_from: int = -1) -
                    [(version, version)] * len(prompts))
     storage.write_step_table("rollouts", step, rows_to_table(rows))
     return {**_summary(rows), "reused": False, "generate_s": generate_s, "retries": stats.retries,
-            "retry_reasons": dict(stats.retry_reasons)}
+            "retry_reasons": dict(stats.retry_reasons), "num_skipped_rows": num_skipped_rows}
 
 
 def _summary(rows: list[dict]) -> dict:
