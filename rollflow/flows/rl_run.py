@@ -11,6 +11,7 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
@@ -23,6 +24,7 @@ from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.deployment import RunServices
 from rollflow.infra.events import publish
+from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.generate.host import ProducerHost
 from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context, reused_steps
@@ -55,13 +57,17 @@ def rl_run(config: dict) -> dict:
         policy_dir = base_model
     publish(storage, "run_started", resumed_from=resumed_from)
     log_dir = _log_dir(storage)
-    with RunServices(cfg, policy_dir, resumed_from or None, log_dir, progress=say) as services:
+    # Sinks open first: a configured sink whose package is missing fails before services start.
+    with MetricSinks.from_config(cfg, log_dir) as sinks, \
+            RunServices(cfg, policy_dir, resumed_from or None, log_dir, progress=say) as services:
         ctx = RunContext(config=cfg, model_path=str(base_model), trainer=services.trainer,
                          inference=services.inference_ep)
         if resumed_from == 0 and not storage.read_metrics():
             ev = evaluate(ctx)
-            storage.write_metrics(0, {"eval_reward": ev["eval_reward"],
-                                      **{f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()}})
+            start_metrics = {"eval_reward": ev["eval_reward"],
+                             **{f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()}}
+            storage.write_metrics(0, start_metrics)
+            sinks.log(0, start_metrics)
             say(f"step 0: held-out reward {_fmt_env(ev['eval_reward'], ev['eval_reward_by_env'])}")
         reused = reused_steps(ctx, resumed_from)
         if reused:
@@ -70,7 +76,11 @@ def rl_run(config: dict) -> dict:
                             partial(make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature),
                             services.inference.url, services.trainer, resumed_from, reused)
         try:
-            run_steps(ctx, services, host, resumed_from)
+            def report(step: int, metrics: dict) -> None:
+                say(progress_line(step, cfg.run.num_steps, metrics))
+                sinks.log(step, metrics)
+
+            run_steps(ctx, services, host, resumed_from, report)
             # The end is the trainer's to say; the producer has stopped on it already.
             finished = host.wait_training_finished(TRAINING_FINISHED_DEADLINE_S)
         except BaseException as exc:
@@ -81,7 +91,8 @@ def rl_run(config: dict) -> dict:
     return summarize(storage, say)
 
 
-def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resumed_from: int) -> None:
+def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resumed_from: int,
+              report: Callable[[int, dict], None]) -> None:
     """Run the step flows in step order, up to ``max_staleness + 2`` at once (each its own flow run).
 
     The flow beyond the staleness bound waits at its generate task while the others work, so a
@@ -107,7 +118,7 @@ def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resume
                         break
                     except FuturesTimeout:
                         services.check_alive()
-                say(progress_line(step, cfg.run.num_steps, metrics))
+                report(step, metrics)
         except BaseException as exc:
             for _, future in running:
                 future.cancel()

@@ -47,7 +47,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
         "reward_mean": rollouts["reward_mean"],
         **{f"reward/{env}": r for env, r in rollouts["reward_by_env"].items()},
         "num_rollouts": rollouts["num_rollouts"], "num_errors": rollouts["num_errors"],
-        "rollouts_reused": rollouts["reused"],
+        "rollouts_reused": rollouts["reused"], "num_skipped_rows": rollouts["num_skipped_rows"],
         "num_groups_kept": batch["num_groups_kept"], "num_samples_kept": batch["num_samples_kept"],
         **{k: v for k, v in trained.items() if not isinstance(v, dict)},
         "sync_s": synced.get("total_s"), "sync_pause_s": synced.get("pause_s"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -143,6 +143,44 @@ class TrainerSection(_Section):
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch.")
 
 
+class WandbOptions(_Section):
+    """Weights & Biases sink (used when metrics.sinks names "wandb")."""
+
+    project: str = Field("rollflow", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (user or team); None: your default.")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline writes under the run's log dir; upload later with `wandb sync`."
+    )
+
+
+class MlflowOptions(_Section):
+    """MLflow sink (used when metrics.sinks names "mlflow")."""
+
+    tracking_uri: str | None = Field(
+        None, description="e.g. http://host:5000 or sqlite:///mlflow.db; None: MLFLOW_TRACKING_URI."
+    )
+    experiment: str = Field("rollflow", description="MLflow experiment; created if missing.")
+
+
+class MetricsSection(_Section):
+    """Where each step's metrics row goes besides storage (metrics/step=N.parquet)."""
+
+    sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="Metric sinks; [] for storage only."
+    )
+    tensorboard_dir: str | None = Field(
+        None, description="TensorBoard event folder; None: <the run's log dir>/tensorboard."
+    )
+    wandb: WandbOptions = Field(default_factory=WandbOptions)
+    mlflow: MlflowOptions = Field(default_factory=MlflowOptions)
+
+    @model_validator(mode="after")
+    def _unique_sinks(self) -> MetricsSection:
+        if len(set(self.sinks)) != len(self.sinks):
+            raise ValueError(f"metrics.sinks repeats a sink: {self.sinks}; name each once")
+        return self
+
+
 class RunConfig(_Section):
     """The whole run."""
 
@@ -153,6 +191,7 @@ class RunConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     inference: InferenceSection = Field(default_factory=InferenceSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

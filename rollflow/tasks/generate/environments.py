@@ -68,10 +68,16 @@ class Environment(ABC):
     # "individual": each sample scored alone, a failed sample is dropped and its group kept.
     # "group": samples scored against each other, a failed sample drops the whole group.
     scoring: Literal["individual", "group"] = "individual"
+    # Rows of the env's dataset skipped as malformed (0 for generated prompts); read by the
+    # generate task so that the count reaches the step's result and metrics.
+    num_skipped_rows: int = 0
 
     @abstractmethod
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
-        """``count`` prompts of ``split``; the train and eval splits never share a prompt."""
+        """``count`` prompts of ``split``; the train and eval splits never share a prompt.
+
+        An env with a finite held-out set may return fewer eval prompts than ``count``.
+        """
 
     @abstractmethod
     async def rollout_group(self, prompt: Prompt, group_size: int, ctx: RolloutContext) -> list[Sample]:
@@ -119,7 +125,7 @@ class SingleTurnEnv(Environment):
             s.reward_s = time.perf_counter() - start
 
 
-def _in_eval_split(key: str, eval_fraction: float) -> bool:
+def in_eval_split(key: str, eval_fraction: float) -> bool:
     """A stable hash split: the same key lands in the same split on every machine."""
     digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
@@ -138,7 +144,7 @@ class _ExactMatchEnv(SingleTurnEnv):
         out: list[Prompt] = []
         for _ in range(count * 1000):
             text, answer = self._draw(rng)
-            if _in_eval_split(text, self.eval_fraction) == want_eval:
+            if in_eval_split(text, self.eval_fraction) == want_eval:
                 out.append(Prompt(self.name, f"{self.name}:{text}", text, answer))
                 if len(out) == count:
                     return out
@@ -183,23 +189,26 @@ class SortLettersEnv(_ExactMatchEnv):
         return f"sort {word}=", "".join(sorted(word))
 
 
-BUILTIN_ENVS: dict[str, type[Environment]] = {"add": AddEnv, "sort_letters": SortLettersEnv}
+# Built-in environments by name: import paths, so that an env's dependencies load only when used.
+BUILTIN_ENVS: dict[str, str] = {
+    "add": "rollflow.tasks.generate.environments:AddEnv",
+    "sort_letters": "rollflow.tasks.generate.environments:SortLettersEnv",
+    "dataset": "rollflow.tasks.generate.dataset_envs:DatasetEnv",
+    "math": "rollflow.tasks.generate.dataset_envs:MathEnv",
+}
 
 
 def load_env(name: str, args: dict[str, Any]) -> Environment:
     """A built-in environment by name, or any ``package.module:Class``."""
-    if name in BUILTIN_ENVS:
-        cls: Any = BUILTIN_ENVS[name]
-    elif ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"env {name!r}: cannot import {attr!r} from {module!r}: {exc}") from exc
-    else:
+    if name not in BUILTIN_ENVS and ":" not in name:
         raise ValueError(
             f"unknown env {name!r}: use one of {sorted(BUILTIN_ENVS)} or 'package.module:Class'"
         )
+    module, _, attr = BUILTIN_ENVS.get(name, name).partition(":")
+    try:
+        cls: Any = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"env {name!r}: cannot import {attr!r} from {module!r}: {exc}") from exc
     try:
         env = cls(**args)
     except TypeError as exc:

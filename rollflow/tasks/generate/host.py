@@ -55,7 +55,7 @@ class ProducerHost:
 
     def __init__(self, cfg: RunConfig, envs: dict[str, Environment], make_ctx: MakeContext,
                  inference_url: str, trainer: Endpoint, resumed_from: int, reused_steps: list[int] = ()):
-        self.cfg = cfg
+        self.cfg, self.envs = cfg, envs
         self.reused_steps = frozenset(reused_steps)
         first_step = resumed_from + 1 + len(self.reused_steps)
         self.loop = asyncio.new_event_loop()

@@ -101,8 +101,10 @@ def generate(ctx: RunContext, step: int) -> dict:
     """Take ``train_batch_size`` finished groups for ``step`` from the run's producer; commit them."""
     storage, cfg = ctx.storage, ctx.config
     host = host_for(cfg.run.name)
+    # Malformed dataset rows are skipped when an env loads; the count travels with every step.
+    skipped = {"num_skipped_rows": sum(env.num_skipped_rows for env in host.envs.values())}
     if host.reuses(step):
-        return {**_summary(storage.read_step_table("rollouts", step).to_pylist()), "reused": True}
+        return {**_summary(storage.read_step_table("rollouts", step).to_pylist()), "reused": True, **skipped}
     storage.remove_step("rollouts", step)
     start = time.perf_counter()
     groups, producer = host.take(step, take_timeout_s(cfg))
@@ -112,7 +114,7 @@ def generate(ctx: RunContext, step: int) -> dict:
     rows = to_rows(cfg.run.name, step, [g.prompt for g in groups], [g.result for g in groups],
                    cfg.sampling.group_size, [(g.version_started, g.version_finished) for g in groups])
     storage.write_step_table("rollouts", step, rows_to_table(rows))
-    return {**_summary(rows), "reused": False, "take_wait_s": waited_s, **producer}
+    return {**_summary(rows), "reused": False, "take_wait_s": waited_s, **producer, **skipped}
 
 
 def take_timeout_s(cfg: RunConfig) -> float:
