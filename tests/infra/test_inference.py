@@ -245,6 +245,32 @@ def test_pause_keep_freezes_a_streaming_request_until_resume(server):
 
 
 @pytest.mark.slow
+def test_requests_aborted_by_a_real_pause_are_retried_and_complete(server):
+    """pause(mode="abort") ends in-flight requests with finish_reason "abort"; the sampler
+    retries each with backoff once generation resumes, and every request completes."""
+    from rollflow.tasks.generate.rollouts import RetryPolicy, Sampler, SamplingStats
+
+    stats = SamplingStats()
+    max_tokens = MAX_LEN - len(PROMPT_IDS)
+
+    async def go(client):
+        sampler = Sampler(client, max_tokens=max_tokens, temperature=1.0, top_p=1.0, stats=stats,
+                          retry=RetryPolicy(initial_s=0.05, max_s=0.5), deadline_s=120)
+        # ~60k tokens to generate: seconds on 2 cores, so the pause lands mid-generation.
+        tasks = [asyncio.create_task(sampler(PROMPT_IDS, n=16)) for _ in range(64)]
+        await asyncio.sleep(0.3)
+        await client.pause(mode="abort")
+        await asyncio.sleep(0.3)
+        await client.resume()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    results = run(go, server)
+    assert stats.retry_reasons.get("RequestAborted", 0) >= 1
+    assert len(results) == 64 and all(len(group) == 16 for group in results)
+    assert all(c.finish_reason in ("stop", "length") and c.token_ids for g in results for c in g)
+
+
+@pytest.mark.slow
 def test_absent_trainer_makes_init_fail_within_timeout(server):
     async def go(client):
         start = time.monotonic()
