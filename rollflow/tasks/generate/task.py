@@ -102,7 +102,8 @@ def generate(ctx: RunContext, step: int) -> dict:
     storage, cfg = ctx.storage, ctx.config
     host = host_for(cfg.run.name)
     # Malformed dataset rows are skipped when an env loads; the count travels with every step.
-    skipped = {"num_skipped_rows": sum(env.num_skipped_rows for env in host.envs.values())}
+    skipped = {"num_skipped_rows": sum(env.num_skipped_rows for env in host.envs.values()),
+               "group_scored_envs": sorted(n for n, env in host.envs.items() if env.scoring == "group")}
     if host.reuses(step):
         return {**_summary(storage.read_step_table("rollouts", step).to_pylist()), "reused": True, **skipped}
     storage.remove_step("rollouts", step)
