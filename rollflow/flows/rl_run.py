@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from rollflow.flows.artifacts import RunProgress, publish_summary
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
@@ -46,6 +47,7 @@ def rl_run(config: dict) -> dict:
     else:
         policy_dir = base_model
     storage.append_event("run_started", resumed_from=resumed_from)
+    progress = RunProgress(cfg.run.name, cfg.run.num_steps, resumed_from)
     log_dir = _log_dir(storage)
     with RunServices(cfg, policy_dir, resumed_from or None, log_dir, progress=say) as services:
         ctx = RunContext(config=cfg, model_path=str(base_model), trainer=services.trainer,
@@ -59,7 +61,9 @@ def rl_run(config: dict) -> dict:
             services.check_alive()
             metrics = train_step(ctx, step, resumed_from)
             say(progress_line(step, cfg.run.num_steps, metrics))
+            progress.update(step)
         storage.append_event("training_finished", step=cfg.run.num_steps)
+    publish_summary(storage)
     return summarize(storage, say)
 
 

@@ -10,6 +10,7 @@ import time
 
 from prefect import flow
 
+from rollflow.flows.artifacts import publish_step_metrics
 from rollflow.infra.context import RunContext
 from rollflow.tasks.advantage.task import advantage
 from rollflow.tasks.generate.task import evaluate, generate
@@ -48,6 +49,7 @@ def train_step(ctx: RunContext, step: int, resumed_from: int) -> dict:
         metrics.update({f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()})
     metrics["step_s"] = time.perf_counter() - t0
     ctx.storage.write_metrics(step, metrics)
+    publish_step_metrics(cfg.run.name, step, metrics)
     if step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps:
         checkpoint(ctx, step)
     ctx.storage.append_event("step_committed", step=step)

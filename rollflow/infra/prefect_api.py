@@ -41,6 +41,17 @@ def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str | None]:
     try:
         server.wait_healthy(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout_s)
         with temporary_settings(updates={PREFECT_API_URL: url}):
-            yield url
+            try:
+                yield url
+            finally:
+                _flush_logs()
     finally:
         server.stop(timeout_s=10)
+
+
+def _flush_logs() -> None:
+    """Send the run's queued logs while the API still listens (else they fail noisily at exit)."""
+    from prefect.logging.handlers import APILogWorker
+
+    with contextlib.suppress(Exception):
+        APILogWorker.drain_all(timeout=5)
