@@ -14,7 +14,12 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from rollflow.flows import artifacts
-from rollflow.flows.artifacts import RunProgress, artifact_key, publish_step_metrics, publish_summary
+from rollflow.flows.artifacts import (
+    RunProgress,
+    artifact_key,
+    publish_step_metrics,
+    publish_summary,
+)
 from rollflow.infra.prefect_api import local_prefect_api
 from rollflow.infra.storage import RunStorage
 
