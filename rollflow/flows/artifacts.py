@@ -163,6 +163,7 @@ def reward_curve_png(rows: list[dict[str, Any]]) -> bytes | None:
     """Sampled reward per step (one line per environment when there are several) and held-out
     reward, as a small PNG; None when no step has a reward yet."""
     from matplotlib.figure import Figure  # no pyplot: no global state, safe off the main thread
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r for r in rows if _number(r.get("reward_mean"))]
     if not steps:
@@ -178,6 +179,7 @@ def reward_curve_png(rows: list[dict[str, Any]]) -> bytes | None:
     evals = [(r["step"], r["eval_reward"]) for r in rows if _number(r.get("eval_reward"))]
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="held-out reward")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
