@@ -130,8 +130,9 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         deploy = subprocess.run([sys.executable, "-m", "rollflow.cli", "deploy", "configs/quickstart.toml"],
                                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
         assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-        services.append(Service("worker", [*PREFECT, "worker", "start", "--pool", "rollflow-cpu", "--type", "process",
-                                           "--name", "test-worker"], tmp / "worker.log", env))
+        worker = Service("worker", [*PREFECT, "worker", "start", "--pool", "rollflow-cpu", "--type", "process",
+                                    "--name", "test-worker"], tmp / "worker.log", env)
+        services.append(worker)
 
         storage = tmp / "runs"
         overrides = [f"run.storage={storage}", f"model.cache_dir={tmp / 'models'}", *TINY]
@@ -142,6 +143,8 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
 
         def finished() -> bool:
+            for service in services:
+                assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
             state = _read(api, f"/flow_runs/{flow_run_id}")["state"]
             return state is not None and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
