@@ -41,6 +41,8 @@ class DeployedRun:
     step_flow_runs: list[dict]  # name and id of each step flow run under it
     artifacts: list[dict]  # key, type, description, data, flow_run_id: read back through the client
     pools: dict[str, str]  # every pool of prefect.yaml: name -> type, as the server holds it
+    redeploy_output: list[str]  # a second `rollflow deploy`, after the run
+    deployments: list[str]  # flow/deployment names on the server after it
     left_over: list[str] = field(default_factory=list)  # processes of the test alive after the stop
     groups_alive: list[str] = field(default_factory=list)  # process groups alive after the stop
 
@@ -182,6 +184,7 @@ def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) ->
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from rollflow.infra.deploy import deploy
     from rollflow.infra.work_pools import ensure_work_pool
 
     with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
@@ -196,8 +199,12 @@ def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) ->
         for pool in yaml.safe_load((ROOT / "prefect.yaml").read_text())["definitions"]["work_pools"].values():
             ensure_work_pool(client, pool, ROOT)
         pools = {p.name: p.type for p in client.read_work_pools()}
+        redeploy: list[str] = []
+        deploy(ROOT / "prefect.yaml", out=redeploy.append)
+        flows = {f.id: f.name for f in client.read_flows()}
+        deployments = sorted(f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments())
     return DeployedRun(
         storage=storage, run="quickstart", deploy_output=deploy_output,
         flow_run={"id": str(parent.id), "name": parent.name, "state": parent.state.type.value},
         step_flow_runs=sorted(({"name": s.name, "id": s.id} for s in steps), key=lambda s: s["name"]),
-        artifacts=artifacts, pools=pools)
+        artifacts=artifacts, pools=pools, redeploy_output=redeploy, deployments=deployments)

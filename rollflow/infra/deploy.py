@@ -89,11 +89,12 @@ def deploy(prefect_file: Path, configs: Sequence[str] = (), pool: str | None = N
 
     entries = plan_deployments(prefect_file, configs, pool)  # bad input fails before any call
     url = require_prefect_server()
+    root = prefect_file.resolve().parent
     schemas = {}
     names = []
     with get_client(sync_client=True) as client:
         for pool_def in {e["work_pool"]["name"]: e["work_pool"] for e in entries}.values():
-            out(ensure_work_pool(client, pool_def, prefect_file.parent))
+            out(ensure_work_pool(client, pool_def, root))
         flow_id = client.create_flow_from_name(FLOW_NAME)
         for entry in entries:
             work_pool = entry["work_pool"]
@@ -101,17 +102,18 @@ def deploy(prefect_file: Path, configs: Sequence[str] = (), pool: str | None = N
             if entrypoint not in schemas:
                 path, _, name = entrypoint.partition(":")
                 schemas[entrypoint] = parameter_schema_from_entrypoint(
-                    f"{prefect_file.parent / path}:{name}").model_dump(exclude_unset=True)
-            client.create_deployment(
+                    f"{root / path}:{name}").model_dump(exclude_unset=True)
+            parameters = entry.get("parameters") or {}
+            client.create_deployment(  # creates, or updates the deployment of that name
                 flow_id=flow_id, name=entry["name"], entrypoint=entrypoint,
-                parameters=entry.get("parameters") or {}, parameter_openapi_schema=schemas[entrypoint],
+                parameters=parameters, parameter_openapi_schema=schemas[entrypoint],
                 description=entry.get("description"), tags=entry.get("tags") or [],
                 work_pool_name=work_pool["name"], work_queue_name=work_pool.get("work_queue_name"),
                 job_variables=work_pool.get("job_variables") or {}, pull_steps=entry["pull"],
                 enforce_parameter_schema=False)
             names.append(f"{FLOW_NAME}/{entry['name']}")
             out(f"deployment {names[-1]} on pool {work_pool['name']} "
-                f"(config {entry['parameters'].get('config')!r}) registered at {url}")
+                f"(config {parameters.get('config')!r}) registered at {url}")
     first = entries[0]
     out(f"next: start a worker with `prefect worker start --pool {first['work_pool']['name']}`, then run "
         f"`prefect deployment run '{names[0]}' -p overrides='[\"run.num_steps=10\"]'`")

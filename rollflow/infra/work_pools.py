@@ -40,14 +40,15 @@ def ensure_work_pool(client, pool: dict[str, Any], base_dir: Path) -> str:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
 
-    missing = [k for k in REQUIRED_KEYS if not pool.get(k)]
-    if missing:
-        raise WorkPoolError(f"work pool definition {pool} lacks {', '.join(missing)}")
     try:
         existing = client.read_work_pool(pool["name"])
         return f"work pool {existing.name} ({existing.type}): exists, left as it is"
     except ObjectNotFound:
         pass
+    missing = [k for k in REQUIRED_KEYS if not pool.get(k)]
+    if missing:
+        raise WorkPoolError(f"work pool {pool.get('name')!r} does not exist on the server and its definition "
+                            f"lacks {', '.join(missing)}; define it under definitions.work_pools in prefect.yaml")
     path = base_dir / pool["base_job_template"]
     template = load_base_job_template(path)
     client.create_work_pool(WorkPoolCreate(

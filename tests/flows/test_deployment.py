@@ -55,6 +55,11 @@ def test_work_pools_of_prefect_yaml_are_accepted_by_the_server(deployed_run):
                                   "rollflow-gpu-docker": "docker", "rollflow-gpu-kubernetes": "kubernetes"}
 
 
+def test_deploying_again_updates_in_place(deployed_run):
+    assert "work pool rollflow-cpu (process): exists, left as it is" in deployed_run.redeploy_output
+    assert deployed_run.deployments == ["rl-run/quickstart"]
+
+
 def test_everything_the_test_started_is_gone(deployed_run):
     assert deployed_run.groups_alive == []
     assert deployed_run.left_over == []
