@@ -117,8 +117,8 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "PREFECT_LOGGING_LEVEL": "INFO", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
+           "PREFECT_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     services: list[Service] = []
     logs = lambda: "\n".join(s.tail() for s in services)  # noqa: E731
     record = None
