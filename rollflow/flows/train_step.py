@@ -13,6 +13,7 @@ import time
 
 from prefect import flow
 
+from rollflow.flows.artifacts import publish_step_metrics
 from rollflow.infra.context import RunContext
 from rollflow.infra.events import publish
 from rollflow.tasks.advantage.task import advantage
@@ -73,6 +74,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
     # clock, however the flows overlap (the first step also counts the producer's start).
     metrics["step_s"] = time.perf_counter() - trainer_free_at
     ctx.storage.write_metrics(step, metrics)
+    publish_step_metrics(cfg.run.name, step, metrics)
     if step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps:
         checkpoint(ctx, step)
     publish(ctx.storage, "step_committed", step=step)
