@@ -42,7 +42,11 @@ def test_load_env_errors_name_the_env():
         load_env("add", {"max_valu": 3})
     with pytest.raises(ValueError, match="cannot import"):
         load_env("no.such.module:Env", {})
-    assert isinstance(load_env("rollflow.tasks.generate.environments:AddEnv", {"max_value": 9}), AddEnv)
+    by_path = load_env("rollflow.tasks.generate.environments:AddEnv", {"max_value": 9})
+    assert isinstance(by_path, AddEnv)
+    # Its prompts carry the configured name, which is how the run looks the env up again.
+    prompt = by_path.prompts("train", 1, random.Random(0))[0]
+    assert prompt.env == "rollflow.tasks.generate.environments:AddEnv"
 
 
 class _Flaky(SingleTurnEnv):

@@ -215,4 +215,5 @@ def load_env(name: str, args: dict[str, Any]) -> Environment:
         raise ValueError(f"env {name!r}: bad args {args}: {exc}") from exc
     if not isinstance(env, Environment):
         raise ValueError(f"env {name!r}: {cls!r} is not a rollflow Environment")
+    env.name = name  # prompts carry the name the config gave, which keys the run's env mix
     return env
