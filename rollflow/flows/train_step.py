@@ -22,7 +22,7 @@ from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
 from rollflow.tasks.sync.task import sync
 from rollflow.tasks.train.task import checkpoint, train
 
-PRODUCER_METRICS = ("staleness_mean", "staleness_max", "groups_in_flight", "producer_blocked_s",
+PRODUCER_METRICS = ("staleness_mean", "staleness_max", "stale_dropped_total", "groups_in_flight", "producer_blocked_s",
                     "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s", "retries_total")
 
 
@@ -70,9 +70,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
         metrics["eval_reward"] = ev["eval_reward"]
         metrics.update({f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()})
     metrics["flow_s"] = time.perf_counter() - t0
-    # Seconds since the previous step committed: consecutive steps' step_s add up to the run's wall
-    # clock, however the flows overlap (the first step also counts the producer's start).
-    metrics["step_s"] = time.perf_counter() - trainer_free_at
+    metrics["step_s"] = host.step_seconds()  # consecutive steps add up to the run's wall clock
     ctx.storage.write_metrics(step, metrics)
     publish_step_metrics(cfg.run.name, step, metrics)
     if step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps:

@@ -62,7 +62,7 @@ class ProducerHost:
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-producer", daemon=True)
         self.thread.start()
         self._taken = self._committed = resumed_from
-        self._committed_at = time.perf_counter()
+        self._committed_at = self._last_step_end = time.perf_counter()
         self._closed: BaseException | None = None
         self._cond = threading.Condition()
         self.sampling_stats = SamplingStats()  # retries of aborted or disconnected requests
@@ -163,6 +163,14 @@ class ProducerHost:
         self._wait(lambda: self._committed >= step, timeout_s,
                    f"step {step + 1} waited for step {step} to commit")
         return self._committed_at
+
+    def step_seconds(self) -> float:
+        """Seconds since the previous step's metrics (or the start): consecutive steps add up to
+        the wall clock. Steps call it in step order (each trains after its predecessor commits)."""
+        with self._cond:
+            now = time.perf_counter()
+            elapsed, self._last_step_end = now - self._last_step_end, now
+            return elapsed
 
     def mark_committed(self, step: int) -> None:
         with self._cond:
