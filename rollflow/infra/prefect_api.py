@@ -41,6 +41,20 @@ def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str | None]:
     try:
         server.wait_healthy(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout_s)
         with temporary_settings(updates={PREFECT_API_URL: url}):
-            yield url
+            try:
+                yield url
+            finally:
+                _drain_prefect_workers(timeout_s=10)
     finally:
         server.stop(timeout_s=10)
+
+
+def _drain_prefect_workers(timeout_s: float) -> None:
+    """Send Prefect's queued logs and events while the API still runs. Left for the exit, they
+    met a stopped API and its client retried for ~70 s (measured after a failed run)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=timeout_s)
