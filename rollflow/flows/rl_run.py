@@ -23,8 +23,9 @@ from rollflow.flows.artifacts import RunProgress, publish_summary
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
-from rollflow.infra.deployment import RunServices
+from rollflow.infra.deployment import HEALTH_CHECK_INTERVAL_S, RunServices
 from rollflow.infra.events import publish
+from rollflow.infra.http import ServiceCallError
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.generate.host import ProducerHost
@@ -118,7 +119,7 @@ def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resume
                 step, future = running.popleft()
                 while True:
                     try:
-                        metrics = future.result(timeout=5)
+                        metrics = future.result(timeout=HEALTH_CHECK_INTERVAL_S)
                         break
                     except FuturesTimeout:
                         services.check_alive()
@@ -127,6 +128,8 @@ def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resume
             for _, future in running:
                 future.cancel()
             host.close(exc)  # ends the step flows still waiting, before the pool joins them
+            if isinstance(exc, Exception) and (dead := services.dead_service(grace_s=2.0)):
+                raise ServiceCallError(f"{dead}; the run stops (rerun to resume)") from exc
             raise
 
 

@@ -22,8 +22,9 @@ from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
 from rollflow.tasks.sync.task import sync
 from rollflow.tasks.train.task import checkpoint, train
 
-PRODUCER_METRICS = ("staleness_mean", "staleness_max", "stale_dropped_total", "groups_in_flight", "producer_blocked_s",
-                    "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s", "retries_total")
+PRODUCER_METRICS = ("staleness_mean", "staleness_max", "stale_dropped_total", "groups_in_flight",
+                    "producer_blocked_s", "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s",
+                    "retries_total", "inference_restarts")
 
 
 @flow(name="train-step", flow_run_name="{ctx.config.run.name}-step-{step}", persist_result=False,

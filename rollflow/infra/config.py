@@ -134,6 +134,9 @@ class InferenceSection(_Section):
     startup_timeout_s: float = Field(300, gt=0, description="Deadline for the server to become healthy.")
     request_timeout_s: float = Field(120, gt=0, description="Deadline of one completion request.")
     max_concurrency: int = Field(64, ge=1, description="Completion requests in flight at once.")
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts of a dead vLLM server per run (0: a dead server fails the run)."
+    )
     extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments.")
 
 

@@ -1,7 +1,9 @@
 """The run's long-lived services: the trainer, the inference deployment, the weight group.
 
 ``RunServices`` starts both processes, joins the weight group (trainer rank 0, each inference
-worker one rank) and tears everything down within a deadline.
+worker one rank) and tears everything down within a deadline. ``check_alive()``, called by the
+step loop every ``HEALTH_CHECK_INTERVAL_S`` from the main thread, fails the run when the trainer
+died and has the inference supervisor restart a dead vLLM server (``inference/supervisor.py``).
 
 Invariant: when ``stop()`` returns (or the ``with`` block exits, on success or error), the
 weight group is closed on both sides and no service process is left. Processes are spawned from
@@ -10,7 +12,6 @@ the calling thread because the kernel kills them when the thread that spawned th
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import sys
@@ -20,17 +21,22 @@ from pathlib import Path
 import httpx
 
 from rollflow.infra.config import RunConfig
-from rollflow.infra.http import Endpoint, ServiceCallError, acall, call
-from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.events import publish
+from rollflow.infra.http import Endpoint, ServiceCallError, call
 from rollflow.infra.inference.server import InferenceServer
-from rollflow.infra.inference.sync import init_weight_group
+from rollflow.infra.inference.supervisor import HEALTH_PROBE_TIMEOUT_S, InferenceSupervisor
 from rollflow.infra.service import ManagedProcess, free_port
+from rollflow.infra.storage import RunStorage
 
 TEARDOWN_DEADLINE_S = 30.0
+HEALTH_CHECK_INTERVAL_S = 5.0
+# The longest a dead server goes unnoticed: one interval, then the trainer's probe before vLLM's.
+# The Sampler's unhealthy grace (tasks/generate/rollouts.py, RetryPolicy) must exceed it.
+DETECTION_BOUND_S = HEALTH_CHECK_INTERVAL_S + HEALTH_PROBE_TIMEOUT_S
 
 
 class RunServices:
-    """Trainer service + vLLM server + the weight group between them."""
+    """Trainer service + vLLM server (under its supervisor) + the weight group between them."""
 
     def __init__(self, cfg: RunConfig, policy_dir: str | Path, checkpoint_step: int | None, log_dir: str | Path,
                  progress=print):
@@ -39,10 +45,13 @@ class RunServices:
         self.progress = progress
         self.token = secrets.token_urlsafe(24)
         self.trainer_proc: ManagedProcess | None = None
-        self.inference: InferenceServer | None = None
+        self.supervisor: InferenceSupervisor | None = None
         self.trainer: Endpoint | None = None
         self.inference_ep: Endpoint | None = None
-        self.group_open = False
+
+    @property
+    def inference(self) -> InferenceServer | None:
+        return self.supervisor.server if self.supervisor else None
 
     # ------------------------------------------------------------------- start
 
@@ -64,96 +73,76 @@ class RunServices:
             self.log_dir / "trainer.log", env={"ROLLFLOW_TOKEN": self.token},
         )
         self.trainer_proc.start()  # loads while vLLM starts
-        max_len = _max_model_len(self.policy_dir)
-        self.inference = InferenceServer(
-            self.policy_dir, host=cfg.inference.host, port=cfg.inference.port, max_model_len=max_len,
-            startup_timeout_s=cfg.inference.startup_timeout_s, extra_args=cfg.inference.extra_args,
-            log_path=self.log_dir / "vllm.log",
-        )
+        storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
+        self.supervisor = InferenceSupervisor(
+            cfg, self.policy_dir, self.log_dir, self.trainer, progress=self.progress,
+            on_restart=lambda info: publish(storage, "inference_restarted", **info))
         try:
-            self.inference.start()
-            self.inference_ep = Endpoint("inference", self.inference.url, self.token)
+            self.supervisor.start()
+            self.inference_ep = Endpoint("inference", self.supervisor.url, self.token)
             self.trainer_proc.wait_healthy(
                 lambda: call(self.trainer, "/health", timeout_s=2, method="GET")["ok"],
                 self.cfg.trainer.startup_timeout_s,
             )
-            self.progress(f"services: vLLM at {self.inference.url}, trainer at {self.trainer.url} "
+            self.progress(f"services: vLLM at {self.supervisor.url}, trainer at {self.trainer.url} "
                           f"({time.perf_counter() - start:.0f}s); logs in {self.log_dir}")
-            asyncio.run(self._join_weight_group())
+            self.supervisor.join_weight_group()
         except BaseException:
             self.stop()
             raise
         return self
 
-    async def _join_weight_group(self) -> None:
-        timeout_s = self.cfg.trainer.weight_sync_timeout_s
-        metadata = call(self.trainer, "/weights/metadata", timeout_s=timeout_s, method="GET")
-        port = free_port()
-        client = InferenceClient(self.inference.url, timeout_s=timeout_s)
-        async with httpx.AsyncClient() as http:
-            try:
-                connect = lambda: acall(  # noqa: E731
-                    http, self.trainer, "/weights/connect",
-                    {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": timeout_s},
-                    timeout_s=timeout_s)
-                await init_weight_group(client, connect, "127.0.0.1", port, 2, timeout_s, metadata)
-            finally:
-                await client.aclose()
-        self.group_open = True
-
-    # -------------------------------------------------------------------- stop
+    # ------------------------------------------------------------------- check
 
     def check_alive(self) -> None:
-        """Raise if a service died or stopped answering: a dead component fails the run at once."""
-        probes = (("trainer", self.trainer_proc, f"{self.trainer.url}/health", self.trainer.headers()),
-                  ("vLLM server", self.inference, f"{self.inference.url}/health", {}))
-        for name, proc, url, headers in probes:
-            if proc is None or not proc.is_alive():
-                raise ServiceCallError(f"the {name} died; see the logs in {self.log_dir}")
+        """Raise if the trainer died or stopped answering (a dead trainer fails the run at once);
+        restart the vLLM server if it did (raise if it cannot be restarted)."""
+        self._check_trainer()
+        self.supervisor.check()
+
+    def _check_trainer(self) -> None:
+        """Raise ``ServiceCallError`` naming the trainer if it died or does not answer."""
+        if not self.trainer_proc.is_alive():
+            raise ServiceCallError(f"the trainer service died (exit code {self.trainer_proc.returncode}); "
+                                   f"see {self.trainer_proc.log_path}")
+        url = f"{self.trainer.url}/health"
+        try:
+            healthy = httpx.get(url, headers=self.trainer.headers(),
+                                timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if not healthy:
+            raise ServiceCallError(f"the trainer service is unhealthy ({url}); see {self.trainer_proc.log_path}")
+
+    def dead_service(self, grace_s: float = 0.0) -> str | None:
+        """After a failure: which service died, as a message naming it (None: both live).
+        ``grace_s`` lets a process that is dying now (a call to it just failed) finish exiting."""
+        deadline = time.monotonic() + grace_s
+        while True:
             try:
-                healthy = httpx.get(url, headers=headers, timeout=10).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if not healthy:
-                raise ServiceCallError(f"the {name} is unhealthy ({url}); see the logs in {self.log_dir}")
+                if self.trainer_proc is not None:
+                    self._check_trainer()
+                if self.inference is not None and not self.inference.is_alive():
+                    return (f"the vLLM server died (exit code {self.inference.returncode}); "
+                            f"see {self.inference.log_path}")
+            except ServiceCallError as exc:
+                return str(exc)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+
+    # -------------------------------------------------------------------- stop
 
     def stop(self) -> None:
         """Close the weight group on both sides, then stop both processes, within the deadline."""
         deadline = time.monotonic() + TEARDOWN_DEADLINE_S
-        if self.group_open:
-            self.group_open = False
-            for close in (self._close_trainer_group, self._close_inference_group):
-                try:
-                    close(max(1.0, min(5.0, deadline - time.monotonic())))
-                except Exception as exc:  # a dead peer must not block teardown
-                    self.progress(f"teardown: {exc}")
-        if self.inference is not None:
-            self.inference.stop(timeout_s=max(1.0, (deadline - time.monotonic()) / 2))
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout_s=TEARDOWN_DEADLINE_S / 2)
         if self.trainer_proc is not None:
             self.trainer_proc.stop(timeout_s=max(1.0, deadline - time.monotonic()))
-
-    def _close_trainer_group(self, timeout_s: float) -> None:
-        call(self.trainer, "/weights/close", timeout_s=timeout_s)
-
-    def _close_inference_group(self, timeout_s: float) -> None:
-        async def run():
-            client = InferenceClient(self.inference.url, timeout_s=timeout_s)
-            try:
-                await client.collective_rpc("close_weight_group", [])
-            finally:
-                await client.aclose()
-
-        asyncio.run(run())
 
     def __enter__(self) -> RunServices:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _max_model_len(policy_dir: str) -> int | None:
-    try:
-        return json.loads((Path(policy_dir) / "config.json").read_text())["max_position_embeddings"]
-    except (OSError, KeyError, ValueError):
-        return None

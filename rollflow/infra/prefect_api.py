@@ -74,14 +74,17 @@ def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str | None]:
             try:
                 yield url
             finally:
-                _flush_logs()
+                _drain_prefect_workers(timeout_s=10)
     finally:
         server.stop(timeout_s=10)
 
 
-def _flush_logs() -> None:
-    """Send the run's queued logs while the API still listens (else they fail noisily at exit)."""
+def _drain_prefect_workers(timeout_s: float) -> None:
+    """Send Prefect's queued logs and events while the API still runs. Left for the exit, they
+    met a stopped API and its client retried for ~70 s (measured after a failed run)."""
+    from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    with contextlib.suppress(Exception):
-        APILogWorker.drain_all(timeout=5)
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=timeout_s)

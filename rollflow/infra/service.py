@@ -79,6 +79,11 @@ class ManagedProcess:
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The service's exit code once it exited (128 + N when killed by signal N)."""
+        return self.proc.poll() if self.proc is not None else None
+
     def error(self, message: str) -> ServiceError:
         return ServiceError(f"{self.name}: {message}; log: {self.log_path}\n"
                             f"--- last lines of the log ---\n{log_tail(self.log_path)}")

@@ -201,12 +201,18 @@ class RunStorage:
             if file.is_file() and file.name != SUCCESS:
                 remote = f"{folder}/{file.relative_to(local).as_posix()}"
                 self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-                self.fs.put_file(str(file), remote)
+                try:
+                    self.fs.put_file(str(file), remote)
+                except OSError as exc:
+                    raise StorageError(f"uploading {file} to {remote}: {exc}") from exc
         self.commit(kind, step)
         return self.step_uri(kind, step)
 
     def local_copy(self, kind: str, step: int, cache: str | Path) -> Path:
-        """A local folder holding a committed step folder (itself, when storage is local)."""
+        """A local folder holding a committed step folder (itself, when storage is local).
+
+        The copy gets its own ``_SUCCESS`` after every file: an interrupted copy is made again.
+        """
         if not self.is_committed(kind, step):
             raise StorageError(f"{self.step_uri(kind, step)} is not committed (no {SUCCESS})")
         if self.is_local:
@@ -216,9 +222,15 @@ class RunStorage:
             target.mkdir(parents=True, exist_ok=True)
             source = self.step_dir(kind, step)
             for remote in self.fs.find(source):
+                if remote.rsplit("/", 1)[-1] == SUCCESS:
+                    continue  # written last, below: a copy cut short must not look whole
                 local = target / remote[len(source) + 1:]
                 local.parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(remote, str(local))
+                try:
+                    self.fs.get_file(remote, str(local))
+                except OSError as exc:
+                    raise StorageError(f"downloading {remote} to {local}: {exc}") from exc
+            (target / SUCCESS).write_bytes(b"")
         return target
 
     # ---------------------------------------------------------------- helpers

@@ -2,6 +2,9 @@
 
 Prompts go in as token ids and completions come back as token ids with the logprob of each
 sampled token, so nothing is ever re-tokenised. Every call carries a timeout.
+
+Sampling waits at the server's serving gate (``gate.py``) while its supervisor restarts it, so
+a restarted server is never sampled before it holds the run's weights again.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from rollflow.infra.inference.gate import serving_gate
 
 
 class InferenceClientError(RuntimeError):
@@ -88,7 +93,16 @@ class InferenceClient:
         seed: int | None = None,
         timeout_s: float | None = None,
     ) -> list[Completion]:
-        """Sample ``n`` completions of a token-id prompt."""
+        """Sample ``n`` completions of a token-id prompt (after waiting out a restart, if any).
+
+        Raises ``gate.InferenceGone`` when the server's supervisor gave up on it.
+        """
+        gate = serving_gate(self.base_url)
+        if gate is not None and not gate.is_open:
+            try:
+                await gate.wait_open_async(timeout_s or self.timeout_s)
+            except TimeoutError as err:
+                raise InferenceUnavailable(str(err)) from err
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": list(prompt_ids),
@@ -133,6 +147,12 @@ class InferenceClient:
             "/collective_rpc", json=body, timeout_s=timeout_s + 5.0, resend_on_stale=False
         )
         return (data or {}).get("results", [])
+
+    @property
+    def restarting(self) -> bool:
+        """Whether the server's supervisor is restarting it now (it is expected to be down)."""
+        gate = serving_gate(self.base_url)
+        return gate is not None and gate.restarting
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         """Whether the server answers ``/health`` with 200."""

@@ -125,6 +125,11 @@ class InferenceServer:
         """Whether the server process is running (not whether it is healthy)."""
         return self._proc is not None and self._proc.is_alive()
 
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit code once it exited (128 + N when killed by signal N)."""
+        return self._proc.returncode if self._proc else None
+
     def pids(self) -> list[int]:
         """Process ids of the server and every descendant still alive."""
         return self._proc.pids() if self._proc else []

@@ -57,23 +57,27 @@ async def init_weight_group(
 async def sync_weights(
     client: InferenceClient,
     send: Callable[[], Awaitable[Any]],
-    version: int,
+    version: int | None,
     timeout_s: float,
 ) -> dict[str, Any]:
     """Load policy ``version`` into the server in flight.
 
     pause(keep) → {trainer broadcast ∥ workers receive + reload} → reset prefix cache → resume.
     Requests in flight are frozen, not dropped, and continue on the new weights. The server is
-    resumed whatever happens. Returns ``pause_s``, ``broadcast_s``, ``total_s`` and ``bytes``
-    (what ``send()`` returned: an int, or a dict with a ``"bytes"`` key).
+    resumed whatever happens. Returns ``version``, ``pause_s``, ``broadcast_s``, ``total_s`` and
+    ``bytes`` (what ``send()`` returned: an int, or a dict with a ``"bytes"`` key). With
+    ``version=None`` the trainer tags the weights (``send()`` returns ``{"version": ...}``).
     """
     start = time.perf_counter()
+    what = f"weight sync v{version}" if version is not None else "weight sync"
     await client.pause(mode="keep")
     paused = time.perf_counter()
     try:
         rpc = client.collective_rpc("receive_weights", timeout_s=timeout_s + _RPC_MARGIN_S)
-        sent, versions = await _together(send(), rpc, timeout_s, f"weight sync v{version}")
+        sent, versions = await _together(send(), rpc, timeout_s, what)
         broadcast_done = time.perf_counter()
+        if version is None:
+            version = sent.get("version") if isinstance(sent, dict) else None
         if any(int(v) != version for v in versions):
             raise WeightSyncError(f"workers loaded versions {versions}, expected {version}")
         # Cached KV blocks were computed by the old weights.

@@ -26,6 +26,7 @@ import httpx
 from rollflow.infra.config import RunConfig
 from rollflow.infra.http import Endpoint, ServiceCallError, acall
 from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.inference.gate import serving_gate
 from rollflow.tasks.generate.environments import Environment, RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
 from rollflow.tasks.generate.rollouts import SamplingStats, group_runner
@@ -110,6 +111,8 @@ class ProducerHost:
         groups = self._call(self.producer.take(step, timeout_s), timeout_s + 5)
         metrics = self._call(_producer_metrics(self.producer, step), 10)
         metrics["retries_total"] = self.sampling_stats.retries
+        gate = serving_gate(self.client.base_url)
+        metrics["inference_restarts"] = gate.restarts if gate else 0
         self._advance_taken(step)
         return groups, metrics
 

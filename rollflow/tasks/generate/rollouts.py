@@ -21,6 +21,7 @@ from rollflow.infra.inference.client import (
     InferenceUnavailable,
     RequestAborted,
 )
+from rollflow.infra.inference.gate import InferenceGone
 from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,17 @@ class InferenceDead(RuntimeError):
 
 @dataclass
 class RetryPolicy:
-    """Exponential backoff for aborted or disconnected requests (no cap when ``max_tries`` is 0)."""
+    """Exponential backoff for aborted or disconnected requests (no cap when ``max_tries`` is 0).
+
+    ``unhealthy_grace_s`` covers only the time before the run's inference supervisor notices a
+    dead server (at most ``infra.deployment.DETECTION_BOUND_S``); once it has, the server's gate
+    is closed and requests wait there through the restart, which the grace does not count.
+    """
 
     initial_s: float = 0.2
     max_s: float = 5.0
     max_tries: int = 0
-    unhealthy_grace_s: float = 20.0  # a server unhealthy this long is dead, not restarting
+    unhealthy_grace_s: float = 20.0  # unhealthy this long, and no restart under way: dead
 
     def delay_s(self, attempt: int) -> float:
         return min(self.max_s, self.initial_s * 2**attempt) * (0.5 + random.random() / 2)
@@ -68,19 +74,10 @@ class Sampler:
         while True:
             try:
                 return await self.client.complete(prompt_ids, n=n, **params)
-            except InferenceServerError as exc:
-                if not await self.client.health():
-                    raise InferenceDead(f"vLLM failed a request and is unhealthy: {exc}") from exc
-                raise
-            except (RequestAborted, InferenceUnavailable) as exc:
-                if isinstance(exc, InferenceUnavailable) and not await self.client.health():
-                    unhealthy_since = unhealthy_since or time.monotonic()
-                    if time.monotonic() - unhealthy_since > self.retry.unhealthy_grace_s:
-                        raise InferenceDead(
-                            f"vLLM unreachable for {self.retry.unhealthy_grace_s:.0f}s: {exc}"
-                        ) from exc
-                else:
-                    unhealthy_since = None
+            except InferenceGone as exc:
+                raise InferenceDead(f"vLLM is gone: {exc}") from exc
+            except (RequestAborted, InferenceUnavailable, InferenceServerError) as exc:
+                unhealthy_since = await self._down_since(exc, unhealthy_since)
                 reason = type(exc).__name__
                 self.stats.retries += 1
                 self.stats.retry_reasons[reason] = self.stats.retry_reasons.get(reason, 0) + 1
@@ -92,6 +89,25 @@ class Sampler:
                     ) from exc
                 log.warning("request %s (%s), retry %d", reason, exc, attempt)
                 await asyncio.sleep(self.retry.delay_s(attempt - 1))
+
+    async def _down_since(self, exc: Exception, since: float | None) -> float | None:
+        """Since when the server has been down with no restart under way (None: it is up, or its
+        supervisor is restarting it, so the request waits at the gate); raises when the failure
+        is final: ``InferenceDead``, or the HTTP 5xx of a healthy server (the group's error)."""
+        if self.client.restarting or isinstance(exc, RequestAborted):
+            return None
+        healthy = await self.client.health()
+        if isinstance(exc, InferenceServerError):
+            if healthy:
+                raise exc
+            raise InferenceDead(f"vLLM failed a request and is unhealthy: {exc}") from exc
+        if healthy:
+            return None
+        since = since or time.monotonic()
+        if time.monotonic() - since > self.retry.unhealthy_grace_s:
+            raise InferenceDead(f"vLLM unreachable for {self.retry.unhealthy_grace_s:.0f}s "
+                                f"and not being restarted: {exc}") from exc
+        return since
 
 
 def train_prompt_seed(run_seed: int, step: int) -> int:

@@ -69,7 +69,9 @@ class WeightConnect(BaseModel):
 
 
 class Broadcast(BaseModel):
-    version: int
+    # None: the weights of the last finished step, tagged with that step (``weights_version``);
+    # refused while a step is training (a restarted vLLM's re-sync waits for a step boundary).
+    version: int | None = None
 
 
 class SaveCheckpoint(BaseModel):
@@ -84,7 +86,10 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
     if args.checkpoint_step is not None:
         trainer.load_checkpoint(args.model_path)
     lock = threading.Lock()
-    state: dict[str, Any] = {"sender": None, "batch_step": None, "batch": None, "finished": None}
+    # weights_version: the outer step whose optimizer steps made the current weights; None
+    # between a step's first optimizer step and its /end_step.
+    state: dict[str, Any] = {"sender": None, "batch_step": None, "batch": None, "finished": None,
+                             "weights_version": args.checkpoint_step or 0}
     finished = threading.Event()  # set once, after the optimizer step that ends training
 
     def auth(authorization: str = Header("")) -> None:
@@ -103,7 +108,8 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict:
-        return {"ok": True, "optim_step": trainer.step, "pid": os.getpid()}
+        return {"ok": True, "optim_step": trainer.step, "weights_version": state["weights_version"],
+                "pid": os.getpid()}
 
     @app.post("/forward_backward")
     def forward_backward(req: ForwardBackward) -> dict:
@@ -121,12 +127,14 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
             if finished.is_set():
                 raise HTTPException(409, f"training finished after step {args.num_steps}: "
                                          "no more optimizer steps")
+            state["weights_version"] = None
             return trainer.optim_step()
 
     @app.post("/end_step")
     def end_step(req: EndStep) -> dict:
         """Step ``req.step`` made all its optimizer steps; after the run's last, training ends."""
         with lock:
+            state["weights_version"] = req.step
             if req.step == args.num_steps and not finished.is_set():
                 state["finished"] = {"step": req.step, "optim_step": trainer.step, "time": time.time()}
                 finished.set()
@@ -167,10 +175,13 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
         with lock:
             if state["sender"] is None:
                 raise HTTPException(409, "weight group not connected: call /weights/connect first")
+            version = state["weights_version"] if req.version is None else req.version
+            if version is None:
+                raise HTTPException(409, "a step is training: its weights are no policy version yet")
             start = time.perf_counter()
             with torch.no_grad():
-                num_bytes = state["sender"].broadcast(trainer.named_weights(), req.version)
-            return {"bytes": num_bytes, "broadcast_s": time.perf_counter() - start}
+                num_bytes = state["sender"].broadcast(trainer.named_weights(), version)
+            return {"version": version, "bytes": num_bytes, "broadcast_s": time.perf_counter() - start}
 
     @app.post("/weights/close")
     def close_weights() -> dict:

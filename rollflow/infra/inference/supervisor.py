@@ -1,0 +1,226 @@
+"""The inference supervisor: the run's vLLM server and its link to the trainer, kept serving.
+
+It starts the server, joins it to the weight group (trainer rank 0, each vLLM worker one rank)
+and, when ``check()`` finds the server dead or failing its health probe twice in a row,
+restarts it:
+
+    close the serving gate → stop what is left of the old server (EngineCore, workers)
+    → start it again on the same port → the trainer and the new workers form the weight group
+    anew → wait until the trainer is between steps → broadcast its weights, tagged with the
+    step that made them → open the gate
+
+Sampling requests that were in flight on the dead server fail and are retried by the Sampler;
+new and retried requests wait at the gate (``gate.py``), so none is served by the weights the
+new server loaded from disk. A step's weight sync that was cut by the death is synced again
+once the gate opens (``tasks/sync``). The URL never changes, so every client follows.
+
+``check()`` runs on the thread that started the server (the run's main thread): services die
+with the thread that spawned them (``service.py``), so a restart must happen there too.
+
+Invariants: sampling resumes only on a server holding a policy version the trainer made, at
+least the one it held before; at most ``inference.max_restarts`` restarts, each reported once
+through ``on_restart``; a restart that fails fails the gate (every waiter ends at once) and
+raises ``ServiceCallError`` naming the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from rollflow.infra.config import RunConfig
+from rollflow.infra.http import Endpoint, ServiceCallError, acall, call
+from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.inference.gate import ServingGate, register_gate, unregister_gate
+from rollflow.infra.inference.server import InferenceServer
+from rollflow.infra.inference.sync import init_weight_group, sync_weights
+from rollflow.infra.service import free_port
+
+HEALTH_PROBE_TIMEOUT_S = 5.0
+UNHEALTHY_PROBES_BEFORE_RESTART = 2  # one slow answer is not a death
+
+
+class InferenceSupervisor:
+    """One vLLM server, restarted when it dies; see the module docstring."""
+
+    def __init__(self, cfg: RunConfig, policy_dir: str | Path, log_dir: Path, trainer: Endpoint, *,
+                 on_restart: Callable[[dict], None] = lambda info: None, progress=print):
+        self.cfg, self.trainer = cfg, trainer
+        self.on_restart, self.progress = on_restart, progress
+        self.server = InferenceServer(
+            policy_dir, host=cfg.inference.host, port=cfg.inference.port,
+            max_model_len=_max_model_len(policy_dir), startup_timeout_s=cfg.inference.startup_timeout_s,
+            extra_args=cfg.inference.extra_args, log_path=log_dir / "vllm.log",
+        )
+        self.gate: ServingGate | None = None
+        self.group_open = False
+        self.restarts = 0
+        self._unhealthy_probes = 0
+        self._owner: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    # ------------------------------------------------------------------- start
+
+    def start(self) -> None:
+        """Start the server; returns once it is healthy (the weight group is joined separately)."""
+        self._owner = threading.current_thread()
+        self.server.start()
+
+    def join_weight_group(self) -> None:
+        """Form the weight group with the trainer, then let sampling in (open the gate)."""
+        self._join_weight_group()
+        self.gate = register_gate(self.server.url)
+
+    def _join_weight_group(self) -> None:
+        timeout_s = self.cfg.trainer.weight_sync_timeout_s
+        metadata = call(self.trainer, "/weights/metadata", timeout_s=timeout_s, method="GET")
+        port = free_port()
+
+        async def join() -> None:
+            client = InferenceClient(self.server.url, timeout_s=timeout_s)
+            async with httpx.AsyncClient() as http:
+                try:
+                    connect = lambda: acall(  # noqa: E731
+                        http, self.trainer, "/weights/connect",
+                        {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": timeout_s},
+                        timeout_s=timeout_s)
+                    await init_weight_group(client, connect, "127.0.0.1", port, 2, timeout_s, metadata)
+                finally:
+                    await client.aclose()
+
+        asyncio.run(join())
+        self.group_open = True
+
+    # ------------------------------------------------------------------- check
+
+    def check(self) -> None:
+        """Restart the server if it died or stopped answering; raise if that is impossible."""
+        reason = self._failure()
+        if reason is not None:
+            self._restart(reason)
+
+    def _failure(self) -> str | None:
+        if not self.server.is_alive():
+            return f"the vLLM server died (exit code {self.server.returncode})"
+        try:
+            healthy = httpx.get(f"{self.url}/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        self._unhealthy_probes = 0 if healthy else self._unhealthy_probes + 1
+        if self._unhealthy_probes >= UNHEALTHY_PROBES_BEFORE_RESTART:
+            return f"the vLLM server failed {self._unhealthy_probes} health probes in a row ({self.url})"
+        return None
+
+    def restart_deadline_s(self) -> float:
+        """The longest a restart may take: start, weight group, the trainer's step, one sync."""
+        c = self.cfg
+        return (c.inference.startup_timeout_s + 2 * c.trainer.weight_sync_timeout_s
+                + c.trainer.request_timeout_s + 30.0)
+
+    def _restart(self, reason: str) -> None:
+        detected_at = time.time()
+        logs = f"see {self.server.log_path}"
+        if self.restarts >= self.cfg.inference.max_restarts:
+            message = (f"{reason}; not restarted: {self.restarts} of "
+                       f"inference.max_restarts = {self.cfg.inference.max_restarts} used; {logs}")
+            self.gate.fail(message)
+            raise ServiceCallError(message)
+        if threading.current_thread() is not self._owner:
+            raise RuntimeError("the inference supervisor must restart the server from the thread "
+                               "that started it (the run's main thread)")
+        self.gate.close(self.restart_deadline_s())
+        self.progress(f"inference: {reason}; restarting it ({self.restarts + 1}/"
+                      f"{self.cfg.inference.max_restarts}); {logs}")
+        start = time.monotonic()
+        try:
+            self.group_open = False
+            self.server.stop(timeout_s=10)
+            self.server.start()
+            with self.gate.weights_turn(self.cfg.trainer.weight_sync_timeout_s, when_open=False):
+                self._join_weight_group()
+                synced = self._resync()
+        except Exception as exc:
+            message = f"{reason} and could not be restarted: {exc}; {logs}"
+            self.gate.fail(message)
+            raise ServiceCallError(message) from exc
+        self.restarts += 1
+        self._unhealthy_probes = 0
+        self.gate.open()
+        info = {"restart": self.restarts, "reason": reason, "detected_at": detected_at,
+                "restart_s": time.monotonic() - start, "version": synced["version"]}
+        self.on_restart(info)
+        self.progress(f"inference: restarted in {info['restart_s']:.0f}s, serving policy version "
+                      f"{synced['version']} again")
+
+    def _resync(self) -> dict:
+        """Broadcast the trainer's weights as of its last finished step (it may be mid-step: wait).
+
+        No new step can start training meanwhile: it would first need the previous step's
+        sync, which waits for the gate this restart holds closed.
+        """
+        deadline = time.monotonic() + self.cfg.trainer.request_timeout_s
+        while call(self.trainer, "/health", timeout_s=HEALTH_PROBE_TIMEOUT_S,
+                   method="GET").get("weights_version") is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the trainer was still mid-step after "
+                                   f"{self.cfg.trainer.request_timeout_s:.0f}s")
+            time.sleep(0.2)
+        timeout_s = self.cfg.trainer.weight_sync_timeout_s
+
+        async def sync() -> dict:
+            client = InferenceClient(self.server.url, timeout_s=timeout_s)
+            async with httpx.AsyncClient() as http:
+                try:
+                    send = lambda: acall(http, self.trainer, "/weights/broadcast", {},  # noqa: E731
+                                         timeout_s=timeout_s)
+                    return await sync_weights(client, send, None, timeout_s)
+                finally:
+                    await client.aclose()
+
+        return asyncio.run(sync())
+
+    # -------------------------------------------------------------------- stop
+
+    def stop(self, timeout_s: float) -> None:
+        """End the gate's waiters, close the weight group on both sides, stop the server."""
+        deadline = time.monotonic() + timeout_s
+        if self.gate is not None:
+            self.gate.fail("the run is stopping its inference server")
+            unregister_gate(self.gate)
+        if self.group_open:
+            self.group_open = False
+            for close in (self._close_trainer_group, self._close_inference_group):
+                try:
+                    close(max(1.0, min(5.0, deadline - time.monotonic())))
+                except Exception as exc:  # a dead peer must not block teardown
+                    self.progress(f"teardown: {exc}")
+        self.server.stop(timeout_s=max(1.0, deadline - time.monotonic()))
+
+    def _close_trainer_group(self, timeout_s: float) -> None:
+        call(self.trainer, "/weights/close", timeout_s=timeout_s)
+
+    def _close_inference_group(self, timeout_s: float) -> None:
+        async def run():
+            client = InferenceClient(self.server.url, timeout_s=timeout_s)
+            try:
+                await client.collective_rpc("close_weight_group", [])
+            finally:
+                await client.aclose()
+
+        asyncio.run(run())
+
+
+def _max_model_len(policy_dir: str | Path) -> int | None:
+    try:
+        return json.loads((Path(policy_dir) / "config.json").read_text())["max_position_embeddings"]
+    except (OSError, KeyError, ValueError):
+        return None
