@@ -120,8 +120,8 @@ def test_a_failed_sync_waits_for_the_restart_it_caused(url_and_gate):
         time.sleep(0.3)
         gate.open()
 
+    start = time.monotonic()  # before the thread starts: it sleeps 0.5 s in all before reopening
     threading.Thread(target=restart).start()
-    start = time.monotonic()
     assert gate.wait_restart(0, notice_s=5) is True
     assert time.monotonic() - start >= 0.5 and gate.restarts == 1 and gate.is_open
     gate.close(deadline_s=30)
