@@ -44,7 +44,7 @@ def run_one(storage: Path, staleness: int, steps: int, extra: list[str]) -> dict
                    "order by step").df()
     steps_m = m[m.step > 0]
     stale = duckdb.sql(f"select avg(step - 1 - version_started), max(step - 1 - version_started) "
-                       f"from read_parquet('{storage}/{name}/rollouts/*/*.parquet')").fetchone()
+                       f"from read_parquet('{storage}/{name}/rollouts/*/*.parquet')").fetchall()[0]
     train_wall = steps_m.step_s.sum()
     return {
         "S": staleness, "steps": len(steps_m), "s_per_step": steps_m.step_s.mean(),

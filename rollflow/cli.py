@@ -2,6 +2,8 @@
 
     rollflow run CONFIG [key.path=value ...] [--dry-run]
     rollflow status RUN [--storage ROOT]
+    rollflow deploy [CONFIG ...] [--pool NAME] [--prefect-file prefect.yaml]
+    rollflow export RUN --step N [--out DIR] [--storage ROOT]
 
 Config errors are reported before anything heavy is imported, so a misspelt key fails at once.
 """
@@ -25,12 +27,23 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help="a table of a run's steps: reward, evaluation, timings")
     status.add_argument("run", help="run name (run.name)")
     status.add_argument("--storage", default="runs", help="storage root (run.storage), default: runs")
+    deploy = sub.add_parser("deploy", help="register the deployments of prefect.yaml on the Prefect server "
+                            "(PREFECT_API_URL), creating their work pools when missing")
+    deploy.add_argument("configs", nargs="*", metavar="CONFIG",
+                        help="register rl-run/<config name> for these configs only (default: every deployment)")
+    deploy.add_argument("--pool", help="work pool of prefect.yaml to deploy on, e.g. rollflow-gpu-kubernetes")
+    deploy.add_argument("--prefect-file", default="prefect.yaml", help="default: prefect.yaml")
+    export = sub.add_parser("export", help="write a committed checkpoint as a Hugging Face model folder")
+    export.add_argument("run", help="run name (run.name)")
+    export.add_argument("--step", type=int, required=True, help="a step with a committed checkpoint")
+    export.add_argument("--out", help="folder to create, default: exports/<run>-step-<N>")
+    export.add_argument("--storage", default="runs", help="storage root (run.storage), default: runs")
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
-    if args.command == "status":
+    if args.command != "run":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return cmd_status(args)
+        return {"status": cmd_status, "deploy": cmd_deploy, "export": cmd_export}[args.command](args)
     unknown = [e for e in extra if "=" not in e or e.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -79,13 +92,19 @@ def _check_beyond_config(cfg) -> None:
 # (metrics key, header, format): every cell is 8 characters wide.
 STATUS_COLUMNS = (("step", "step", "{:>8}"), ("reward_mean", "reward", "{:>8.3f}"),
                   ("eval_reward", "eval", "{:>8.3f}"), ("num_groups_kept", "kept", "{:>8}"),
-                  ("loss", "loss", "{:>+8.4f}"), ("generate_phase_s", "gen_s", "{:>8.2f}"),
-                  ("train_phase_s", "train_s", "{:>8.2f}"), ("sync_phase_s", "sync_s", "{:>8.2f}"),
+                  ("loss", "loss", "{:>+8.4f}"), ("staleness_mean", "stale", "{:>8.2f}"),
+                  ("staleness_max", "stale_mx", "{:>8}"), ("generate_phase_s", "gen_s", "{:>8.2f}"),
+                  ("advantage_phase_s", "adv_s", "{:>8.2f}"), ("train_phase_s", "train_s", "{:>8.2f}"),
+                  ("trainer_wait_for_data_s", "wait_s", "{:>8.2f}"), ("sync_phase_s", "sync_s", "{:>8.2f}"),
                   ("step_s", "step_s", "{:>8.2f}"))
+ALWAYS_SHOWN = {"step", "reward_mean", "eval_reward", "num_groups_kept", "loss"}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print one line per metrics row of a run (reads Parquet only: fast)."""
+    """Print one line per metrics row of a run (reads Parquet only: fast).
+
+    Staleness and timing columns appear when some row has them (runs of older versions lack some).
+    """
     from rollflow.infra.storage import RunStorage
 
     storage = RunStorage(args.storage, args.run)
@@ -94,10 +113,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"error: no metrics for run {args.run!r} in {storage.uri}; "
               "is --storage the run's run.storage?", file=sys.stderr)
         return 2
-    print(" ".join(f"{header:>8}" for _, header, _ in STATUS_COLUMNS))
+    present = set().union(*rows)
+    columns = [c for c in STATUS_COLUMNS if c[0] in ALWAYS_SHOWN or c[0] in present]
+    print(" ".join(f"{header:>8}" for _, header, _ in columns))
     for row in rows:
         cells = []
-        for key, _, fmt in STATUS_COLUMNS:
+        for key, _, fmt in columns:
             value = row.get(key)
             missing = value is None or value != value  # absent or NaN
             cells.append(f"{'-':>8}" if missing else fmt.format(value))
@@ -106,6 +127,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     finished = any(e["event"] == "training_finished" for e in storage.read_events())
     print(f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
           f"{', training finished' if finished else ''}; data in {storage.uri}")
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """Register deployments on the configured Prefect server (see infra/deploy.py)."""
+    from pathlib import Path
+
+    from rollflow.infra.deploy import DeployError, deploy
+    from rollflow.infra.prefect_api import PrefectServerUnavailable
+    from rollflow.infra.work_pools import WorkPoolError
+
+    try:
+        deploy(Path(args.prefect_file), args.configs, args.pool)
+    except (DeployError, PrefectServerUnavailable, WorkPoolError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Copy a committed checkpoint, less its trainer state, to a Hugging Face model folder."""
+    from rollflow.infra.export import ExportError, export_checkpoint
+    from rollflow.infra.storage import RunStorage
+
+    storage = RunStorage(args.storage, args.run)
+    out = args.out or f"exports/{args.run}-step-{args.step}"
+    try:
+        path = export_checkpoint(storage, args.step, out, show_progress=sys.stderr.isatty())
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported step {args.step} of run {args.run} to {path}; load it with "
+          f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`")
     return 0
 
 

@@ -51,3 +51,12 @@ def s3_endpoint():
     boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="rollflow")
     yield url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def deployed_run(tmp_path_factory):
+    """A tiny quickstart run made through a real Prefect server, deployment and process worker
+    (tests/deployed_run.py); shared by the tests of deployments, export and the notebook."""
+    from deployed_run import make_deployed_run
+
+    return make_deployed_run(tmp_path_factory.mktemp("deployed"))

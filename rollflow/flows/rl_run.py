@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from rollflow.flows.artifacts import RunProgress, publish_summary
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
@@ -57,6 +58,7 @@ def rl_run(config: dict) -> dict:
     else:
         policy_dir = base_model
     publish(storage, "run_started", resumed_from=resumed_from)
+    progress = RunProgress(cfg.run.name, cfg.run.num_steps, resumed_from)
     log_dir = _log_dir(storage)
     # Sinks open first: a configured sink whose package is missing fails before services start.
     with MetricSinks.from_config(cfg, log_dir) as sinks, \
@@ -80,6 +82,7 @@ def rl_run(config: dict) -> dict:
             def report(step: int, metrics: dict) -> None:
                 say(progress_line(step, cfg.run.num_steps, metrics))
                 sinks.log(step, metrics)
+                progress.update(step)
 
             run_steps(ctx, services, host, resumed_from, report)
             # The end is the trainer's to say; the producer has stopped on it already.
@@ -89,6 +92,7 @@ def rl_run(config: dict) -> dict:
             raise
         publish(storage, "training_finished", source="trainer", **finished)
         host.close()
+    publish_summary(storage)
     return summarize(storage, say)
 
 

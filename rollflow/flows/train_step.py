@@ -13,6 +13,7 @@ import time
 
 from prefect import flow
 
+from rollflow.flows.artifacts import publish_step_metrics
 from rollflow.infra.context import RunContext
 from rollflow.infra.events import publish
 from rollflow.tasks.advantage.task import advantage
@@ -21,9 +22,9 @@ from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
 from rollflow.tasks.sync.task import sync
 from rollflow.tasks.train.task import checkpoint, train
 
-PRODUCER_METRICS = ("staleness_mean", "staleness_max", "groups_in_flight", "producer_blocked_s",
-                    "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s", "retries_total",
-                    "inference_restarts")
+PRODUCER_METRICS = ("staleness_mean", "staleness_max", "stale_dropped_total", "groups_in_flight",
+                    "producer_blocked_s", "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s",
+                    "retries_total", "inference_restarts")
 
 
 @flow(name="train-step", flow_run_name="{ctx.config.run.name}-step-{step}", persist_result=False,
@@ -35,14 +36,17 @@ def train_step(ctx: RunContext, step: int) -> dict:
     t0 = time.perf_counter()
     rollouts = generate(ctx, step)
     t1 = time.perf_counter()
-    batch = advantage(ctx, step, reuse=rollouts["reused"])
+    batch = advantage(ctx, step, reuse=rollouts["reused"], group_scored_envs=rollouts["group_scored_envs"])
     t2 = time.perf_counter()
     trainer_free_at = host.wait_committed(step - 1, take_timeout_s(cfg))
     t3 = time.perf_counter()
     trained = train(ctx, step, batch["minibatches"])
     t4 = time.perf_counter()
-    synced = sync(ctx, version=step)
-    host.set_version(step)  # vLLM serves it now: the producer admits the groups it unblocks
+    evaluates = step == cfg.run.num_steps or bool(cfg.run.eval_every and step % cfg.run.eval_every == 0)
+    synced = {}
+    if step % cfg.train.sync_every == 0 or evaluates:
+        synced = sync(ctx, version=step)
+        host.set_version(step)  # vLLM serves it now: the producer admits the groups it unblocks
     t5 = time.perf_counter()
     metrics = {
         "reward_mean": rollouts["reward_mean"],
@@ -50,6 +54,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
         "num_rollouts": rollouts["num_rollouts"], "num_errors": rollouts["num_errors"],
         "rollouts_reused": rollouts["reused"], "num_skipped_rows": rollouts["num_skipped_rows"],
         "num_groups_kept": batch["num_groups_kept"], "num_samples_kept": batch["num_samples_kept"],
+        "num_failed_samples": batch.get("num_failed_samples"),
         **{k: v for k, v in trained.items() if not isinstance(v, dict)},
         "sync_s": synced.get("total_s"), "sync_pause_s": synced.get("pause_s"),
         **{k: rollouts[k] for k in PRODUCER_METRICS if k in rollouts},
@@ -59,17 +64,16 @@ def train_step(ctx: RunContext, step: int) -> dict:
         "sync_phase_s": t5 - t4, "trainer_wait_for_data_s": max(0.0, t2 - trainer_free_at),
         "wait_for_previous_step_s": t3 - t2,
     }
-    if step == cfg.run.num_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
+    if evaluates:
         t_eval = time.perf_counter()
         ev = evaluate(ctx)
         metrics["eval_phase_s"] = time.perf_counter() - t_eval
         metrics["eval_reward"] = ev["eval_reward"]
         metrics.update({f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()})
     metrics["flow_s"] = time.perf_counter() - t0
-    # Seconds since the previous step committed: consecutive steps' step_s add up to the run's wall
-    # clock, however the flows overlap (the first step also counts the producer's start).
-    metrics["step_s"] = time.perf_counter() - trainer_free_at
+    metrics["step_s"] = host.step_seconds()  # consecutive steps add up to the run's wall clock
     ctx.storage.write_metrics(step, metrics)
+    publish_step_metrics(cfg.run.name, step, metrics)
     if step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps:
         checkpoint(ctx, step)
     publish(ctx.storage, "step_committed", step=step)

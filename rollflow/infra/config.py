@@ -110,6 +110,9 @@ class TrainSection(_Section):
     train_batch_size: int = Field(64, ge=1, description="Groups per outer step (one weight sync).")
     mini_batch_size: int = Field(64, ge=1, description="Groups per optimizer step.")
     max_staleness: int = Field(0, ge=0, description="Steps generation may run ahead of training (0 = on-policy).")
+    sync_every: int = Field(
+        1, ge=1, description="Sync weights to vLLM every N outer steps (and at evaluations); needs max_staleness >= N - 1."
+    )
     max_in_flight_groups: int | None = Field(
         None, ge=1, description="Groups generating at once (K); default train_batch_size * (max_staleness + 1)."
     )
@@ -208,6 +211,12 @@ class RunConfig(_Section):
             raise ValueError(
                 f"train.train_batch_size ({t.train_batch_size}) must be divisible by "
                 f"train.mini_batch_size ({t.mini_batch_size})"
+            )
+        if t.sync_every > t.max_staleness + 1:
+            raise ValueError(
+                f"train.sync_every ({t.sync_every}) needs train.max_staleness >= {t.sync_every - 1} "
+                f"(it is {t.max_staleness}): between syncs vLLM samples with weights up to "
+                f"sync_every - 1 steps old; raise max_staleness or lower sync_every"
             )
         k, high = t.in_flight_groups(), t.train_batch_size * (t.max_staleness + 1)
         if not t.train_batch_size <= k <= high:

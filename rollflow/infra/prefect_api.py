@@ -1,7 +1,8 @@
-"""A local Prefect API for runs started without a Prefect server.
+"""The Prefect API a run talks to: the configured server, or a private one for the run.
 
-Prefect's own ephemeral server outlives a SIGKILLed parent. This starts the same server as a
-``ManagedProcess``, so it dies with the run like every other service.
+Prefect's own ephemeral server outlives a SIGKILLed parent. ``local_prefect_api`` starts the same
+server as a ``ManagedProcess``, so it dies with the run like every other service.
+``require_prefect_server`` is for what needs a real, lasting server (deployments).
 """
 
 from __future__ import annotations
@@ -16,6 +17,35 @@ import prefect
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 from rollflow.infra.service import ManagedProcess, free_port
+
+START_SERVER_HINT = ("start one with `prefect server start` (in another terminal), then "
+                     "`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`")
+
+
+class PrefectServerUnavailable(RuntimeError):
+    """No Prefect server is configured, or the configured one does not answer."""
+
+
+def require_prefect_server(timeout_s: float = 5.0) -> str:
+    """The configured PREFECT_API_URL once its server answers ``/health``; else a clear error."""
+    settings = get_current_settings()
+    url = settings.api.url
+    if not url:
+        raise PrefectServerUnavailable(
+            f"PREFECT_API_URL is not set, so there is no Prefect server to register deployments on; "
+            f"{START_SERVER_HINT}")
+    key = settings.api.key.get_secret_value() if settings.api.key else None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/health", headers=headers, timeout=timeout_s)
+        problem = None if response.status_code == 200 else f"/health answered HTTP {response.status_code}"
+    except httpx.HTTPError as exc:
+        problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if problem:
+        raise PrefectServerUnavailable(
+            f"no Prefect server answers at PREFECT_API_URL={url} ({problem}); {START_SERVER_HINT}, "
+            "or set PREFECT_API_URL to the server you use")
+    return url
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """A fast fake of vLLM's OpenAI completions endpoint, for fault-injection tests and benchmarks.
 
 It speaks just enough HTTP/1.1 (keep-alive, Content-Length bodies) for ``InferenceClient``:
-``POST /v1/completions`` answers ``n`` completions of fixed tokens after ``latency_s``, and
+``POST /v1/completions`` answers ``n`` completions of fixed tokens after ``latency_s`` (plus a
+uniform random ``0..latency_jitter_s``, so that answers do not all arrive in lockstep), and
 ``GET /health`` answers 200. A ``faults`` plan decides, per request, whether to answer, to
 answer every choice with ``finish_reason="abort"`` (what a paused-with-abort vLLM returns), or
 to drop the connection without answering (a server restart, a proxy timeout).
@@ -10,7 +11,7 @@ Not the real thing: tests of the real inference path run vLLM itself (tests/infr
 stands in where a test must inject faults deterministically or a benchmark must measure the
 client side alone.
 
-    python -m rollflow.testing.fake_openai --port 8000 --latency-s 0.05
+    python -m rollflow.testing.fake_openai --port 8000 --latency-s 0.05 [--latency-jitter-s 0.05]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -37,8 +39,10 @@ class FakeOpenAI:
     """The server; ``start()`` runs it on its own loop thread and returns its base URL."""
 
     def __init__(self, *, latency_s: float = 0.0, faults: FaultPlan = no_faults,
-                 host: str = "127.0.0.1", port: int = 0, eos_token_id: int = 2):
+                 host: str = "127.0.0.1", port: int = 0, eos_token_id: int = 2,
+                 latency_jitter_s: float = 0.0):
         self.latency_s, self.faults, self.host, self.port = latency_s, faults, host, port
+        self.latency_jitter_s = latency_jitter_s
         self.eos_token_id = eos_token_id
         self.attempts: Counter[tuple[int, ...]] = Counter()  # requests seen per prompt
         self.injected: Counter[str] = Counter()  # faults served, by kind
@@ -124,8 +128,8 @@ class FakeOpenAI:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            if self.latency_s:
-                await asyncio.sleep(self.latency_s)
+            if self.latency_s or self.latency_jitter_s:
+                await asyncio.sleep(self.latency_s + random.uniform(0.0, self.latency_jitter_s))
         finally:
             self.in_flight -= 1
         if fault != "ok":
@@ -165,8 +169,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--latency-s", type=float, default=0.0)
+    parser.add_argument("--latency-jitter-s", type=float, default=0.0)
     args = parser.parse_args()
-    server = FakeOpenAI(latency_s=args.latency_s, host=args.host, port=args.port)
+    server = FakeOpenAI(latency_s=args.latency_s, latency_jitter_s=args.latency_jitter_s,
+                        host=args.host, port=args.port)
     print(f"fake OpenAI server at {server.start()}", flush=True)
     threading.Event().wait()
 

@@ -177,12 +177,13 @@ def test_run_on_s3_resumes_from_s3(tmp_path, model_cache, s3_endpoint):
     assert fs.exists(f"{root}/checkpoints/step=3/trainer/optimizer.safetensors")
 
 
-def test_one_step_off_policy_overlaps_steps(tmp_path, model_cache):
-    """max_staleness = 1: generation runs ahead, every step still lands once, versions are recorded."""
+def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_path, model_cache):
+    """max_staleness = 2, syncing every 2 steps: generation runs ahead, every step still lands
+    once, versions are recorded, and the trainer's end of training stops the work in flight."""
     import duckdb
 
     config = write_config(tmp_path, model_cache, name="async1", steps=4)
-    out = run_cli(config, tmp_path, "train.max_staleness=1")
+    out = run_cli(config, tmp_path, "train.max_staleness=2", "train.sync_every=2", "run.eval_every=0")
     exited = time.time()
     assert "step 4/4" in out
     run_dir = tmp_path / "runs" / "async1"
@@ -191,15 +192,16 @@ def test_one_step_off_policy_overlaps_steps(tmp_path, model_cache):
         f"select step, min(version_started), max(version_started), max(version_finished) "
         f"from '{run_dir}/rollouts/*/*.parquet' group by step order by step").fetchall()
     for step, v_min, v_max, v_fin in versions:
-        assert step - 2 <= v_min <= v_max <= step - 1  # within the bound, never from the future
+        assert step - 3 <= v_min <= v_max <= step - 1  # within the bound, never from the future
         assert v_fin <= step - 1
     assert any(v_max < step - 1 for step, _, v_max, _ in versions[1:])  # some step trained off-policy
     metrics = duckdb.sql(f"select staleness_max, loop_lag_p99_s, trainer_wait_for_data_s from read_parquet("
                          f"'{run_dir}/metrics/*.parquet', union_by_name=true) where step > 0").fetchall()
     assert all(None not in m for m in metrics)
-    # The end came from the trainer, with generation still under way (S = 1 runs a step ahead),
+    # The end came from the trainer, with generation still under way (S = 2 runs ahead),
     # and the teardown (producer, weight group, both services) took well under its 30 s deadline.
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in events if e["event"] == "weights_published"] == [2, 4]
     end = events[-1]
     assert end["event"] == "training_finished" and end["source"] == "trainer" and end["step"] == 4
     assert end["groups_in_flight"] + end["groups_ready"] > 0

@@ -47,6 +47,10 @@ def test_cross_field_errors_say_what_to_do():
     with pytest.raises(ConfigError, match=r"\(300\) must be between .*max_staleness \+ 1\) \(256\)"):
         load_config(QUICKSTART, ["train.max_in_flight_groups=300", "train.max_staleness=1"])
     assert load_config(QUICKSTART, ["train.max_staleness=2"]).train.in_flight_groups() == 384
+    # Between syncs vLLM's weights age: sync_every N needs a staleness bound of N - 1.
+    with pytest.raises(ConfigError, match=r"train.sync_every \(2\) needs train.max_staleness >= 1"):
+        load_config(QUICKSTART, ["train.sync_every=2"])
+    assert load_config(QUICKSTART, ["train.sync_every=2", "train.max_staleness=1"]).train.sync_every == 2
 
 
 def test_bad_files_and_overrides(tmp_path):

@@ -1,6 +1,7 @@
 import asyncio
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -42,7 +43,11 @@ def test_load_env_errors_name_the_env():
         load_env("add", {"max_valu": 3})
     with pytest.raises(ValueError, match="cannot import"):
         load_env("no.such.module:Env", {})
-    assert isinstance(load_env("rollflow.tasks.generate.environments:AddEnv", {"max_value": 9}), AddEnv)
+    by_path = load_env("rollflow.tasks.generate.environments:AddEnv", {"max_value": 9})
+    assert isinstance(by_path, AddEnv)
+    # Its prompts carry the configured name, which is how the run looks the env up again.
+    prompt = by_path.prompts("train", 1, random.Random(0))[0]
+    assert prompt.env == "rollflow.tasks.generate.environments:AddEnv"
 
 
 class _Flaky(SingleTurnEnv):
@@ -70,3 +75,18 @@ def test_raising_reward_marks_only_that_sample():
     assert samples[0].reward == 1.0 and samples[0].error is None
     assert math.isnan(samples[1].reward) and "ZeroDivisionError: user bug" in samples[1].error
     assert samples[0].completion_ids == [10, 2]  # the eos token is trained on
+
+
+def test_rollout_context_encodes_exactly_like_the_tokenizer(tiny_model_dir):
+    """The producer tokenises with the fast tokenizer's backend: the same ids as ``tok(text)``."""
+    from transformers import AutoTokenizer
+
+    from rollflow.infra.config import load_config
+    from rollflow.tasks.generate.rollouts import SamplingStats
+    from rollflow.tasks.generate.task import make_rollout_context
+
+    cfg = load_config(Path(__file__).parents[2] / "configs/quickstart.toml")
+    ctx = make_rollout_context(cfg, str(tiny_model_dir), None, SamplingStats(), temperature=1.0)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for text in ["sort dcab=", "12+34=", "", "SORT é?"]:
+        assert ctx.encode(text) == tok(text).input_ids

@@ -6,7 +6,7 @@ from rollflow.infra.config import load_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.http import Endpoint
 from rollflow.infra.schema import rows_to_table
-from rollflow.tasks.generate.task import reusable_rollouts
+from rollflow.tasks.generate.task import reusable_rollouts, reused_steps
 
 
 def _ctx(tmp_path, max_staleness: int) -> RunContext:
@@ -39,3 +39,17 @@ def test_committed_rollouts_reused_only_within_the_bound(tmp_path, max_staleness
 def test_uncommitted_rollouts_are_never_reused(tmp_path):
     ctx = _ctx(tmp_path, 0)
     assert reusable_rollouts(ctx, 1, 0) is False
+
+
+def test_only_the_consecutive_qualifying_steps_after_the_checkpoint_are_reused(tmp_path):
+    """S = 2, resumed from C = 2: step 3 qualifies; step 4 was sampled by a version the resumed
+    trainer never had, so it and everything after it is generated again, even step 5, which
+    would qualify on its own (the producer feeds the steps after the reused ones in order)."""
+    ctx = _ctx(tmp_path, 2)
+    for step, version in [(3, 2), (4, 3), (5, 2)]:
+        _commit(ctx, step, version)
+    assert reusable_rollouts(ctx, 5, 2)
+    assert reused_steps(ctx, 2) == [3]
+    ctx.storage.remove_step("rollouts", 4)
+    _commit(ctx, 4, 2)
+    assert reused_steps(ctx, 2) == [3, 4, 5]

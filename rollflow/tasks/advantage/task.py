@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import numpy as np
@@ -11,17 +12,26 @@ from prefect.cache_policies import NO_CACHE
 from rollflow.infra.context import RunContext
 from rollflow.tasks.advantage.advantages import build_batch, grpo_advantages
 
+log = logging.getLogger(__name__)
+
 
 @task(name="advantage", cache_policy=NO_CACHE, persist_result=False)
-def advantage(ctx: RunContext, step: int, reuse: bool = False) -> dict:
-    """Build the step's training batch; returns its groups split into mini-batches."""
+def advantage(ctx: RunContext, step: int, reuse: bool = False, group_scored_envs: list[str] = ()) -> dict:
+    """Build the step's training batch; returns its groups split into mini-batches.
+
+    A failed sample of an individually scored env is dropped and its group kept (the advantage
+    is computed over the survivors); in a group-scored env (``group_scored_envs``) it drops the
+    whole group. Failures are counted by reason and logged.
+    """
     storage, cfg = ctx.storage, ctx.config
     if not (reuse and storage.is_committed("batches", step)):
         storage.remove_step("batches", step)
         rollouts = storage.read_step_table("rollouts", step)
-        group_scored = set()  # built-in envs score samples individually
         batch, stats = build_batch(rollouts, partial(grpo_advantages, normalize_std=cfg.train.normalize_std),
-                                   group_scored, cfg.train.filter_zero_advantage)
+                                   set(group_scored_envs), cfg.train.filter_zero_advantage)
+        if stats.num_failed_samples:
+            log.warning("step %d: %d failed samples left out of the batch, by reason: %s", step,
+                        stats.num_failed_samples, dict(stats.failure_reasons))
         storage.write_step_table("batches", step, batch)
         summary = {"num_groups": stats.num_groups, "num_failed_samples": stats.num_failed_samples,
                    "num_zero_advantage_groups": stats.num_zero_advantage_groups,

@@ -92,29 +92,24 @@ class SingleTurnEnv(Environment):
         """Score one completion (runs in a worker thread)."""
 
     async def rollout_group(self, prompt: Prompt, group_size: int, ctx: RolloutContext) -> list[Sample]:
-        prompt_ids = ctx.encode(prompt.text)
+        # Tokenising, detokenising and scoring run in a worker thread, off the producer's loop.
+        prompt_ids = await asyncio.to_thread(ctx.encode, prompt.text)
         start = time.perf_counter()
         completions = await ctx.sample(prompt_ids, n=group_size)
         generate_s = time.perf_counter() - start
-        samples = []
-        for c in completions:
-            ids = list(c.token_ids)
-            text_ids = ids[:-1] if ids and ids[-1] == ctx.eos_token_id else ids
-            samples.append(
-                Sample(
-                    prompt_ids=prompt_ids,
-                    completion_ids=ids,
-                    completion_logprobs=list(c.logprobs),
-                    completion_text=ctx.decode(text_ids),
-                    finish_reason=c.finish_reason,
-                    generate_s=generate_s,
-                )
-            )
-        await asyncio.to_thread(self._score, prompt, samples)
+        samples = [
+            Sample(prompt_ids=prompt_ids, completion_ids=list(c.token_ids),
+                   completion_logprobs=list(c.logprobs), completion_text="",
+                   finish_reason=c.finish_reason, generate_s=generate_s)
+            for c in completions
+        ]
+        await asyncio.to_thread(self._decode_and_score, prompt, samples, ctx)
         return samples
 
-    def _score(self, prompt: Prompt, samples: list[Sample]) -> None:
+    def _decode_and_score(self, prompt: Prompt, samples: list[Sample], ctx: RolloutContext) -> None:
         for s in samples:
+            ids = s.completion_ids
+            s.completion_text = ctx.decode(ids[:-1] if ids and ids[-1] == ctx.eos_token_id else ids)
             start = time.perf_counter()
             try:
                 s.reward = float(self.reward(prompt, s.completion_text))
@@ -215,4 +210,5 @@ def load_env(name: str, args: dict[str, Any]) -> Environment:
         raise ValueError(f"env {name!r}: bad args {args}: {exc}") from exc
     if not isinstance(env, Environment):
         raise ValueError(f"env {name!r}: {cls!r} is not a rollflow Environment")
+    env.name = name  # prompts carry the name the config gave, which keys the run's env mix
     return env

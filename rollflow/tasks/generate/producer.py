@@ -224,6 +224,10 @@ class RolloutProducer:
                 if has_room and self.num_admitted < self._bound():
                     self._end_blocked()
                     self._admit_one()
+                    # One admission per loop iteration: a sync that opens a whole step's worth of
+                    # slots would otherwise start B groups (tokenise, build and send B requests)
+                    # in one iteration and hold the loop for all of them (bench/event_loop.py).
+                    await asyncio.sleep(0)
                     continue
                 if has_room and self._blocked_since is None:
                     self._blocked_since = self._clock()  # capacity idle only because of the bound

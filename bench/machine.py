@@ -1,0 +1,50 @@
+"""What every benchmark prints beside its figures: the machine and how busy it was.
+
+The benchmark machines are shared, so absolute timings are noisy; each bench prints ratios
+against a baseline measured in the same run, and this line says how loaded the machine was
+at the start and the end of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+
+def _loadavg() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f}/{five:.2f}/{fifteen:.2f}"
+
+
+class Machine:
+    """Records the load average when created; ``line()`` adds the load at the end."""
+
+    def __init__(self) -> None:
+        self.start_load = _loadavg()
+        self.start = time.time()
+
+    def line(self) -> str:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return (f"machine: {platform.machine()} {_cpu_model()}, {os.cpu_count()} CPUs, "
+                f"{mem_gib:.0f} GiB; load average (1/5/15 min) at start {self.start_load}, "
+                f"at end {_loadavg()}; {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.start))}, "
+                f"{time.time() - self.start:.0f} s")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

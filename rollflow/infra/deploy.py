@@ -1,0 +1,156 @@
+"""Registration of the run flow's deployments on a Prefect server (``rollflow deploy``).
+
+``prefect.yaml`` lists the deployments (``rl-run/<config name>``) and, under
+``definitions.work_pools``, the pools they run on. Registering needs no import of the flow (nor of
+torch): the parameter schema is read from the entrypoint's source, as ``prefect deploy`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollflow.infra.config import (
+    ConfigError,
+    RunConfig,
+    apply_override,
+    load_config,
+    validate_config,
+)
+
+FLOW_NAME = "rl-run"  # the run flow's name: deployments are rl-run/<config name>
+ENTRYPOINT = "rollflow/flows/deployments.py:rl_run_config"
+DEFAULT_POOL = "rollflow-cpu"
+
+
+def resolve_config(config: str | dict, overrides: Sequence[str] = ()) -> RunConfig:
+    """A config path or dict, with overrides applied, validated (errors name the key)."""
+    if isinstance(config, dict):
+        data = copy.deepcopy(config)
+        for item in overrides:
+            apply_override(data, item)
+        return validate_config(data, "config parameter")
+    return load_config(config, list(overrides))
+
+
+
+class DeployError(RuntimeError):
+    """A deployment that cannot be registered; the message says which and what to do."""
+
+
+def plan_deployments(prefect_file: Path, configs: Sequence[str] = (), pool: str | None = None) -> list[dict]:
+    """The deployments to register, as prefect.yaml entries with their work pool resolved.
+
+    No ``configs``: every deployment of the file. Otherwise one per config: the file's entry for
+    that config if it has one, else ``rl-run/<file stem>`` on the default pool. ``pool`` moves
+    them all to another pool of the file's ``definitions.work_pools``.
+    """
+    root = prefect_file.resolve().parent  # the pull step needs an absolute directory
+    doc = _read_prefect_file(prefect_file)
+    pools = {p["name"]: p for p in ((doc.get("definitions") or {}).get("work_pools") or {}).values()}
+    listed = doc.get("deployments") or []
+    if pool is not None and pool not in pools:
+        raise DeployError(f"unknown work pool {pool!r}; {prefect_file} defines {', '.join(sorted(pools))}")
+    chosen = [copy.deepcopy(d) for d in listed] if not configs else []
+    for path in configs:
+        rel = _config_parameter(Path(path), root)
+        entry = next((d for d in listed if (d.get("parameters") or {}).get("config") == rel), None)
+        chosen.append(copy.deepcopy(entry) if entry else {
+            "name": Path(path).stem, "description": f"rollflow run {rel}", "entrypoint": ENTRYPOINT,
+            "parameters": {"config": rel, "overrides": []}, "tags": ["rollflow"],
+            "work_pool": pools.get(DEFAULT_POOL, {"name": DEFAULT_POOL})})
+    for entry in chosen:
+        if pool is not None:
+            entry["work_pool"] = pools[pool]
+        name = entry["work_pool"].get("name")
+        entry["work_pool"] = {**pools.get(name, {}), **entry["work_pool"]}
+        entry["pull"] = entry.get("pull") or doc.get("pull") or [{
+            "prefect.deployments.steps.set_working_directory": {
+                "directory": entry["work_pool"].get("working_dir") or str(root)}}]
+        _check_config(entry, root)
+    if not chosen:
+        raise DeployError(f"{prefect_file} lists no deployments; name a config: rollflow deploy configs/quickstart.toml")
+    return chosen
+
+
+def deploy(prefect_file: Path, configs: Sequence[str] = (), pool: str | None = None,
+           out: Callable[[str], None] = print) -> list[str]:
+    """Create the work pools the deployments use (when missing), then register the deployments
+    on the server of PREFECT_API_URL; returns their full names."""
+    from prefect.client.orchestration import get_client
+    from prefect.utilities.callables import parameter_schema_from_entrypoint
+
+    from rollflow.infra.prefect_api import require_prefect_server
+    from rollflow.infra.work_pools import ensure_work_pool
+
+    entries = plan_deployments(prefect_file, configs, pool)  # bad input fails before any call
+    url = require_prefect_server()
+    root = prefect_file.resolve().parent
+    schemas = {}
+    names = []
+    with get_client(sync_client=True) as client:
+        for pool_def in {e["work_pool"]["name"]: e["work_pool"] for e in entries}.values():
+            out(ensure_work_pool(client, pool_def, root))
+        flow_id = client.create_flow_from_name(FLOW_NAME)
+        for entry in entries:
+            work_pool = entry["work_pool"]
+            entrypoint = entry.get("entrypoint", ENTRYPOINT)
+            if entrypoint not in schemas:
+                path, _, name = entrypoint.partition(":")
+                schemas[entrypoint] = parameter_schema_from_entrypoint(
+                    f"{root / path}:{name}").model_dump(exclude_unset=True)
+            parameters = entry.get("parameters") or {}
+            client.create_deployment(  # creates, or updates the deployment of that name
+                flow_id=flow_id, name=entry["name"], entrypoint=entrypoint,
+                parameters=parameters, parameter_openapi_schema=schemas[entrypoint],
+                description=entry.get("description"), tags=entry.get("tags") or [],
+                work_pool_name=work_pool["name"], work_queue_name=work_pool.get("work_queue_name"),
+                job_variables=work_pool.get("job_variables") or {}, pull_steps=entry["pull"],
+                enforce_parameter_schema=False)
+            names.append(f"{FLOW_NAME}/{entry['name']}")
+            out(f"deployment {names[-1]} on pool {work_pool['name']} "
+                f"(config {parameters.get('config')!r}) registered at {url}")
+    first = entries[0]
+    out(f"next: start a worker with `prefect worker start --pool {first['work_pool']['name']}`, then run "
+        f"`prefect deployment run '{names[0]}' -p overrides='[\"run.num_steps=10\"]'`")
+    return names
+
+
+def _read_prefect_file(path: Path) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise DeployError(f"{path} not found; run rollflow deploy from the repository root, "
+                          "or pass --prefect-file PATH") from None
+    except yaml.YAMLError as exc:
+        raise DeployError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise DeployError(f"{path}: expected a mapping with a `deployments` list")
+    return doc
+
+
+def _config_parameter(path: Path, root: Path) -> str:
+    """The config as a deployment parameter: relative to the repository root when inside it."""
+    resolved = path.resolve()
+    if not resolved.is_file():
+        raise DeployError(f"config file not found: {path}")
+    try:
+        return resolved.relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(resolved)
+
+
+def _check_config(entry: dict, root: Path) -> None:
+    """Validate a deployment's config now, not when a worker first runs it."""
+    params = entry.get("parameters") or {}
+    config = params.get("config", "configs/quickstart.toml")
+    if isinstance(config, str) and not Path(config).is_absolute():
+        config = str(root / config)
+    try:
+        resolve_config(config, params.get("overrides") or [])
+    except ConfigError as exc:
+        raise DeployError(f"deployment {FLOW_NAME}/{entry.get('name')}: {exc}") from None

@@ -1,0 +1,68 @@
+"""A committed checkpoint as a plain Hugging Face model folder (``rollflow export``).
+
+The folder holds what ``from_pretrained`` and vLLM load (config, safetensors, tokenizer), without
+the checkpoint's ``trainer/`` sub-folder (optimizer and trainer state) or its ``_SUCCESS`` marker.
+It is written next to its target and renamed into place, so a folder at ``out`` is always whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tqdm import tqdm
+
+from rollflow.infra.storage import SUCCESS, RunStorage
+
+TRAINER_STATE = "trainer"
+CHUNK_BYTES = 8 << 20
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be done; the message says what exists and what to do."""
+
+
+def export_checkpoint(storage: RunStorage, step: int, out: str | Path, show_progress: bool = True) -> Path:
+    """Copy ``checkpoints/step=<step>`` of the run, less its trainer state, to the folder ``out``."""
+    committed = storage.committed_steps("checkpoints")
+    if step not in committed:
+        listed = _ranges(committed) if committed else "none yet"
+        raise ExportError(f"run {storage.run!r} has no committed checkpoint of step {step} in "
+                          f"{storage.uri}/checkpoints; committed steps: {listed}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} already exists and is not an empty folder; pass another --out or remove it")
+    source = storage.step_dir("checkpoints", step)
+    files = {path[len(source) + 1:]: info["size"]
+             for path, info in storage.fs.find(source, detail=True).items()}
+    files = {rel: size for rel, size in sorted(files.items())
+             if rel != SUCCESS and not rel.startswith(f"{TRAINER_STATE}/")}
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with tqdm(total=sum(files.values()), unit="B", unit_scale=True, disable=not show_progress,
+              desc=f"export step {step}") as bar:
+        for rel, _ in files.items():
+            target = partial / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with storage.fs.open(f"{source}/{rel}", "rb") as src, open(target, "wb") as dst:
+                while chunk := src.read(CHUNK_BYTES):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial.rename(out)
+    return out
+
+
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5': readable for runs of hundreds of steps."""
+    parts = []
+    start = prev = steps[0]
+    for cur in [*steps[1:], None]:
+        if cur is not None and cur == prev + 1:
+            prev = cur
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
+        start = prev = cur
+    return ", ".join(parts)

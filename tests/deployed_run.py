@@ -1,0 +1,210 @@
+"""A run made the way a Prefect user makes one: a real ``prefect server``, ``rollflow deploy``,
+a process worker, and ``prefect deployment run 'rl-run/quickstart' -p overrides=[...]``.
+
+``make_deployed_run`` does all of it once per test session (tests/conftest.py, ``deployed_run``),
+records what the tests check (the flow run, its artifacts read back through the client, the
+processes left after the stop) and stops everything it started before returning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT = [sys.executable, "-m", "prefect"]
+RUN_DEADLINE_S = 420
+# Quickstart made tiny: a smaller model, a short warm start, 2 steps of 8 prompts x 4 samples.
+TINY = ["run.num_steps=2", "run.eval_every=0", "model.tiny.hidden_size=64", "model.tiny.num_heads=2",
+        "model.tiny.intermediate_size=128", "model.warm_start_target=0.3", "model.warm_start_max_steps=50",
+        "sampling.group_size=4", "sampling.num_eval_prompts=16", "train.train_batch_size=8",
+        "train.mini_batch_size=4"]
+
+
+@dataclass
+class DeployedRun:
+    storage: Path  # run.storage of the run
+    run: str  # run.name
+    deploy_output: str
+    flow_run: dict  # name, state, id of the deployment's flow run
+    step_flow_runs: list[dict]  # name and id of each step flow run under it
+    artifacts: list[dict]  # key, type, description, data, flow_run_id: read back through the client
+    pools: dict[str, str]  # every pool of prefect.yaml: name -> type, as the server holds it
+    redeploy_output: list[str]  # a second `rollflow deploy`, after the run
+    deployments: list[str]  # flow/deployment names on the server after it
+    left_over: list[str] = field(default_factory=list)  # processes of the test alive after the stop
+    groups_alive: list[str] = field(default_factory=list)  # process groups alive after the stop
+
+    @property
+    def run_dir(self) -> Path:
+        return self.storage / self.run
+
+
+class Service:
+    """A command in its own process group, logging to a file; stop() ends the whole group."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]):
+        self.name, self.log = name, log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                         start_new_session=True)
+
+    def stop(self, grace_s: float = 20) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # Prefect's CLI shuts down cleanly on Ctrl-C
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def tail(self, num_chars: int = 4000) -> str:
+        return f"--- {self.name} log ({self.log}) ---\n{self.log.read_text(errors='replace')[-num_chars:]}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def processes_marked(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line or environment mentions ``marker`` (our tmp folder)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            text = " ".join(p.info["cmdline"] or []) + " ".join((p.info["environ"] or {}).values())
+        except (psutil.Error, TypeError):
+            continue
+        if marker in text and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+def wait_until(predicate, deadline_s: float, what: str, logs=lambda: "") -> None:
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} not within {deadline_s:.0f}s\n{logs()}")
+        time.sleep(0.5)
+
+
+def make_deployed_run(tmp: Path) -> DeployedRun:
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
+           "PREFECT_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    services: list[Service] = []
+    logs = lambda: "\n".join(s.tail() for s in services)  # noqa: E731
+    record = None
+    try:
+        server = Service("prefect server", [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                                            "--no-ui"], tmp / "server.log", env)
+        services.append(server)
+        wait_until(lambda: _healthy(api) or server.proc.poll() is not None, 180, "prefect server healthy", logs)
+        assert server.proc.poll() is None, f"prefect server exited\n{logs()}"
+
+        deploy = subprocess.run([sys.executable, "-m", "rollflow.cli", "deploy", "configs/quickstart.toml"],
+                                capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        worker = Service("worker", [*PREFECT, "worker", "start", "--pool", "rollflow-cpu", "--type", "process",
+                                    "--name", "test-worker"], tmp / "worker.log", env)
+        services.append(worker)
+
+        storage = tmp / "runs"
+        overrides = [f"run.storage={storage}", f"model.cache_dir={tmp / 'models'}", *TINY]
+        started = subprocess.run([*PREFECT, "deployment", "run", "rl-run/quickstart", "-p",
+                                  f"overrides={json.dumps(overrides)}"],
+                                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
+
+        def finished() -> bool:
+            for service in services:
+                assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
+            state = _read(api, f"/flow_runs/{flow_run_id}")["state"]
+            return state is not None and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+        wait_until(finished, RUN_DEADLINE_S, "the deployment's flow run finished", logs)
+        record = _read_back(api, flow_run_id, storage, deploy.stdout)
+        assert record.flow_run["state"] == "COMPLETED", f"{record.flow_run}\n{logs()}"
+    finally:
+        for service in reversed(services):  # the worker before the server it reports to
+            service.stop()
+    # Services of the run die with its flow run process; give stragglers a bounded while.
+    end = time.monotonic() + 30
+    while processes_marked(str(tmp)) and time.monotonic() < end:
+        time.sleep(0.5)
+    record.left_over = [" ".join(p.cmdline())[:200] for p in processes_marked(str(tmp))]
+    record.groups_alive = [s.name for s in services if s.group_alive()]
+    return record
+
+
+def _healthy(api: str) -> bool:
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _read(api: str, path: str) -> dict:
+    response = httpx.get(f"{api}{path}", timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) -> DeployedRun:
+    """What the tests check, read through the Prefect client while the server still runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from rollflow.infra.deploy import deploy
+    from rollflow.infra.work_pools import ensure_work_pool
+
+    with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        parent = client.read_flow_run(flow_run_id)
+        steps = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
+        run_ids = {parent.id, *(s.id for s in steps)}
+        artifacts = [{"key": a.key, "type": a.type, "description": a.description, "data": a.data,
+                      "flow_run_id": a.flow_run_id} for a in client.read_artifacts() if a.flow_run_id in run_ids]
+        # The GPU pools are not used by the quickstart: create them too, so the server validates
+        # every template of prefect.yaml (placeholders must name declared variables).
+        for pool in yaml.safe_load((ROOT / "prefect.yaml").read_text())["definitions"]["work_pools"].values():
+            ensure_work_pool(client, pool, ROOT)
+        pools = {p.name: p.type for p in client.read_work_pools()}
+        redeploy: list[str] = []
+        deploy(ROOT / "prefect.yaml", out=redeploy.append)
+        flows = {f.id: f.name for f in client.read_flows()}
+        deployments = sorted(f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments())
+    return DeployedRun(
+        storage=storage, run="quickstart", deploy_output=deploy_output,
+        flow_run={"id": str(parent.id), "name": parent.name, "state": parent.state.type.value},
+        step_flow_runs=sorted(({"name": s.name, "id": s.id} for s in steps), key=lambda s: s["name"]),
+        artifacts=artifacts, pools=pools, redeploy_output=redeploy, deployments=deployments)

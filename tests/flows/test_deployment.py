@@ -1,0 +1,65 @@
+"""The quickstart deployed on a real Prefect server and run by a process worker, the way a user
+runs it (`rollflow deploy`, `prefect worker start`, `prefect deployment run ... -p overrides=...`)."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_deployment_run_trains_and_commits_its_data(deployed_run):
+    assert "deployment rl-run/quickstart on pool rollflow-cpu" in deployed_run.deploy_output
+    assert "work pool rollflow-cpu (process): created" in deployed_run.deploy_output
+    assert deployed_run.flow_run["state"] == "COMPLETED"
+    assert deployed_run.flow_run["name"] == "quickstart"  # named after run.name, as under rollflow run
+    assert [s["name"] for s in deployed_run.step_flow_runs] == ["quickstart-step-1", "quickstart-step-2"]
+    run_dir = deployed_run.run_dir
+    for kind in ("rollouts", "batches", "checkpoints"):
+        assert sorted(p.parent.name for p in run_dir.glob(f"{kind}/step=*/_SUCCESS")) == ["step=1", "step=2"]
+    rows = duckdb.sql(f"select step, count(*), min(version_started), max(version_started) from "
+                      f"read_parquet('{run_dir}/rollouts/*/*.parquet') group by step order by step").fetchall()
+    assert rows == [(1, 32, 0, 0), (2, 32, 1, 1)]  # the overrides took: 8 prompts x 4 samples
+    steps = duckdb.sql(f"select step, eval_reward from read_parquet('{run_dir}/metrics/*.parquet', "
+                       "union_by_name=true) order by step").fetchall()
+    assert [s for s, _ in steps] == [0, 1, 2] and steps[0][1] is not None and steps[2][1] is not None
+    assert (run_dir / "checkpoints/step=2/model.safetensors").is_file()
+    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events.count("step_committed") == 2 and events[-1] == "training_finished"
+
+
+def test_deployment_run_publishes_its_artifacts(deployed_run):
+    by_key: dict[str, list[dict]] = {}
+    for art in deployed_run.artifacts:
+        by_key.setdefault(art["key"], []).append(art)
+    steps = {s["id"] for s in deployed_run.step_flow_runs}
+    tables = by_key["quickstart-step-metrics"]
+    assert {a["flow_run_id"] for a in tables} == steps  # one table on each step flow run
+    for art in tables:
+        rows = {r["metric"]: r["value"] for r in json.loads(art["data"])}
+        assert {"reward_mean", "num_groups_kept", "generate_phase_s", "step_s"} <= set(rows)
+    (progress,) = by_key["quickstart-progress"]
+    assert float(progress["data"]) == 100.0
+    (summary,) = by_key["quickstart-summary"]
+    assert str(summary["flow_run_id"]) == deployed_run.flow_run["id"]
+    assert "2 steps committed (last: 2), training finished" in summary["data"]
+    assert "data:image/png;base64," in summary["data"]
+    assert f"{deployed_run.run_dir}/rollouts" in summary["data"]
+
+
+def test_work_pools_of_prefect_yaml_are_accepted_by_the_server(deployed_run):
+    assert deployed_run.pools == {"rollflow-cpu": "process", "rollflow-gpu": "process",
+                                  "rollflow-gpu-docker": "docker", "rollflow-gpu-kubernetes": "kubernetes"}
+
+
+def test_deploying_again_updates_in_place(deployed_run):
+    assert "work pool rollflow-cpu (process): exists, left as it is" in deployed_run.redeploy_output
+    assert deployed_run.deployments == ["rl-run/quickstart"]
+
+
+def test_everything_the_test_started_is_gone(deployed_run):
+    assert deployed_run.groups_alive == []
+    assert deployed_run.left_over == []
