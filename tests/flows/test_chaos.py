@@ -66,10 +66,10 @@ class Campaign:
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         return self.proc
 
-    def kill_at_random_point(self, step: int, *overrides: str) -> str:
+    def kill_at_random_point(self, step: int, *overrides: str, private_api: bool = False) -> str:
         """Launch, SIGKILL the run at a random moment of ``step``, check; returns what happened."""
         before = self.committed()
-        proc = self.launch(*overrides)
+        proc = self.launch(*overrides, private_api=private_api)
         name, reached, delay = self.random_kill_point(step)
         self.wait_for(proc, reached, name)
         time.sleep(delay)
@@ -185,8 +185,8 @@ class Campaign:
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory, model_cache) -> Campaign:
-    # One Prefect API for every launch saves its start-up each time (test_run checks that a run's
-    # private API dies with it); the trainer-kill launch still starts its own.
+    # One Prefect API for the launches saves its start-up each time; two launches start their own
+    # as a run without a configured server does (a SIGKILLed one, a failing one).
     from rollflow.infra.prefect_api import local_prefect_api
 
     with local_prefect_api() as prefect_api:
@@ -210,8 +210,9 @@ def test_sigkill_during_service_start_up(campaign):
 
 
 def test_sigkill_at_a_random_point_of_a_step(campaign):
+    """On the run's own Prefect API, which must die with it too."""
     c = campaign
-    what = c.kill_at_random_point(len(c.committed()) + 1, "train.max_staleness=0")
+    what = c.kill_at_random_point(len(c.committed()) + 1, "train.max_staleness=0", private_api=True)
     print(f"kill at max_staleness=0: {what}")
 
 
