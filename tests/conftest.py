@@ -28,6 +28,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """One cache of warm-started tiny models for every end-to-end run of the session."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3 endpoint (moto's server) on 127.0.0.1 with one bucket."""
     from moto.server import ThreadedMotoServer

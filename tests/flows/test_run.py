@@ -59,11 +59,6 @@ def write_config(tmp_path: Path, cache: Path, name: str = "small", steps: int = 
     return path
 
 
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
-
-
 def env_for(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
 

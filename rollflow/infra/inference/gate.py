@@ -112,9 +112,10 @@ class ServingGate:
     @contextlib.contextmanager
     def weights_turn(self, timeout_s: float, *, when_open: bool = True) -> Iterator[None]:
         """Exclusive use of the server's weight plane: a step's sync waits for the gate to be open
-        first; the supervisor (``when_open=False``) takes its turn while the gate is closed."""
+        first (as long as a restart may take); the supervisor (``when_open=False``) takes its
+        turn while the gate is closed. ``timeout_s`` bounds the wait for the other's turn."""
         if when_open:
-            self.wait_open(timeout_s)
+            self.wait_open()
         if not self._weights_lock.acquire(timeout=timeout_s):
             raise TimeoutError(f"the weight plane of {self.url} stayed busy for {timeout_s:.0f}s")
         try:

@@ -1,0 +1,310 @@
+"""Fault tests of a whole run: SIGKILLed at random moments, its vLLM killed, its trainer killed.
+
+One run directory goes through every fault in turn (one model cache, one warm start), each
+launch resuming where the last one stopped:
+
+1. the run is SIGKILLed at seeded random points: during service start-up, after a random event
+   of a step plus a random delay, and at ``max_staleness = 1`` right after a future step's
+   rollouts were committed (the resume rule must then reuse or regenerate them);
+2. the vLLM server is killed mid-step (frozen first, so that requests are surely in flight): the
+   run notices within 30 s, restarts it, retries its rollouts and goes on (then is SIGKILLed);
+3. the trainer is killed: the run fails within 60 s naming it; a rerun resumes and completes.
+
+After every fault no process of the run is left, and storage holds every committed step once:
+rollouts, batches, metrics and checkpoints, checked with DuckDB. The seed (``ROLLFLOW_CHAOS_SEED``)
+and every kill point are printed. The tests also pass one by one, from an empty run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+from test_run import ROOT, _rollflow_processes, env_for, write_config
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+SEED = int(os.environ.get("ROLLFLOW_CHAOS_SEED", "6"))
+STEPS = 12
+ROWS_PER_STEP = 8 * 4  # train_batch_size x group_size of test_run.SMALL
+START_TIMEOUT_S = 300.0  # a launch's first step: Prefect API, vLLM start-up (slow on busy CI)
+
+
+class Campaign:
+    """One run directory killed again and again; launches, kill points and checks."""
+
+    def __init__(self, root: Path, model_cache: Path, prefect_api: str):
+        self.root, self.prefect_api = root, prefect_api
+        self.config = write_config(root, model_cache, name="chaos", steps=STEPS)
+        self.run_dir = root / "runs" / "chaos"
+        self.rng = random.Random(SEED)
+        self.launches = 0
+        self.proc: subprocess.Popen | None = None
+        print(f"\nchaos seed {SEED} (set ROLLFLOW_CHAOS_SEED to replay or vary)")
+
+    # ------------------------------------------------------------------ launches
+
+    def launch(self, *overrides: str, private_api: bool = False) -> subprocess.Popen:
+        """Start the run; on the campaign's Prefect API unless ``private_api`` (the run starts
+        its own, as without a configured server)."""
+        self.launches += 1
+        self.launched_at = time.time()
+        self.log = self.root / f"launch-{self.launches}.log"
+        env = env_for(self.root) if private_api else {**env_for(self.root), "PREFECT_API_URL": self.prefect_api}
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rollflow.cli", "run", str(self.config), *overrides],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return self.proc
+
+    def kill_at_random_point(self, step: int, *overrides: str, private_api: bool = False) -> str:
+        """Launch, SIGKILL the run at a random moment of ``step``, check; returns what happened."""
+        before = self.committed()
+        proc = self.launch(*overrides, private_api=private_api)
+        name, reached, delay = self.random_kill_point(step)
+        self.wait_for(proc, reached, name)
+        time.sleep(delay)
+        self.kill_run(proc)
+        self.assert_consistent()
+        return f"{delay}s after {name}; committed {before[-1:]} -> {self.committed()[-1:]}"
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:  # a test failed mid-launch
+            self.kill_run(self.proc)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, proc: subprocess.Popen, done: Callable[[], bool], what: str,
+                 timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert proc.poll() is None, f"run exited (code {proc.returncode}) before {what}:\n{self.output()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f}s:\n{self.output()[-4000:]}"
+            time.sleep(0.01)
+
+    def kill_run(self, proc: subprocess.Popen) -> None:
+        """SIGKILL the run; every service dies with it within seconds."""
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        self.assert_no_orphans()
+
+    def assert_no_orphans(self) -> None:
+        deadline = time.monotonic() + 30
+        while _rollflow_processes(str(self.root)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [" ".join(p.cmdline()[:4]) for p in _rollflow_processes(str(self.root))]
+        assert not left, f"processes outlived the run: {left}"
+
+    # ------------------------------------------------------------------ storage
+
+    def committed(self, kind: str = "checkpoints") -> list[int]:
+        return sorted(int(p.parent.name.split("=")[1]) for p in self.run_dir.glob(f"{kind}/step=*/_SUCCESS"))
+
+    def committed_now(self, kind: str, step: int) -> bool:
+        """Committed by the current launch (a marker from an earlier one does not count)."""
+        marker = self.run_dir / kind / f"step={step}" / "_SUCCESS"
+        try:
+            return marker.stat().st_mtime >= self.launched_at
+        except FileNotFoundError:
+            return False
+
+    def events(self, now: bool = False) -> list[dict]:
+        """The run's events (``now``: those of the current launch only)."""
+        try:
+            lines = (self.run_dir / "events.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        events = [json.loads(line) for line in lines if line.endswith("}")]
+        return [e for e in events if e["time"] >= self.launched_at] if now else events
+
+    def published_now(self, version: int) -> bool:
+        return any(e["event"] == "weights_published" and e["version"] == version for e in self.events(now=True))
+
+    def metrics(self, step: int) -> dict:
+        import duckdb
+
+        return duckdb.sql(f"select * from '{self.run_dir}/metrics/step={step}.parquet'").df().iloc[0].to_dict()
+
+    def random_kill_point(self, step: int) -> tuple[str, Callable[[], bool], float]:
+        """A seeded random moment of ``step`` in this launch: one of its events, then a random
+        delay. (A step whose committed rollouts are reused writes no rollouts: its weights'
+        publication stands in.)"""
+        kind = self.rng.choice(["rollouts", "batches", "weights", "checkpoints"])
+        delay = round(self.rng.uniform(0.0, 0.8), 2)
+        if kind == "weights":
+            return f"weights_published({step})", lambda: self.published_now(step), delay
+        return (f"{kind}/step={step} committed",
+                lambda: self.committed_now(kind, step) or self.published_now(step), delay)
+
+    def assert_consistent(self, final: bool = False) -> None:
+        """Every committed step is in storage exactly once, whole, and its parts agree."""
+        import duckdb
+
+        steps = self.committed()
+        assert steps == list(range(1, len(steps) + 1)), f"committed checkpoints {steps} have a gap"
+        for kind in ("rollouts", "batches"):
+            assert set(steps) <= set(self.committed(kind)), f"a committed step lacks its {kind}"
+        assert {s for s in steps} <= {int(p.stem.split("=")[1]) for p in self.run_dir.glob("metrics/*.parquet")}
+        committed = [e["step"] for e in self.events() if e["event"] == "step_committed"]
+        assert len(committed) == len(set(committed)), f"a step committed twice: {committed}"
+        rollout_steps = self.committed("rollouts")
+        if rollout_steps:
+            files = [str(self.run_dir / "rollouts" / f"step={s}" / "part-0.parquet") for s in rollout_steps]
+            per_step = duckdb.sql(
+                f"select step, count(*), count(distinct (group_index, sample_index)), "
+                f"min(version_started) >= step - 2 and max(version_started) <= step - 1 "
+                f"from read_parquet({files}) group by step order by step").fetchall()
+            assert per_step == [(s, ROWS_PER_STEP, ROWS_PER_STEP, True) for s in rollout_steps], per_step
+        batch_steps = self.committed("batches")
+        if batch_steps:  # every trained row is a committed rollout of its step, token for token
+            files = [str(self.run_dir / "batches" / f"step={s}" / "part-0.parquet") for s in batch_steps]
+            rollouts = [str(self.run_dir / "rollouts" / f"step={s}" / "part-0.parquet") for s in rollout_steps]
+            orphans = duckdb.sql(
+                f"select b.step, b.group_index from read_parquet({files}) b anti join read_parquet({rollouts}) r "
+                f"on b.step = r.step and b.group_index = r.group_index and b.sample_index = r.sample_index "
+                f"and b.completion_ids = r.completion_ids").fetchall()
+            assert not orphans, f"batch rows with no matching rollout: {orphans}"
+        if final:
+            for kind in ("rollouts", "batches", "checkpoints"):
+                found = sorted(p.name for p in (self.run_dir / kind).iterdir())
+                assert found == sorted(f"step={s}" for s in range(1, STEPS + 1)), (kind, found)
+            metrics = sorted(int(p.stem.split("=")[1]) for p in self.run_dir.glob("metrics/*.parquet"))
+            assert metrics == list(range(0, STEPS + 1))
+            assert self.events()[-1]["event"] == "training_finished"
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory, model_cache) -> Campaign:
+    # One Prefect API for the launches saves its start-up each time; two launches start their own
+    # as a run without a configured server does (a SIGKILLed one, a failing one).
+    from rollflow.infra.prefect_api import local_prefect_api
+
+    with local_prefect_api() as prefect_api:
+        c = Campaign(tmp_path_factory.mktemp("chaos"), model_cache, prefect_api)
+        yield c
+        c.close()
+
+
+def test_sigkill_during_service_start_up(campaign):
+    """Prefect API, vLLM and trainer half started, nothing written yet: nothing may be left."""
+    c = campaign
+    vllm_log = c.run_dir / "logs" / "vllm.log"
+    size = vllm_log.stat().st_size if vllm_log.exists() else -1
+    proc = c.launch()
+    c.wait_for(proc, lambda: vllm_log.exists() and vllm_log.stat().st_size != size, "service start-up")
+    delay = round(c.rng.uniform(0.0, 8.0), 2)
+    time.sleep(delay)
+    c.kill_run(proc)
+    print(f"kill: {delay}s into service start-up; committed {c.committed()[-1:]}")
+    c.assert_consistent()
+
+
+def test_sigkill_at_a_random_point_of_a_step(campaign):
+    """On the run's own Prefect API, which must die with it too."""
+    c = campaign
+    what = c.kill_at_random_point(len(c.committed()) + 1, "train.max_staleness=0", private_api=True)
+    print(f"kill at max_staleness=0: {what}")
+
+
+def test_sigkill_after_a_future_steps_rollouts_were_committed_then_rerun(campaign):
+    """S = 1 generates a step ahead: killed right after step C+2's rollouts were committed (C:
+    the last checkpoint), the rerun must reuse them (versions within the bound) or regenerate them."""
+    c = campaign
+    step = len(c.committed()) + 2
+    proc = c.launch("train.max_staleness=1")
+    c.wait_for(proc, lambda: c.committed_now("rollouts", step), f"rollouts/step={step} committed")
+    c.kill_run(proc)
+    ahead = [s for s in c.committed("rollouts") if s > len(c.committed())]
+    print(f"kill at S=1 after rollouts/step={step} committed: rollouts of steps {ahead} are ahead of "
+          f"checkpoint {c.committed()[-1:]}")
+    assert ahead, "the kill was meant to leave committed rollouts of a future step"
+    c.assert_consistent()
+
+    # The rerun applies the resume rule to them, goes past them, and is killed at a random point.
+    what = c.kill_at_random_point(len(c.committed()) + 2, "train.max_staleness=1")
+    reuse = re.search(r"reusing the committed rollouts of steps \[.*\]", c.output())
+    print(f"rerun killed {what}; {reuse.group(0) if reuse else 'no rollouts reused'}")
+
+
+def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
+    c = campaign
+    step = len(c.committed()) + 1
+    proc = c.launch("train.max_staleness=0")
+    # Once step N's weights are out, step N+1's requests go to vLLM at once: freeze it so that
+    # they are surely in flight, then kill it.
+    c.wait_for(proc, lambda: c.published_now(step), f"weights_published({step})")
+    vllm = _service_process(c.root, "vllm.entrypoints.openai.api_server")
+    vllm.send_signal(signal.SIGSTOP)
+    time.sleep(1.0)
+    killed_at = time.time()
+    vllm.send_signal(signal.SIGKILL)
+    print(f"vLLM killed during step {step + 1}")
+    c.wait_for(proc, lambda: any(e["event"] == "inference_restarted" for e in c.events(now=True)),
+               "inference_restarted")
+    restart = next(e for e in c.events(now=True) if e["event"] == "inference_restarted")
+    print(f"restart: detected {restart['detected_at'] - killed_at:.1f}s after the kill, restarted in "
+          f"{restart['restart_s']:.0f}s, serving version {restart['version']}")
+    assert restart["detected_at"] - killed_at < 30
+    assert restart["version"] >= step
+    c.wait_for(proc, lambda: c.committed_now("checkpoints", step + 1), f"step {step + 1} committed")
+    after, before = c.metrics(step + 1), c.metrics(step).get("retries_total")
+    assert after["inference_restarts"] == 1
+    # Its requests were retried (a step whose rollouts were reused has no count of its own).
+    assert after["retries_total"] > (0 if before is None or before != before else before)
+    assert "inference: restarted in" in c.output()
+    name, reached, delay = c.random_kill_point(step + 2)
+    c.wait_for(proc, reached, name)
+    time.sleep(delay)
+    c.kill_run(proc)
+    print(f"kill: {delay}s after {name}; committed {c.committed()[-1:]}")
+    c.assert_consistent()
+
+
+def test_trainer_killed_fails_the_run_fast_naming_it_then_a_rerun_completes(campaign):
+    c = campaign
+    proc = c.launch("train.max_staleness=0", private_api=True)
+    name, reached, delay = c.random_kill_point(len(c.committed()) + 1)
+    c.wait_for(proc, reached, name)
+    time.sleep(delay)
+    victim = _service_process(c.root, "rollflow.tasks.train.service")
+    rank = victim.environ().get("RANK")  # a multi-rank trainer: kill a rank, expect it named
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    code = proc.wait(timeout=120)
+    failed_s = time.monotonic() - killed_at
+    last_error = re.findall(r"^[\w.]*(?:Error|Exception): .*$", c.output(), re.M)[-1]
+    print(f"trainer{f' rank {rank}' if rank else ''} killed {delay}s after {name}: the run failed "
+          f"in {failed_s:.1f}s with: {last_error}")
+    assert code != 0 and failed_s < 60
+    assert re.search(r"trainer.*(died|dead|exited)", last_error), last_error
+    if rank is not None:
+        assert f"rank {rank}" in last_error
+    c.assert_no_orphans()
+    c.assert_consistent()
+
+    before = c.committed()
+    proc = c.launch()
+    assert proc.wait(timeout=600) == 0, c.output()[-4000:]
+    if before:
+        assert f"resuming after committed step {before[-1]}" in c.output()
+    c.assert_no_orphans()
+    c.assert_consistent(final=True)
+
+
+def _service_process(marker: Path, module: str) -> psutil.Process:
+    """The run's process running ``module`` (not its bash guard); the highest rank if several."""
+    found = [p for p in _rollflow_processes(str(marker))
+             if module in " ".join(p.cmdline()) and p.cmdline()[0] != "bash" and "-c" not in p.cmdline()[:2]]
+    with_rank = [p for p in found if "RANK" in p.environ()]
+    assert found, f"no process runs {module}"
+    return max(with_rank, key=lambda p: int(p.environ()["RANK"])) if with_rank else found[0]
