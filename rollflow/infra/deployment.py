@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,8 @@ from rollflow.infra.http import Endpoint, ServiceCallError, acall, call
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.inference.sync import init_weight_group
-from rollflow.infra.service import ManagedProcess, free_port
+from rollflow.infra.launch import TrainerProcess
+from rollflow.infra.service import free_port
 
 TEARDOWN_DEADLINE_S = 30.0
 
@@ -38,7 +38,7 @@ class RunServices:
         self.log_dir = Path(log_dir)
         self.progress = progress
         self.token = secrets.token_urlsafe(24)
-        self.trainer_proc: ManagedProcess | None = None
+        self.trainer_proc: TrainerProcess | None = None
         self.inference: InferenceServer | None = None
         self.trainer: Endpoint | None = None
         self.inference_ep: Endpoint | None = None
@@ -49,19 +49,12 @@ class RunServices:
     def start(self) -> RunServices:
         cfg = self.cfg
         start = time.perf_counter()
-        host = "127.0.0.1"
-        port = free_port(host)
-        args = {
-            "model_path": self.policy_dir, "checkpoint_step": self.checkpoint_step,
-            "storage_root": cfg.run.storage, "storage_options": cfg.run.storage_options, "run": cfg.run.name,
-            "lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "max_grad_norm": cfg.train.max_grad_norm,
-            "micro_batch_tokens": cfg.trainer.micro_batch_tokens, "seed": cfg.run.seed, "host": host, "port": port,
-        }
-        self.trainer = Endpoint("trainer", f"http://{host}:{port}", self.token)
-        self.trainer_proc = ManagedProcess(
-            "trainer", [sys.executable, "-m", "rollflow.tasks.train.service", json.dumps(args)],
-            self.log_dir / "trainer.log", env={"ROLLFLOW_TOKEN": self.token},
+        self.trainer_proc = TrainerProcess(
+            trainer_args(cfg, self.policy_dir, self.checkpoint_step), backend=cfg.trainer.backend,
+            num_ranks=cfg.trainer.num_ranks, token=self.token, log_dir=self.log_dir,
+            startup_timeout_s=cfg.trainer.startup_timeout_s,
         )
+        self.trainer = self.trainer_proc.endpoint
         self.trainer_proc.start()  # loads while vLLM starts
         max_len = _max_model_len(self.policy_dir)
         self.inference = InferenceServer(
@@ -72,12 +65,10 @@ class RunServices:
         try:
             self.inference.start()
             self.inference_ep = Endpoint("inference", self.inference.url, self.token)
-            self.trainer_proc.wait_healthy(
-                lambda: call(self.trainer, "/health", timeout_s=2, method="GET")["ok"],
-                self.cfg.trainer.startup_timeout_s,
-            )
+            self.trainer_proc.wait_healthy()
             self.progress(f"services: vLLM at {self.inference.url}, trainer at {self.trainer.url} "
-                          f"({time.perf_counter() - start:.0f}s); logs in {self.log_dir}")
+                          f"({cfg.trainer.backend}, {cfg.trainer.num_ranks} rank(s); "
+                          f"{time.perf_counter() - start:.0f}s); logs in {self.log_dir}")
             asyncio.run(self._join_weight_group())
         except BaseException:
             self.stop()
@@ -104,17 +95,18 @@ class RunServices:
 
     def check_alive(self) -> None:
         """Raise if a service died or stopped answering: a dead component fails the run at once."""
-        probes = (("trainer", self.trainer_proc, f"{self.trainer.url}/health", self.trainer.headers()),
-                  ("vLLM server", self.inference, f"{self.inference.url}/health", {}))
-        for name, proc, url, headers in probes:
-            if proc is None or not proc.is_alive():
-                raise ServiceCallError(f"the {name} died; see the logs in {self.log_dir}")
-            try:
-                healthy = httpx.get(url, headers=headers, timeout=10).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if not healthy:
-                raise ServiceCallError(f"the {name} is unhealthy ({url}); see the logs in {self.log_dir}")
+        if self.trainer_proc is None:
+            raise ServiceCallError("the trainer was never started")
+        self.trainer_proc.check_alive()  # names a dead rank
+        if self.inference is None or not self.inference.is_alive():
+            raise ServiceCallError(f"the vLLM server died; see the logs in {self.log_dir}")
+        url = f"{self.inference.url}/health"
+        try:
+            healthy = httpx.get(url, timeout=10).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if not healthy:
+            raise ServiceCallError(f"the vLLM server is unhealthy ({url}); see the logs in {self.log_dir}")
 
     def stop(self) -> None:
         """Close the weight group on both sides, then stop both processes, within the deadline."""
@@ -149,6 +141,19 @@ class RunServices:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -> dict:
+    """The trainer service's start arguments (``ServiceArgs`` of ``tasks/train/service.py``)."""
+    t, tr = cfg.train, cfg.trainer
+    return {
+        "model_path": str(policy_dir), "checkpoint_step": checkpoint_step,
+        "storage_root": cfg.run.storage, "storage_options": cfg.run.storage_options, "run": cfg.run.name,
+        "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
+        "warmup_steps": t.lr_warmup_steps, "micro_batch_tokens": tr.micro_batch_tokens, "seed": cfg.run.seed,
+        "zero_stage": tr.zero_stage, "device": tr.device, "reference_model": t.kl_coef > 0,
+        "timeout_s": tr.request_timeout_s,
+    }
 
 
 def _max_model_len(policy_dir: str) -> int | None:

@@ -1,9 +1,18 @@
-"""The trainer service: a long-lived process holding the policy, called over HTTP.
+"""The trainer service: N ranks under torchrun or the deepspeed launcher; rank 0 serves HTTP.
 
-Started by the run flow (``python -m rollflow.tasks.train.service``), it outlives every step
-flow. Calls are serialised by one lock: the trainer does one thing at a time, in call order.
-Training data never rides the control channel: ``forward_backward`` names a committed batch
-step in storage, and the service reads the Parquet itself.
+Every rank runs ``python -m rollflow.tasks.train.service ARGS.json`` (started by a launcher, see
+``infra/launch.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
+small JSON command that rank 0's main thread broadcasts over the control group, and that every
+rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training data never
+rides the control channel: a command names a committed batch step, and each rank reads the
+Parquet itself and takes its own share.
+
+Failure, fast and named: rank 0 watches the other ranks' processes (``control.PeerWatch``). When
+a rank dies, the pending call and ``/health`` answer 503 naming it within a fraction of a
+second. The launcher then stops the remaining ranks with SIGTERM; rank 0 keeps answering 503 for
+``DEAD_RANK_GRACE_S`` before it exits, so that the next call from the run learns which rank died
+rather than finding nobody at the address. While idle, rank 0 pings the ranks every
+``HEARTBEAT_S``, which keeps their bounded waits for the next command alive.
 """
 
 from __future__ import annotations
@@ -12,48 +21,97 @@ import argparse
 import json
 import logging
 import os
+import queue
+import signal
 import sys
 import tempfile
 import threading
 import time
-from typing import Any
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
+import torch.distributed as dist
 import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from rollflow.infra.storage import RunStorage
-from rollflow.infra.weights.group import WeightSender, weight_metadata
-from rollflow.tasks.train.trainer import Trainer
+from rollflow.tasks.train.control import ControlGroup, PeerWatch, rank_identity
+from rollflow.tasks.train.losses import LossConfig
+from rollflow.tasks.train.ops import CommandError, RankOps
+from rollflow.tasks.train.trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
 
+HEARTBEAT_S = 2.0
+DEAD_RANK_GRACE_S = 10.0
+# Rows of packed sequences on CPU (attention costs rows x row_tokens^2); None = one row (varlen, GPU).
+CPU_ROW_TOKENS = 256
+
 
 class ServiceArgs(BaseModel):
-    """Everything the service needs at start (passed as one JSON argument)."""
+    """Everything the ranks need at start (one JSON file, read by every rank)."""
 
     model_path: str
-    checkpoint_step: int | None = None  # load optimizer + trainer state from this checkpoint
+    checkpoint_step: int | None = None  # model_path is that checkpoint: load its trainer state too
     storage_root: str
     storage_options: dict[str, Any] = {}
     run: str
     lr: float
     weight_decay: float
     max_grad_norm: float
+    warmup_steps: int = 0
     micro_batch_tokens: int
     seed: int = 0
     host: str = "127.0.0.1"
     port: int
+    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    zero_stage: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    reference_model: bool = False  # load a frozen reference policy for the KL term
+    reference_model_path: str | None = None  # default: the checkpoint's record, else model_path
+    timeout_s: float = 600.0  # deadline of every collective and of one call
+    log_path: str = ""
 
 
-class ForwardBackward(BaseModel):
-    step: int
-    group_indices: list[int] | None = None
+# --------------------------------------------------------------------------- HTTP requests
+
+
+class LossSpec(BaseModel):
+    kind: Literal["ppo", "gspo"] = "ppo"
     eps_low: float = 0.2
     eps_high: float = 0.2
+    tis_cap: float | None = None
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+
+class BatchRef(BaseModel):
+    step: int
+    group_indices: list[int] | None = None
+
+
+class ForwardBackward(BatchRef):
+    loss: LossSpec | None = None
+    eps_low: float = 0.2  # used when `loss` is absent (the request before losses were selectable)
+    eps_high: float = 0.2
+    old_logprobs: Literal["inference", "trainer"] = "inference"
+    num_loss_tokens: int | None = Field(None, gt=0, description="Denominator of the whole optimizer step")
+
+
+class StepRef(BaseModel):
+    step: int
+
+
+class ExportHF(BaseModel):
+    uri: str
+
+
+class Gradients(BaseModel):
+    path: str
 
 
 class WeightConnect(BaseModel):
@@ -67,19 +125,60 @@ class Broadcast(BaseModel):
     version: int
 
 
-class SaveCheckpoint(BaseModel):
-    step: int
+# ------------------------------------------------------------------------------ dispatcher
 
 
-def build_app(args: ServiceArgs, token: str) -> FastAPI:
-    storage = RunStorage(args.storage_root, args.run, args.storage_options)
-    trainer = Trainer(args.model_path, lr=args.lr, weight_decay=args.weight_decay,
-                      max_grad_norm=args.max_grad_norm, micro_batch_tokens=args.micro_batch_tokens,
-                      seed=args.seed)
-    if args.checkpoint_step is not None:
-        trainer.load_checkpoint(args.model_path)
-    lock = threading.Lock()
-    state: dict[str, Any] = {"sender": None, "batch_step": None, "batch": None}
+class ServiceFailed(RuntimeError):
+    """A rank died or a command failed mid-collective: the service cannot continue."""
+
+
+class _Pending:
+    def __init__(self, cmd: dict[str, Any]):
+        self.cmd, self.done = cmd, threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+class Dispatcher:
+    """Rank 0's queue from HTTP threads to the main thread.
+
+    Invariant: commands run in submission order, one at a time; a caller gets its own command's
+    result, or, as soon as a failure is known, an error naming it; never a wait past its deadline.
+    """
+
+    def __init__(self, watch: PeerWatch):
+        self.watch = watch
+        self._queue: queue.Queue[_Pending] = queue.Queue()
+
+    def submit(self, cmd: dict[str, Any], timeout_s: float) -> Any:
+        if self.watch.failure:
+            raise ServiceFailed(self.watch.failure)
+        pending = _Pending(cmd)
+        self._queue.put(pending)
+        deadline = time.monotonic() + timeout_s
+        while not pending.done.wait(0.05):
+            if self.watch.failure:
+                raise ServiceFailed(self.watch.failure)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer {cmd['op']}: no result within {timeout_s:.0f}s")
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def next(self, wait_s: float) -> _Pending | None:
+        try:
+            return self._queue.get(timeout=wait_s)
+        except queue.Empty:
+            return None
+
+
+def build_app(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher,
+              ranks: list[dict]) -> FastAPI:
+    """The HTTP API on rank 0; every route but the metadata and health ones runs a command."""
 
     def auth(authorization: str = Header("")) -> None:
         if authorization != f"Bearer {token}":
@@ -87,94 +186,219 @@ def build_app(args: ServiceArgs, token: str) -> FastAPI:
 
     app = FastAPI(title="rollflow trainer", dependencies=[Depends(auth)])
 
-    def batch_rows(step: int, groups: list[int] | None) -> list[dict]:
-        if state["batch_step"] != step:
-            state["batch"], state["batch_step"] = storage.read_step_table("batches", step), step
-        table = state["batch"]
-        if groups is not None:
-            table = table.filter(pc.is_in(table["group_index"], value_set=pa.array(groups, type=pa.int32())))
-        return table.select(["prompt_ids", "completion_ids", "completion_logprobs", "advantage"]).to_pylist()
+    def run(op: str, timeout_s: float = args.timeout_s, **fields: Any) -> Any:
+        try:
+            return dispatcher.submit({"op": op, **fields}, timeout_s)
+        except CommandError as err:
+            raise HTTPException(400, str(err)) from None
+        except ServiceFailed as err:
+            raise HTTPException(503, str(err)) from None
+        except TimeoutError as err:
+            raise HTTPException(504, str(err)) from None
 
     @app.get("/health")
     def health() -> dict:
-        return {"ok": True, "optim_step": trainer.step, "pid": os.getpid()}
+        if dispatcher.watch.failure:
+            raise HTTPException(503, dispatcher.watch.failure)
+        return {"ok": True, "optim_step": trainer.step, "backend": args.backend, "world_size": len(ranks),
+                "ranks": ranks, "pid": os.getpid()}
+
+    @app.post("/forward")
+    def forward(req: BatchRef) -> dict:
+        return run("forward", step=req.step, group_indices=req.group_indices)
 
     @app.post("/forward_backward")
     def forward_backward(req: ForwardBackward) -> dict:
-        with lock:
-            rows = batch_rows(req.step, req.group_indices)
-            if not rows:
-                raise HTTPException(400, f"batch step={req.step} has no rows for groups {req.group_indices}")
-            total = sum(len(r["completion_ids"]) for r in rows)
-            return trainer.forward_backward(rows, total_loss_tokens=total, eps_low=req.eps_low,
-                                            eps_high=req.eps_high)
+        loss = req.loss or LossSpec(eps_low=req.eps_low, eps_high=req.eps_high)
+        try:
+            LossConfig(**loss.model_dump(exclude={"kind"}))
+        except ValueError as err:
+            raise HTTPException(400, str(err)) from None
+        if loss.kl_coef > 0 and trainer.reference is None:
+            raise HTTPException(400, "loss.kl_coef > 0 needs the reference model, and this trainer was "
+                                     "started without one: set train.kl_coef > 0 in the run's config")
+        return run("forward_backward", step=req.step, group_indices=req.group_indices, loss=loss.model_dump(),
+                   old_logprobs=req.old_logprobs, num_loss_tokens=req.num_loss_tokens)
 
     @app.post("/optim_step")
     def optim_step() -> dict:
-        with lock:
-            return trainer.optim_step()
+        return run("optim_step")
 
-    @app.post("/checkpoint")
-    def checkpoint(req: SaveCheckpoint) -> dict:
-        with lock:
-            start = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="rollflow-ckpt-") as tmp:
-                trainer.save_checkpoint(tmp)
-                uri = storage.upload_dir(tmp, "checkpoints", req.step)
-            return {"uri": uri, "checkpoint_s": time.perf_counter() - start}
+    @app.post("/save_checkpoint")
+    @app.post("/checkpoint")  # the route's earlier name
+    def save_checkpoint(req: StepRef) -> dict:
+        folder = tempfile.mkdtemp(prefix=f"rollflow-ckpt-{req.step}-")
+        return run("save_checkpoint", step=req.step, dir=folder)
+
+    @app.post("/load_checkpoint")
+    def load_checkpoint(req: StepRef) -> dict:
+        cache = str(Path("~/.cache/rollflow/checkpoints").expanduser())
+        return run("load_checkpoint", step=req.step, cache=cache)
+
+    @app.post("/export_hf")
+    def export_hf(req: ExportHF) -> dict:
+        return run("export_hf", uri=req.uri, storage_options=args.storage_options)
+
+    @app.post("/gradients")
+    def gradients(req: Gradients) -> dict:
+        return run("gradients", path=req.path)
 
     @app.get("/weights/metadata")
     def metadata() -> list[dict]:
-        return weight_metadata(trainer.named_weights())
+        return trainer.metadata
 
     @app.post("/weights/connect")
     def connect(req: WeightConnect) -> dict:
-        with lock:
-            if state["sender"] is not None:
-                state["sender"].close()
-            sender = WeightSender(req.host, req.port, req.world_size, req.timeout_s)
-            sender.connect()
-            state["sender"] = sender
-            return {"ok": True}
+        return run("weights_connect", **req.model_dump())
 
     @app.post("/weights/broadcast")
     def broadcast(req: Broadcast) -> dict:
-        with lock:
-            if state["sender"] is None:
-                raise HTTPException(409, "weight group not connected: call /weights/connect first")
-            start = time.perf_counter()
-            with torch.no_grad():
-                num_bytes = state["sender"].broadcast(trainer.named_weights(), req.version)
-            return {"bytes": num_bytes, "broadcast_s": time.perf_counter() - start}
+        if ops.sender is None:
+            raise HTTPException(409, "weight group not connected: call /weights/connect first")
+        return run("weights_broadcast", version=req.version)
 
     @app.post("/weights/close")
     def close_weights() -> dict:
-        with lock:
-            if state["sender"] is not None:
-                state["sender"].close()
-                state["sender"] = None
-            return {"ok": True}
+        return run("weights_close")
 
     @app.post("/shutdown")
     def shutdown() -> dict:
-        threading.Timer(0.1, lambda: os._exit(0)).start()
-        return {"ok": True}
+        return run("shutdown", timeout_s=30)
 
     return app
 
 
+# ------------------------------------------------------------------------------- main loop
+
+
+def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
+    """Run commands until ``shutdown``: rank 0 takes them from the dispatcher, the others from rank 0."""
+    rank = ops.rank
+    while True:
+        pending = None
+        if rank == 0:
+            if dispatcher.watch.failure:
+                return
+            pending = dispatcher.next(HEARTBEAT_S)
+            cmd = pending.cmd if pending else {"op": "ping"}
+            try:
+                ops.control.broadcast(cmd)
+            except Exception as err:
+                fail = dispatcher.watch.poll() or f"trainer rank 0 could not reach the other ranks: {err}"
+                dispatcher.watch.fail(fail)
+                if pending:
+                    pending.resolve(error=ServiceFailed(fail))
+                return
+        else:
+            cmd = ops.control.broadcast()
+        if cmd["op"] == "shutdown":
+            if pending:
+                pending.resolve({"ok": True})
+            return
+        try:
+            result, error = ops.run(cmd), None
+        except CommandError as err:
+            result, error = None, err
+        except Exception as err:
+            log.error("command %s failed on rank %d:\n%s", cmd["op"], rank, traceback.format_exc())
+            if rank != 0:
+                raise
+            fail = dispatcher.watch.poll() or f"trainer rank 0: {cmd['op']} failed: {err!r}"
+            dispatcher.watch.fail(fail)
+            result, error = None, ServiceFailed(fail)
+        if pending:
+            pending.resolve(result, error)
+        if rank == 0 and dispatcher.watch.failure:
+            return
+
+
+def _init_distributed(args: ServiceArgs) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    timeout = timedelta(seconds=args.timeout_s)
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    return device
+
+
+def _threads() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    default = max(1, (os.cpu_count() or 1) // local)
+    return int(os.environ.get("ROLLFLOW_TRAINER_THREADS") or default)
+
+
+def _reference_path(args: ServiceArgs) -> str | None:
+    if not args.reference_model:
+        return None
+    if args.reference_model_path:
+        return args.reference_model_path
+    state = Path(args.model_path) / "trainer" / "state.json"
+    if args.checkpoint_step is not None and state.exists():
+        recorded = json.loads(state.read_text()).get("reference_model")
+        if recorded:
+            return recorded
+    return args.model_path
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="rollflow trainer service")
-    parser.add_argument("args_json", help="ServiceArgs as JSON")
+    parser = argparse.ArgumentParser(description="rollflow trainer service (one rank)")
+    parser.add_argument("args_file", help="ServiceArgs as a JSON file")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     ns = parser.parse_args(argv)
-    args = ServiceArgs.model_validate(json.loads(ns.args_json))
+    args = ServiceArgs.model_validate_json(Path(ns.args_file).read_text())
     token = os.environ.get("ROLLFLOW_TOKEN")
     if not token:
         sys.exit("ROLLFLOW_TOKEN is not set: the trainer refuses to run without the run's token")
-    torch.set_num_threads(int(os.environ.get("ROLLFLOW_TRAINER_THREADS", torch.get_num_threads())))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
-    app = build_app(args, token)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    torch.set_num_threads(_threads())
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
+    device = _init_distributed(args)
+    control = ControlGroup(args.timeout_s)
+    ranks = control.all_gather(rank_identity())
+    spec = TrainerSpec(model_path=args.model_path, backend=args.backend, zero_stage=args.zero_stage, lr=args.lr,
+                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                       warmup_steps=args.warmup_steps, seed=args.seed, reference_model_path=_reference_path(args))
+    trainer = Trainer(spec, device)
+    if args.checkpoint_step is not None:
+        trainer.load_checkpoint(args.model_path)
+    storage = RunStorage(args.storage_root, args.run, args.storage_options)
+    ops = RankOps(trainer, control, storage, micro_batch_tokens=args.micro_batch_tokens,
+                  row_tokens=None if device.type == "cuda" else CPU_ROW_TOKENS)
+    log.info("rank %d/%d ready: %s on %s, %d threads", rank, len(ranks), args.backend, device,
+             torch.get_num_threads())
+    if rank != 0:
+        serve(ops, None)
+    else:
+        _serve_rank0(args, token, ops, trainer, ranks)
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def _serve_rank0(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, ranks: list[dict]) -> None:
+    hint = f"; see {args.log_path}" if args.log_path else ""
+    watch = PeerWatch(ranks, log_hint=hint).start()
+    dispatcher = Dispatcher(watch)
+
+    def on_sigterm(signum, frame) -> None:
+        # From the launcher after a peer died: linger (the main loop does) so callers learn which.
+        if watch.poll() is None:
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    app = build_app(args, token, ops, trainer, dispatcher, ranks)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    threading.Thread(target=server.run, name="http", daemon=True).start()
+    serve(ops, dispatcher)
+    if watch.failure:
+        log.error("%s; answering 503 for %.0fs, then exiting", watch.failure, DEAD_RANK_GRACE_S)
+        time.sleep(DEAD_RANK_GRACE_S)
+        os._exit(1)
+    server.should_exit = True
 
 
 if __name__ == "__main__":
