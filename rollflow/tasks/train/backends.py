@@ -126,7 +126,8 @@ class FSDP2Backend:
 
         dcp.save(self._state(), checkpoint_id=str(folder / "dcp"))
         if dist.get_rank() == 0:
-            (folder / "scheduler.json").write_text(json.dumps(_scheduler_state(self.scheduler)))
+            # LambdaLR's state is plain numbers (its lambdas are saved as None).
+            (folder / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
 
     def load(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -140,11 +141,6 @@ class FSDP2Backend:
 
     def close(self) -> None:
         pass
-
-
-def _scheduler_state(scheduler) -> dict:
-    # LambdaLR's state holds the lambdas (functions) as None; the rest is plain numbers.
-    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
 
 
 # ------------------------------------------------------------------------------- DeepSpeed
