@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,10 @@ class TrainerProcess:
     def check_alive(self) -> None:
         """Raise ``ServiceCallError`` naming the dead rank, if one died."""
         if not self.process.is_alive():
-            raise ServiceCallError(f"the trainer has exited (code {self.process.proc.returncode}); "
-                                   f"last lines of {self.process.log_path}:\n{log_tail(self.process.log_path, 15)}")
+            cause = _failure_in_log(self.process.log_path)
+            raise ServiceCallError(f"the trainer has exited (code {self.process.proc.returncode})"
+                                   f"{': ' + cause if cause else ''}; last lines of {self.process.log_path}:\n"
+                                   f"{log_tail(self.process.log_path, 15)}")
         try:
             resp = httpx.get(f"{self.endpoint.url}/health", headers=self.endpoint.headers(), timeout=10)
         except httpx.HTTPError as exc:
@@ -127,6 +130,16 @@ class TrainerProcess:
             except Exception:  # a dead or hung rank: the signals below end it
                 pass
         self.process.stop(timeout_s=timeout_s)
+
+
+def _failure_in_log(path: Path) -> str | None:
+    """The last failure rank 0 recorded ("trainer rank 1 (pid 42) died", "trainer rank 0: ...")."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"(trainer rank \d+ \(pid \d+\) died|trainer rank 0: [^\n;]*)", text)
+    return found[-1] if found else None
 
 
 def _has_cuda() -> bool:

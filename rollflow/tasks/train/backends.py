@@ -232,7 +232,10 @@ class DeepSpeedBackend:
             if full is not None and dist.get_rank() == 0:
                 grads[hf_name(name)] = full.detach().float().cpu()
         if self.zero_stage == 2:
-            optimizer.all_grad_tensors, optimizer.averaged_gradients = saved
+            # In place: DeepSpeed's per-parameter views hold these very dicts.
+            for live, kept in zip((optimizer.all_grad_tensors, optimizer.averaged_gradients), saved, strict=True):
+                live.clear()
+                live.update(kept)
             optimizer.set_gradient_accumulation_boundary(boundary)
         return grads
 

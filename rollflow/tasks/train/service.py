@@ -10,7 +10,7 @@ Parquet itself and takes its own share.
 Failure, fast and named: rank 0 watches the other ranks' processes (``control.PeerWatch``). When
 a rank dies, the pending call and ``/health`` answer 503 naming it within a fraction of a
 second. The launcher then stops the remaining ranks with SIGTERM; rank 0 keeps answering 503 for
-``DEAD_RANK_GRACE_S`` before it exits, so that the next call from the run learns which rank died
+``dead_rank_grace_s`` (10 s) before it exits, so that the next call from the run learns which rank died
 rather than finding nobody at the address. While idle, rank 0 pings the ranks every
 ``HEARTBEAT_S``, which keeps their bounded waits for the next command alive.
 """
@@ -47,7 +47,6 @@ from rollflow.tasks.train.trainer import Trainer, TrainerSpec
 log = logging.getLogger("rollflow.trainer")
 
 HEARTBEAT_S = 2.0
-DEAD_RANK_GRACE_S = 10.0
 # Rows of packed sequences on CPU (attention costs rows x row_tokens^2); None = one row (varlen, GPU).
 CPU_ROW_TOKENS = 256
 
@@ -74,6 +73,7 @@ class ServiceArgs(BaseModel):
     reference_model: bool = False  # load a frozen reference policy for the KL term
     reference_model_path: str | None = None  # default: the checkpoint's record, else model_path
     timeout_s: float = 600.0  # deadline of every collective and of one call
+    dead_rank_grace_s: float = 10.0  # after a rank died: how long rank 0 keeps answering 503 naming it
     log_path: str = ""
 
 
@@ -395,8 +395,8 @@ def _serve_rank0(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, 
     threading.Thread(target=server.run, name="http", daemon=True).start()
     serve(ops, dispatcher)
     if watch.failure:
-        log.error("%s; answering 503 for %.0fs, then exiting", watch.failure, DEAD_RANK_GRACE_S)
-        time.sleep(DEAD_RANK_GRACE_S)
+        log.error("%s; answering 503 for %.0fs, then exiting", watch.failure, args.dead_rank_grace_s)
+        time.sleep(args.dead_rank_grace_s)
         os._exit(1)
     server.should_exit = True
 
