@@ -153,7 +153,9 @@ class TrainerSection(_Section):
         "fsdp2", description="Data-parallel backend: FSDP2 (torchrun) or DeepSpeed ZeRO (deepspeed launcher)."
     )
     num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (processes) on this node.")
-    zero_stage: Literal[1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage; backend = deepspeed only.")
+    zero_stage: Literal[1, 2, 3] | None = Field(
+        None, description="DeepSpeed ZeRO stage (backend = deepspeed only; unset: 1)."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the ranks compute: CUDA when available (auto), or forced."
     )
@@ -190,7 +192,7 @@ class RunConfig(_Section):
                 "train.old_logprobs = 'trainer', or leave tis_cap unset"
             )
         tr = self.trainer
-        if "zero_stage" in tr.model_fields_set and tr.backend != "deepspeed":
+        if tr.zero_stage is not None and tr.backend != "deepspeed":
             raise ValueError(
                 f"trainer.zero_stage applies to trainer.backend = 'deepspeed' only (backend is {tr.backend!r}); "
                 "remove it or set trainer.backend = 'deepspeed'"

@@ -151,7 +151,7 @@ def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -
         "storage_root": cfg.run.storage, "storage_options": cfg.run.storage_options, "run": cfg.run.name,
         "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
         "warmup_steps": t.lr_warmup_steps, "micro_batch_tokens": tr.micro_batch_tokens, "seed": cfg.run.seed,
-        "zero_stage": tr.zero_stage, "device": tr.device, "reference_model": t.kl_coef > 0,
+        "zero_stage": tr.zero_stage or 1, "device": tr.device, "reference_model": t.kl_coef > 0,
         "timeout_s": tr.request_timeout_s,
     }
 

@@ -3,7 +3,11 @@ import statistics
 
 import pytest
 
-from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size, summarize_optimizer_steps
+from rollflow.tasks.train.metrics import (
+    PerEnvMoments,
+    effective_sample_size,
+    summarize_optimizer_steps,
+)
 
 
 def test_moments_merged_in_any_split_equal_the_whole():

@@ -206,6 +206,37 @@ def test_exported_model_is_served_by_vllm(service):
     assert completion.token_ids == expected[: len(completion.token_ids)]
 
 
+def test_weights_broadcast_gathers_the_shards(service):
+    """The weight group's sender is rank 0; every rank helps gather the full weights it sends."""
+    _whole_suite(service)
+    import threading
+
+    from rollflow.infra.service import free_port
+    from rollflow.infra.weights.group import WeightReceiverGroup
+
+    metadata = service.call("/weights/metadata", method="GET")
+    port = free_port()
+    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=30)
+    joiner = threading.Thread(target=receiver.connect)
+    joiner.start()
+    service.call("/weights/connect", {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": 30})
+    joiner.join(30)
+    got: dict = {}
+
+    def receive():
+        version, named = receiver.receive(metadata)
+        got.update({name: t.clone() for name, t in named}, version=version)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sent = service.call("/weights/broadcast", {"version": 7})
+    thread.join(30)
+    service.call("/weights/close")
+    receiver.close()
+    assert got.pop("version") == 7 and sent["bytes"] > 0
+    assert max_abs_diff(got, load_file(service.export("sent") / "model.safetensors")) == 0.0
+
+
 def test_a_dead_rank_is_named_within_seconds(service):
     """Kill rank 1: health and the next call fail within seconds naming it; then the tree exits."""
     _whole_suite(service)

@@ -186,9 +186,9 @@ def build_app(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, dis
 
     app = FastAPI(title="rollflow trainer", dependencies=[Depends(auth)])
 
-    def run(op: str, timeout_s: float = args.timeout_s, **fields: Any) -> Any:
+    def run(op: str, fields: dict[str, Any] | None = None, deadline_s: float = args.timeout_s) -> Any:
         try:
-            return dispatcher.submit({"op": op, **fields}, timeout_s)
+            return dispatcher.submit({"op": op, **(fields or {})}, deadline_s)
         except CommandError as err:
             raise HTTPException(400, str(err)) from None
         except ServiceFailed as err:
@@ -205,7 +205,7 @@ def build_app(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, dis
 
     @app.post("/forward")
     def forward(req: BatchRef) -> dict:
-        return run("forward", step=req.step, group_indices=req.group_indices)
+        return run("forward", {"step": req.step, "group_indices": req.group_indices})
 
     @app.post("/forward_backward")
     def forward_backward(req: ForwardBackward) -> dict:
@@ -217,8 +217,8 @@ def build_app(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, dis
         if loss.kl_coef > 0 and trainer.reference is None:
             raise HTTPException(400, "loss.kl_coef > 0 needs the reference model, and this trainer was "
                                      "started without one: set train.kl_coef > 0 in the run's config")
-        return run("forward_backward", step=req.step, group_indices=req.group_indices, loss=loss.model_dump(),
-                   old_logprobs=req.old_logprobs, num_loss_tokens=req.num_loss_tokens)
+        return run("forward_backward", {"step": req.step, "group_indices": req.group_indices, "loss": loss.model_dump(),
+                                        "old_logprobs": req.old_logprobs, "num_loss_tokens": req.num_loss_tokens})
 
     @app.post("/optim_step")
     def optim_step() -> dict:
@@ -228,20 +228,20 @@ def build_app(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, dis
     @app.post("/checkpoint")  # the route's earlier name
     def save_checkpoint(req: StepRef) -> dict:
         folder = tempfile.mkdtemp(prefix=f"rollflow-ckpt-{req.step}-")
-        return run("save_checkpoint", step=req.step, dir=folder)
+        return run("save_checkpoint", {"step": req.step, "dir": folder})
 
     @app.post("/load_checkpoint")
     def load_checkpoint(req: StepRef) -> dict:
         cache = str(Path("~/.cache/rollflow/checkpoints").expanduser())
-        return run("load_checkpoint", step=req.step, cache=cache)
+        return run("load_checkpoint", {"step": req.step, "cache": cache})
 
     @app.post("/export_hf")
     def export_hf(req: ExportHF) -> dict:
-        return run("export_hf", uri=req.uri, storage_options=args.storage_options)
+        return run("export_hf", {"uri": req.uri, "storage_options": args.storage_options})
 
     @app.post("/gradients")
     def gradients(req: Gradients) -> dict:
-        return run("gradients", path=req.path)
+        return run("gradients", {"path": req.path})
 
     @app.get("/weights/metadata")
     def metadata() -> list[dict]:
@@ -249,13 +249,13 @@ def build_app(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, dis
 
     @app.post("/weights/connect")
     def connect(req: WeightConnect) -> dict:
-        return run("weights_connect", **req.model_dump())
+        return run("weights_connect", req.model_dump())
 
     @app.post("/weights/broadcast")
     def broadcast(req: Broadcast) -> dict:
         if ops.sender is None:
             raise HTTPException(409, "weight group not connected: call /weights/connect first")
-        return run("weights_broadcast", version=req.version)
+        return run("weights_broadcast", {"version": req.version})
 
     @app.post("/weights/close")
     def close_weights() -> dict:
@@ -263,7 +263,7 @@ def build_app(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, dis
 
     @app.post("/shutdown")
     def shutdown() -> dict:
-        return run("shutdown", timeout_s=30)
+        return run("shutdown", deadline_s=30)
 
     return app
 
