@@ -2,10 +2,11 @@
 
 For each backend configuration, the real trainer service is started (torchrun or the deepspeed
 launcher, gloo on CPU), fed quickstart-shaped batches through its HTTP API exactly as the train
-task does, and timed from the client (HTTP, Parquet, dispatch and packing included). Right before
-each service measurement the same batches go through a bare torch loop in this process: an HF
-model, padded micro-batches of the same token budget, full-vocabulary fp32 log-softmax, the same
-PPO loss, clip, AdamW. The ratio is service / the bare loop measured next to it.
+task does, and timed from the client (HTTP, Parquet, dispatch and packing included). The same
+batches go through a bare torch loop in this process, alternating with the service mini-batch by
+mini-batch (this machine is shared: both loops see the same load): an HF model, padded
+micro-batches of the same token budget, full-vocabulary fp32 log-softmax, the same PPO loss,
+clip, AdamW. The ratio is service / bare loop.
 
     PYTHONPATH=. .venv/bin/python bench/trainer_throughput.py [--configs fsdp2:1 deepspeed:2:3 ...]
 
@@ -59,31 +60,29 @@ def num_tokens(rows: list[dict]) -> int:
 # ------------------------------------------------------------------------------ bare torch
 
 
-def bare_torch(model_dir: Path, batches: list[list[dict]], micro_batch_tokens: int, lr: float) -> float:
-    """tokens/s of a plain loop: padded micro-batches, full logits, PPO loss, clip, AdamW."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    cfg = LossConfig(tis_cap=None)
-    counted_tokens, counted_s = 0, 0.0
-    for i, rows in enumerate(batches):
-        start = time.perf_counter()
+class BareTorch:
+    """A plain loop: padded micro-batches, full-vocabulary fp32 logits, the PPO loss, clip, AdamW."""
+
+    def __init__(self, model_dir: Path, micro_batch_tokens: int, lr: float):
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.cfg = LossConfig(tis_cap=None)
+
+    def step(self, rows: list[dict]) -> None:
         total = sum(len(r["completion_ids"]) for r in rows)
-        for micro in _padded_micro_batches(rows, micro_batch_tokens):
+        for micro in _padded_micro_batches(rows, self.micro_batch_tokens):
             ids, attn, old, mask, adv = _collate(micro)
-            logits = model(input_ids=ids, attention_mask=attn).logits.float()
+            logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
             logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             logp = torch.nn.functional.pad(logp, (1, 0))
-            out = compute_loss("ppo", LossInputs(logp, old, adv, mask, inference_logprobs_B_T=old), cfg)
+            out = compute_loss("ppo", LossInputs(logp, old, adv, mask, inference_logprobs_B_T=old), self.cfg)
             (out.loss_sum / total).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if i >= WARMUP:
-            counted_s += time.perf_counter() - start
-            counted_tokens += num_tokens(rows)
-    return counted_tokens / counted_s
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def _padded_micro_batches(rows, budget):
@@ -115,27 +114,34 @@ def _collate(rows):
 # ------------------------------------------------------------------------------ the service
 
 
-def service(model_dir: Path, root: Path, batches: list[list[dict]], backend: str, num_ranks: int,
-            zero_stage: int, micro_batch_tokens: int, lr: float) -> tuple[float, float]:
-    """(tokens/s, start-up s) of the service on the batches, timed from the client."""
+def measure(model_dir: Path, root: Path, batches: list[list[dict]], backend: str, num_ranks: int,
+            zero_stage: int, micro_batch_tokens: int, lr: float) -> tuple[float, float, float]:
+    """(service tok/s, bare tok/s, service start-up s), the two loops alternating mini-batch by
+    mini-batch so that both see the same machine (the service idles while the bare loop runs)."""
     args = dict(model_path=str(model_dir), storage_root=str(root / "runs"), run="bench", lr=lr, weight_decay=0.0,
                 max_grad_norm=1.0, micro_batch_tokens=micro_batch_tokens, zero_stage=zero_stage, device="cpu")
     proc = TrainerProcess(args, backend=backend, num_ranks=num_ranks, token=secrets.token_hex(8),
                           log_dir=root / f"logs-{backend}-{num_ranks}-{zero_stage}", startup_timeout_s=900)
+    bare = BareTorch(model_dir, micro_batch_tokens, lr)
     start = time.perf_counter()
     proc.start()
     try:
         proc.wait_healthy()
         startup_s = time.perf_counter() - start
-        counted_tokens, counted_s = 0, 0.0
+        served_s = bare_s = 0.0
+        counted_tokens = 0
         for step, rows in enumerate(batches, start=1):
             t0 = time.perf_counter()
+            bare.step(rows)
+            t1 = time.perf_counter()
             call(proc.endpoint, "/forward_backward", {"step": step, "loss": LOSS}, timeout_s=600)
             call(proc.endpoint, "/optim_step", timeout_s=600)
+            t2 = time.perf_counter()
             if step > WARMUP:
-                counted_s += time.perf_counter() - t0
+                bare_s += t1 - t0
+                served_s += t2 - t1
                 counted_tokens += num_tokens(rows)
-        return counted_tokens / counted_s, startup_s
+        return counted_tokens / served_s, counted_tokens / bare_s, startup_s
     finally:
         proc.stop()
 
@@ -168,8 +174,8 @@ def main() -> None:
     for config in ns.configs:
         backend, ranks, *stage = config.split(":")
         zero = int(stage[0]) if stage else 1
-        bare = bare_torch(model_dir, batches, ns.micro_batch_tokens, 1e-4)
-        served, startup_s = service(model_dir, root, batches, backend, int(ranks), zero, ns.micro_batch_tokens, 1e-4)
+        served, bare, startup_s = measure(model_dir, root, batches, backend, int(ranks), zero,
+                                          ns.micro_batch_tokens, 1e-4)
         print(f"{backend:<12}{ranks:>6}{(zero if backend == 'deepspeed' else '-'):>6}{served:>15.0f}{bare:>12.0f}"
               f"{served / bare:>8.2f}{startup_s:>9.0f}", flush=True)
 
