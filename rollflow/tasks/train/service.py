@@ -377,8 +377,10 @@ def main(argv: list[str] | None = None) -> None:
         serve(ops, None)
     else:
         _serve_rank0(args, token, ops, trainer, ranks)
+    log.info("rank %d: shutting down", rank)
     trainer.close()
     dist.destroy_process_group()
+    log.info("rank %d: done", rank)
 
 
 def _serve_rank0(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, ranks: list[dict]) -> None:
