@@ -16,6 +16,7 @@ Prints one table; the first two mini-batches of every measurement are warm-up an
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import secrets
 import tempfile
@@ -156,7 +157,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of the bare loop and of each rank (0: all cores / ranks)")
     ns = parser.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+        os.environ["ROLLFLOW_TRAINER_THREADS"] = str(ns.threads)  # read by the launcher, per rank
     threads = torch.get_num_threads()
     root = Path(tempfile.mkdtemp(prefix="rollflow-bench-"))
     tok = build_char_tokenizer()
@@ -169,7 +175,7 @@ def main() -> None:
         storage.write_step_table("batches", step, rows_to_table(rows))
     print(f"model: hidden {ns.hidden}, 2 layers; {ns.steps} mini-batches of {ns.groups}x{ns.group_size} rows, "
           f"~{num_tokens(batches[0])} tokens each; micro-batch budget {ns.micro_batch_tokens}; "
-          f"bare torch on {threads} threads")
+          f"bare torch on {threads} threads, ranks on {os.environ.get('ROLLFLOW_TRAINER_THREADS', 'cores / ranks')}")
     print(f"{'backend':<12}{'ranks':>6}{'zero':>6}{'service tok/s':>15}{'bare tok/s':>12}{'ratio':>8}{'start s':>9}")
     for config in ns.configs:
         backend, ranks, *stage = config.split(":")
