@@ -102,7 +102,7 @@ class SamplingSection(_Section):
 
 
 class TrainSection(_Section):
-    """The algorithm: GRPO advantages and a token-level PPO-clip loss."""
+    """The algorithm: GRPO advantages, the policy loss (PPO clip or GSPO), mini-batches and epochs."""
 
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -120,6 +120,21 @@ class TrainSection(_Section):
     clip_eps_high: float = Field(0.2, gt=0, description="PPO clip: upper epsilon.")
     normalize_std: bool = Field(False, description="Divide group advantages by the group's reward std.")
     filter_zero_advantage: bool = Field(True, description="Drop groups whose advantages are all zero.")
+    loss: Literal["ppo", "gspo"] = Field(
+        "ppo", description="Policy loss: token-level PPO clip, or GSPO (sequence-level geometric-mean ratio)."
+    )
+    old_logprobs: Literal["inference", "trainer"] = Field(
+        "inference",
+        description="Log-probs the ratio is taken against: the sampler's (no extra pass), or the trainer's own, "
+        "computed by a forward pass over the step's batch before its first optimizer step.",
+    )
+    tis_cap: float | None = Field(
+        None, ge=1, description="Truncated importance sampling cap C: min(exp(old - inference), C); unset = off."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy (loads a reference model).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    num_epochs: int = Field(1, ge=1, description="Passes over each step's batch (each mini-batch one optimizer step).")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
 
     def in_flight_groups(self) -> int:
         """K: groups the rollout producer keeps generating at once."""
@@ -147,6 +162,16 @@ class TrainerSection(_Section):
     request_timeout_s: float = Field(600, gt=0, description="Deadline of one trainer call.")
     weight_sync_timeout_s: float = Field(120, gt=0, description="Deadline of one weight broadcast.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch.")
+    backend: Literal["fsdp2", "deepspeed"] = Field(
+        "fsdp2", description="Data-parallel backend: FSDP2 (torchrun) or DeepSpeed ZeRO (deepspeed launcher)."
+    )
+    num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (processes) on this node.")
+    zero_stage: Literal[1, 2, 3] | None = Field(
+        None, description="DeepSpeed ZeRO stage (backend = deepspeed only; unset: 1)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the ranks compute: CUDA when available (auto), or forced."
+    )
 
 
 class WandbOptions(_Section):
@@ -224,6 +249,18 @@ class RunConfig(_Section):
                 f"train.max_in_flight_groups ({k}) must be between train.train_batch_size "
                 f"({t.train_batch_size}) and train_batch_size * (max_staleness + 1) ({high}): fewer "
                 "cannot fill a step, more can never be admitted under the staleness bound"
+            )
+        if t.tis_cap is not None and t.old_logprobs == "inference":
+            raise ValueError(
+                "train.tis_cap has no effect with train.old_logprobs = 'inference' (the ratio's old "
+                "log-probs are then the sampler's own, so every TIS weight is 1): set "
+                "train.old_logprobs = 'trainer', or leave tis_cap unset"
+            )
+        tr = self.trainer
+        if tr.zero_stage is not None and tr.backend != "deepspeed":
+            raise ValueError(
+                f"trainer.zero_stage applies to trainer.backend = 'deepspeed' only (backend is {tr.backend!r}); "
+                "remove it or set trainer.backend = 'deepspeed'"
             )
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):

@@ -12,20 +12,16 @@ the calling thread because the kernel kills them when the thread that spawned th
 
 from __future__ import annotations
 
-import json
 import secrets
-import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from rollflow.infra.config import RunConfig
 from rollflow.infra.events import publish
-from rollflow.infra.http import Endpoint, ServiceCallError, call
+from rollflow.infra.http import Endpoint, ServiceCallError
 from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.inference.supervisor import HEALTH_PROBE_TIMEOUT_S, InferenceSupervisor
-from rollflow.infra.service import ManagedProcess, free_port
+from rollflow.infra.launch import TrainerProcess
 from rollflow.infra.storage import RunStorage
 
 TEARDOWN_DEADLINE_S = 30.0
@@ -44,7 +40,7 @@ class RunServices:
         self.log_dir = Path(log_dir)
         self.progress = progress
         self.token = secrets.token_urlsafe(24)
-        self.trainer_proc: ManagedProcess | None = None
+        self.trainer_proc: TrainerProcess | None = None
         self.supervisor: InferenceSupervisor | None = None
         self.trainer: Endpoint | None = None
         self.inference_ep: Endpoint | None = None
@@ -58,20 +54,12 @@ class RunServices:
     def start(self) -> RunServices:
         cfg = self.cfg
         start = time.perf_counter()
-        host = "127.0.0.1"
-        port = free_port(host)
-        args = {
-            "model_path": self.policy_dir, "checkpoint_step": self.checkpoint_step,
-            "storage_root": cfg.run.storage, "storage_options": cfg.run.storage_options, "run": cfg.run.name,
-            "lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "max_grad_norm": cfg.train.max_grad_norm,
-            "micro_batch_tokens": cfg.trainer.micro_batch_tokens, "seed": cfg.run.seed, "host": host, "port": port,
-            "num_steps": cfg.run.num_steps,
-        }
-        self.trainer = Endpoint("trainer", f"http://{host}:{port}", self.token)
-        self.trainer_proc = ManagedProcess(
-            "trainer", [sys.executable, "-m", "rollflow.tasks.train.service", json.dumps(args)],
-            self.log_dir / "trainer.log", env={"ROLLFLOW_TOKEN": self.token},
+        self.trainer_proc = TrainerProcess(
+            trainer_args(cfg, self.policy_dir, self.checkpoint_step), backend=cfg.trainer.backend,
+            num_ranks=cfg.trainer.num_ranks, token=self.token, log_dir=self.log_dir,
+            startup_timeout_s=cfg.trainer.startup_timeout_s,
         )
+        self.trainer = self.trainer_proc.endpoint
         self.trainer_proc.start()  # loads while vLLM starts
         storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
         self.supervisor = InferenceSupervisor(
@@ -80,12 +68,10 @@ class RunServices:
         try:
             self.supervisor.start()
             self.inference_ep = Endpoint("inference", self.supervisor.url, self.token)
-            self.trainer_proc.wait_healthy(
-                lambda: call(self.trainer, "/health", timeout_s=2, method="GET")["ok"],
-                self.cfg.trainer.startup_timeout_s,
-            )
+            self.trainer_proc.wait_healthy()
             self.progress(f"services: vLLM at {self.supervisor.url}, trainer at {self.trainer.url} "
-                          f"({time.perf_counter() - start:.0f}s); logs in {self.log_dir}")
+                          f"({cfg.trainer.backend}, {cfg.trainer.num_ranks} rank(s); "
+                          f"{time.perf_counter() - start:.0f}s); logs in {self.log_dir}")
             self.supervisor.join_weight_group()
         except BaseException:
             self.stop()
@@ -101,18 +87,8 @@ class RunServices:
         self.supervisor.check()
 
     def _check_trainer(self) -> None:
-        """Raise ``ServiceCallError`` naming the trainer if it died or does not answer."""
-        if not self.trainer_proc.is_alive():
-            raise ServiceCallError(f"the trainer service died (exit code {self.trainer_proc.returncode}); "
-                                   f"see {self.trainer_proc.log_path}")
-        url = f"{self.trainer.url}/health"
-        try:
-            healthy = httpx.get(url, headers=self.trainer.headers(),
-                                timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
-        except httpx.HTTPError:
-            healthy = False
-        if not healthy:
-            raise ServiceCallError(f"the trainer service is unhealthy ({url}); see {self.trainer_proc.log_path}")
+        """Raise ``ServiceCallError`` naming the trainer (and its dead rank) if it died or does not answer."""
+        self.trainer_proc.check_alive(timeout_s=HEALTH_PROBE_TIMEOUT_S)
 
     def dead_service(self, grace_s: float = 0.0) -> str | None:
         """After a failure: which service died, as a message naming it (None: both live).
@@ -146,3 +122,16 @@ class RunServices:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -> dict:
+    """The trainer service's start arguments (``ServiceArgs`` of ``tasks/train/service.py``)."""
+    t, tr = cfg.train, cfg.trainer
+    return {
+        "model_path": str(policy_dir), "checkpoint_step": checkpoint_step,
+        "storage_root": cfg.run.storage, "storage_options": cfg.run.storage_options, "run": cfg.run.name,
+        "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
+        "warmup_steps": t.lr_warmup_steps, "micro_batch_tokens": tr.micro_batch_tokens, "seed": cfg.run.seed,
+        "zero_stage": tr.zero_stage or 1, "device": tr.device, "reference_model": t.kl_coef > 0,
+        "timeout_s": tr.request_timeout_s, "num_steps": cfg.run.num_steps,
+    }

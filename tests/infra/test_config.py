@@ -80,3 +80,21 @@ def test_cli_dry_run_prints_resolved_config():
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert '"lr": 3e-05' in proc.stdout
+
+
+def test_trainer_backend_and_loss_choices():
+    cfg = load_config(QUICKSTART)
+    assert (cfg.trainer.backend, cfg.trainer.num_ranks, cfg.train.loss) == ("fsdp2", 1, "ppo")  # the fast default
+    cfg = load_config(QUICKSTART, ["trainer.backend=deepspeed", "trainer.zero_stage=3", "trainer.num_ranks=2",
+                                   "train.loss=gspo", "train.old_logprobs=trainer", "train.tis_cap=2.0"])
+    assert (cfg.trainer.zero_stage, cfg.train.tis_cap) == (3, 2.0)
+    with pytest.raises(ConfigError, match="trainer.backend"):
+        load_config(QUICKSTART, ["trainer.backend=megatron"])
+    with pytest.raises(ConfigError, match="trainer.zero_stage"):
+        load_config(QUICKSTART, ["trainer.backend=deepspeed", "trainer.zero_stage=4"])
+    with pytest.raises(ConfigError, match="zero_stage applies to trainer.backend = 'deepspeed' only"):
+        load_config(QUICKSTART, ["trainer.zero_stage=2"])
+    with pytest.raises(ConfigError, match="tis_cap has no effect with train.old_logprobs = 'inference'"):
+        load_config(QUICKSTART, ["train.tis_cap=2.0"])
+    with pytest.raises(ConfigError, match="train.loss"):
+        load_config(QUICKSTART, ["train.loss=grpo"])

@@ -1,9 +1,18 @@
-"""The trainer service: a long-lived process holding the policy, called over HTTP.
+"""The trainer service: N ranks under torchrun or the deepspeed launcher; rank 0 serves HTTP.
 
-Started by the run flow (``python -m rollflow.tasks.train.service``), it outlives every step
-flow. Calls are serialised by one lock: the trainer does one thing at a time, in call order.
-Training data never rides the control channel: ``forward_backward`` names a committed batch
-step in storage, and the service reads the Parquet itself.
+Every rank runs ``python -m rollflow.tasks.train.service ARGS.json`` (started by a launcher, see
+``infra/launch.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
+small JSON command that rank 0's main thread broadcasts over the control group, and that every
+rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training data never
+rides the control channel: a command names a committed batch step, and each rank reads the
+Parquet itself and takes its own share.
+
+Failure, fast and named: rank 0 watches the other ranks' processes (``control.PeerWatch``). When
+a rank dies, the pending call and ``/health`` answer 503 naming it within a fraction of a
+second. The launcher then stops the remaining ranks with SIGTERM; rank 0 keeps answering 503 for
+``dead_rank_grace_s`` (10 s) before it exits, so that the next call from the run learns which rank died
+rather than finding nobody at the address. While idle, rank 0 pings the ranks every
+``HEARTBEAT_S``, which keeps their bounded waits for the next command alive.
 """
 
 from __future__ import annotations
@@ -12,205 +21,197 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
-import tempfile
 import threading
 import time
-from typing import Any
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
+import torch.distributed as dist
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel
 
 from rollflow.infra.storage import RunStorage
-from rollflow.infra.weights.group import WeightSender, weight_metadata
-from rollflow.tasks.train.trainer import Trainer
+from rollflow.tasks.train.api import Dispatcher, ServiceFailed, build_app
+from rollflow.tasks.train.control import ControlGroup, PeerWatch, rank_identity
+from rollflow.tasks.train.ops import CommandError, RankOps
+from rollflow.tasks.train.trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
 
+HEARTBEAT_S = 2.0
+# Rows of packed sequences on CPU, or the longest sequence if longer: attention costs rows x
+# row_tokens^2 (measured on the quickstart's shapes: 32-64 matched padded batches, 256 was ~15%
+# slower). None on GPU: one row per micro-batch, flash-attention's varlen kernels.
+CPU_ROW_TOKENS = 64
+
 
 class ServiceArgs(BaseModel):
-    """Everything the service needs at start (passed as one JSON argument)."""
+    """Everything the ranks need at start (one JSON file, read by every rank)."""
 
     model_path: str
-    checkpoint_step: int | None = None  # load optimizer + trainer state from this checkpoint
+    checkpoint_step: int | None = None  # model_path is that checkpoint: load its trainer state too
     storage_root: str
     storage_options: dict[str, Any] = {}
     run: str
     lr: float
     weight_decay: float
     max_grad_norm: float
+    warmup_steps: int = 0
     micro_batch_tokens: int
     seed: int = 0
     num_steps: int | None = None  # the run's last outer step: training_finished follows it
     host: str = "127.0.0.1"
     port: int
+    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    zero_stage: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    reference_model: bool = False  # load a frozen reference policy for the KL term
+    reference_model_path: str | None = None  # default: the checkpoint's record, else model_path
+    timeout_s: float = 600.0  # deadline of every collective and of one call
+    dead_rank_grace_s: float = 10.0  # after a rank died: how long rank 0 keeps answering 503 naming it
+    log_path: str = ""
 
 
-class ForwardBackward(BaseModel):
-    step: int
-    group_indices: list[int] | None = None
-    eps_low: float = 0.2
-    eps_high: float = 0.2
+# ------------------------------------------------------------------------------- main loop
 
 
-class EndStep(BaseModel):
-    step: int  # the outer step whose optimizer steps are all done
+def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
+    """Run commands until ``shutdown``: rank 0 takes them from the dispatcher, the others from rank 0."""
+    rank = ops.rank
+    while True:
+        pending = None
+        if rank == 0:
+            if dispatcher.watch.failure:
+                return
+            pending = dispatcher.next(HEARTBEAT_S)
+            cmd = pending.cmd if pending else {"op": "ping"}
+            try:
+                ops.control.broadcast(cmd)
+            except Exception as err:
+                fail = dispatcher.watch.poll() or f"trainer rank 0 could not reach the other ranks: {err}"
+                dispatcher.watch.fail(fail)
+                if pending:
+                    pending.resolve(error=ServiceFailed(fail))
+                return
+        else:
+            cmd = ops.control.broadcast()
+        if cmd["op"] == "shutdown":
+            if pending:
+                pending.resolve({"ok": True})
+            return
+        try:
+            result, error = ops.run(cmd), None
+        except CommandError as err:
+            result, error = None, err
+        except Exception as err:
+            log.error("command %s failed on rank %d:\n%s", cmd["op"], rank, traceback.format_exc())
+            if rank != 0:
+                raise
+            fail = dispatcher.watch.poll() or f"trainer rank 0: {cmd['op']} failed: {err!r}"
+            dispatcher.watch.fail(fail)
+            result, error = None, ServiceFailed(fail)
+        if pending:
+            pending.resolve(result, error)
+        if rank == 0 and dispatcher.watch.failure:
+            return
 
 
-class WeightConnect(BaseModel):
-    host: str
-    port: int
-    world_size: int
-    timeout_s: float
+def _init_distributed(args: ServiceArgs) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    timeout = timedelta(seconds=args.timeout_s)
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    return device
 
 
-class Broadcast(BaseModel):
-    # None: the weights of the last finished step, tagged with that step (``weights_version``);
-    # refused while a step is training (a restarted vLLM's re-sync waits for a step boundary).
-    version: int | None = None
+def _threads() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    default = max(1, (os.cpu_count() or 1) // local)
+    return int(os.environ.get("ROLLFLOW_TRAINER_THREADS") or default)
 
 
-class SaveCheckpoint(BaseModel):
-    step: int
-
-
-def build_app(args: ServiceArgs, token: str) -> FastAPI:
-    storage = RunStorage(args.storage_root, args.run, args.storage_options)
-    trainer = Trainer(args.model_path, lr=args.lr, weight_decay=args.weight_decay,
-                      max_grad_norm=args.max_grad_norm, micro_batch_tokens=args.micro_batch_tokens,
-                      seed=args.seed)
-    if args.checkpoint_step is not None:
-        trainer.load_checkpoint(args.model_path)
-    lock = threading.Lock()
-    # weights_version: the outer step whose optimizer steps made the current weights; None
-    # between a step's first optimizer step and its /end_step.
-    state: dict[str, Any] = {"sender": None, "batch_step": None, "batch": None, "finished": None,
-                             "weights_version": args.checkpoint_step or 0}
-    finished = threading.Event()  # set once, after the optimizer step that ends training
-
-    def auth(authorization: str = Header("")) -> None:
-        if authorization != f"Bearer {token}":
-            raise HTTPException(401, "missing or wrong run token")
-
-    app = FastAPI(title="rollflow trainer", dependencies=[Depends(auth)])
-
-    def batch_rows(step: int, groups: list[int] | None) -> list[dict]:
-        if state["batch_step"] != step:
-            state["batch"], state["batch_step"] = storage.read_step_table("batches", step), step
-        table = state["batch"]
-        if groups is not None:
-            table = table.filter(pc.is_in(table["group_index"], value_set=pa.array(groups, type=pa.int32())))
-        return table.select(["prompt_ids", "completion_ids", "completion_logprobs", "advantage"]).to_pylist()
-
-    @app.get("/health")
-    def health() -> dict:
-        return {"ok": True, "optim_step": trainer.step, "weights_version": state["weights_version"],
-                "pid": os.getpid()}
-
-    @app.post("/forward_backward")
-    def forward_backward(req: ForwardBackward) -> dict:
-        with lock:
-            rows = batch_rows(req.step, req.group_indices)
-            if not rows:
-                raise HTTPException(400, f"batch step={req.step} has no rows for groups {req.group_indices}")
-            total = sum(len(r["completion_ids"]) for r in rows)
-            return trainer.forward_backward(rows, total_loss_tokens=total, eps_low=req.eps_low,
-                                            eps_high=req.eps_high)
-
-    @app.post("/optim_step")
-    def optim_step() -> dict:
-        with lock:
-            if finished.is_set():
-                raise HTTPException(409, f"training finished after step {args.num_steps}: "
-                                         "no more optimizer steps")
-            state["weights_version"] = None
-            return trainer.optim_step()
-
-    @app.post("/end_step")
-    def end_step(req: EndStep) -> dict:
-        """Step ``req.step`` made all its optimizer steps; after the run's last, training ends."""
-        with lock:
-            state["weights_version"] = req.step
-            if req.step == args.num_steps and not finished.is_set():
-                state["finished"] = {"step": req.step, "optim_step": trainer.step, "time": time.time()}
-                finished.set()
-                log.info("training finished: step %s, optimizer step %s", req.step, trainer.step)
-            return {"finished": finished.is_set()}
-
-    @app.get("/training_finished")
-    def training_finished(wait_s: float = 0.0) -> dict:
-        """The explicit end of training; a long poll of at most 30 s (no lock: calls go on)."""
-        finished.wait(min(max(wait_s, 0.0), 30.0))
-        return {"finished": finished.is_set(), **(state["finished"] or {})}
-
-    @app.post("/checkpoint")
-    def checkpoint(req: SaveCheckpoint) -> dict:
-        with lock:
-            start = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="rollflow-ckpt-") as tmp:
-                trainer.save_checkpoint(tmp)
-                uri = storage.upload_dir(tmp, "checkpoints", req.step)
-            return {"uri": uri, "checkpoint_s": time.perf_counter() - start}
-
-    @app.get("/weights/metadata")
-    def metadata() -> list[dict]:
-        return weight_metadata(trainer.named_weights())
-
-    @app.post("/weights/connect")
-    def connect(req: WeightConnect) -> dict:
-        with lock:
-            if state["sender"] is not None:
-                state["sender"].close()
-            sender = WeightSender(req.host, req.port, req.world_size, req.timeout_s)
-            sender.connect()
-            state["sender"] = sender
-            return {"ok": True}
-
-    @app.post("/weights/broadcast")
-    def broadcast(req: Broadcast) -> dict:
-        with lock:
-            if state["sender"] is None:
-                raise HTTPException(409, "weight group not connected: call /weights/connect first")
-            version = state["weights_version"] if req.version is None else req.version
-            if version is None:
-                raise HTTPException(409, "a step is training: its weights are no policy version yet")
-            start = time.perf_counter()
-            with torch.no_grad():
-                num_bytes = state["sender"].broadcast(trainer.named_weights(), version)
-            return {"version": version, "bytes": num_bytes, "broadcast_s": time.perf_counter() - start}
-
-    @app.post("/weights/close")
-    def close_weights() -> dict:
-        with lock:
-            if state["sender"] is not None:
-                state["sender"].close()
-                state["sender"] = None
-            return {"ok": True}
-
-    @app.post("/shutdown")
-    def shutdown() -> dict:
-        threading.Timer(0.1, lambda: os._exit(0)).start()
-        return {"ok": True}
-
-    return app
+def _reference_path(args: ServiceArgs) -> str | None:
+    if not args.reference_model:
+        return None
+    if args.reference_model_path:
+        return args.reference_model_path
+    state = Path(args.model_path) / "trainer" / "state.json"
+    if args.checkpoint_step is not None and state.exists():
+        recorded = json.loads(state.read_text()).get("reference_model")
+        if recorded:
+            return recorded
+    return args.model_path
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="rollflow trainer service")
-    parser.add_argument("args_json", help="ServiceArgs as JSON")
+    parser = argparse.ArgumentParser(description="rollflow trainer service (one rank)")
+    parser.add_argument("args_file", help="ServiceArgs as a JSON file")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     ns = parser.parse_args(argv)
-    args = ServiceArgs.model_validate(json.loads(ns.args_json))
+    args = ServiceArgs.model_validate_json(Path(ns.args_file).read_text())
     token = os.environ.get("ROLLFLOW_TOKEN")
     if not token:
         sys.exit("ROLLFLOW_TOKEN is not set: the trainer refuses to run without the run's token")
-    torch.set_num_threads(int(os.environ.get("ROLLFLOW_TRAINER_THREADS", torch.get_num_threads())))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
-    app = build_app(args, token)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    torch.set_num_threads(_threads())
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
+    device = _init_distributed(args)
+    control = ControlGroup(args.timeout_s)
+    ranks = control.all_gather(rank_identity())
+    spec = TrainerSpec(model_path=args.model_path, backend=args.backend, zero_stage=args.zero_stage, lr=args.lr,
+                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                       warmup_steps=args.warmup_steps, seed=args.seed, reference_model_path=_reference_path(args))
+    trainer = Trainer(spec, device)
+    if args.checkpoint_step is not None:
+        trainer.load_checkpoint(args.model_path)
+    storage = RunStorage(args.storage_root, args.run, args.storage_options)
+    ops = RankOps(trainer, control, storage, micro_batch_tokens=args.micro_batch_tokens,
+                  row_tokens=None if device.type == "cuda" else CPU_ROW_TOKENS)
+    log.info("rank %d/%d ready: %s on %s, %d threads", rank, len(ranks), args.backend, device,
+             torch.get_num_threads())
+    if rank != 0:
+        serve(ops, None)
+    else:
+        _serve_rank0(args, token, ops, trainer, ranks)
+    log.info("rank %d: shutting down", rank)
+    trainer.close()
+    dist.destroy_process_group()
+    log.info("rank %d: done", rank)
+
+
+def _serve_rank0(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, ranks: list[dict]) -> None:
+    hint = f"; see {args.log_path}" if args.log_path else ""
+    watch = PeerWatch(ranks, log_hint=hint).start()
+    dispatcher = Dispatcher(watch)
+
+    def on_sigterm(signum, frame) -> None:
+        # From the launcher after a peer died: linger (the main loop does) so callers learn which.
+        if watch.poll() is None:
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    app = build_app(token, ops, trainer, dispatcher, ranks, backend=args.backend, timeout_s=args.timeout_s,
+                    storage_options=args.storage_options, num_steps=args.num_steps,
+                    weights_version=args.checkpoint_step or 0)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    threading.Thread(target=server.run, name="http", daemon=True).start()
+    serve(ops, dispatcher)
+    if watch.failure:
+        log.error("%s; answering 503 for %.0fs, then exiting", watch.failure, args.dead_rank_grace_s)
+        time.sleep(args.dead_rank_grace_s)
+        os._exit(1)
+    server.should_exit = True
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""The policy and its optimizer: forward_backward, optim_step, checkpoints.
+"""One rank's part of the trainer: the policy on a backend, forward, forward_backward, optim_step.
 
-This class is what the trainer service holds for the life of a run. It knows nothing of
-mini-batches or epochs (the train task owns the algorithm); it accumulates gradients over
-whatever rows it is given until ``optim_step``.
+Every rank of the service holds one ``Trainer``; the service hands each rank its packed
+micro-batches (see ``packing``) and every call below is a collective: all ranks call it together.
+It knows nothing of mini-batches or epochs (the train task owns the algorithm); it accumulates
+gradients over ``forward_backward`` calls until ``optim_step``.
 
-Invariant: after ``forward_backward`` calls covering rows R and one ``optim_step``, the update
-equals one step on the mean per-token loss over all loss tokens of R, whatever the micro-batch
-split (each micro-batch's summed loss is divided by the total token count passed in).
+Invariant (exact loss math on any number of ranks): each micro-batch's summed token loss is
+multiplied by ``world_size / denominator``, where the denominator is the number of loss tokens
+of the whole optimizer step over ALL ranks; the backends average gradients over ranks, so the
+update equals one step on the global token mean, however the rows were split over ranks and
+micro-batches. (Dividing by each rank's own count would overweight the rank with fewer tokens.)
 """
 
 from __future__ import annotations
@@ -14,152 +17,242 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollflow.tasks.train.losses import ppo_clip_loss, sequence_logprobs
+from rollflow.infra.weights.group import weight_metadata
+from rollflow.tasks.train.backends import Backend, make_backend
+from rollflow.tasks.train.losses import LossConfig, LossInputs, LossKind, compute_loss
+from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size
+from rollflow.tasks.train.packing import PackedBatch
+from rollflow.tasks.train.policy import PackedPolicy, load_hf_model
+
+# Step sums a forward_backward returns per rank; the service adds them over ranks.
+SUM_KEYS = ("loss_sum", "pg_loss_sum", "num_loss_tokens", "num_tokens", "clipped_tokens", "entropy_sum",
+            "mismatch_kl_sum", "kl_sum", "tis_weight_sum", "is_weight_sum", "is_weight_sq_sum")
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """How one rank builds its part of the trainer."""
+
+    model_path: str
+    backend: str = "fsdp2"
+    zero_stage: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    seed: int = 0
+    reference_model_path: str | None = None  # a frozen copy for the KL term
 
 
 class Trainer:
-    """One rank's model + AdamW."""
+    """One rank's sharded policy, optimizer, schedule and (optionally) reference model."""
 
-    def __init__(self, model_path: str | Path, *, lr: float, weight_decay: float, max_grad_norm: float,
-                 micro_batch_tokens: int, seed: int = 0):
-        torch.manual_seed(seed)
-        self.model_path = Path(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-        self.model.train()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.max_grad_norm = max_grad_norm
-        self.micro_batch_tokens = micro_batch_tokens
+    def __init__(self, spec: TrainerSpec, device: torch.device):
+        torch.manual_seed(spec.seed)
+        self.spec, self.device = spec, device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        hf = load_hf_model(spec.model_path, device)
+        self.config = hf.config
+        self.metadata = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
+        self.backend: Backend = make_backend(
+            spec.backend, PackedPolicy(hf), device, zero_stage=spec.zero_stage, lr=spec.lr,
+            weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm, warmup_steps=spec.warmup_steps,
+        )
+        self.reference = None
+        if spec.reference_model_path is not None:
+            self.reference = PackedPolicy(load_hf_model(spec.reference_model_path, device)).to(device).eval()
+            self.reference.requires_grad_(False)
         self.step = 0  # optimizer steps taken
-        self._pending_tokens = 0
+        self._pending_micro_batches = 0
 
-    # ---------------------------------------------------------------- training
+    # ------------------------------------------------------------------------------ compute
 
-    def forward_backward(self, rows: list[dict[str, Any]], *, total_loss_tokens: int, eps_low: float,
-                         eps_high: float) -> dict[str, float]:
-        """Accumulate gradients of the PPO-clip loss over ``rows``, scaled by 1/total_loss_tokens."""
-        totals = {"loss_sum": 0.0, "num_tokens": 0, "clipped": 0.0, "ratio": 0.0, "mismatch_kl": 0.0,
-                  "entropy_proxy": 0.0}
-        start = time.perf_counter()
-        for micro in self._micro_batches(rows):
-            ids, attn, old, mask, adv = _collate(micro)
-            logp = sequence_logprobs(self.model, ids, attn)
-            out = ppo_clip_loss(logp, old, adv, mask, eps_low, eps_high)
-            (out.loss_sum / total_loss_tokens).backward()
-            totals["loss_sum"] += out.loss_sum.detach().item()
-            totals["num_tokens"] += out.num_tokens
-            totals["clipped"] += out.clipped_tokens
-            totals["ratio"] += out.ratio_sum
-            totals["mismatch_kl"] += out.mismatch_kl_sum
-            totals["entropy_proxy"] += float(-(logp.detach() * mask).sum())
-        self._pending_tokens += totals["num_tokens"]
-        n = max(totals["num_tokens"], 1)
-        return {
-            "loss": totals["loss_sum"] / total_loss_tokens,
-            "num_loss_tokens": totals["num_tokens"],
-            "clip_fraction": totals["clipped"] / n,
-            "ratio_mean": totals["ratio"] / n,
-            "mismatch_kl": totals["mismatch_kl"] / n,
-            "neg_logprob_mean": totals["entropy_proxy"] / n,
-            "forward_backward_s": time.perf_counter() - start,
-        }
+    def _run(self, mb: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.module(mb.input_ids_R_P, mb.position_ids_R_P, mb.hidden_index_N, mb.targets_N)
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[PackedBatch]) -> list[tuple[tuple[int, int], list[float]]]:
+        """Log-probs of every completion token with the current weights, per sequence key."""
+        out = []
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            logp_N, _ = self._run(mb)
+            if mb.is_empty:
+                continue
+            logp_B_T = mb.to_B_T(logp_N.float()).cpu()
+            for b, seq in enumerate(mb.sequences):
+                out.append((seq.key, logp_B_T[b, : len(seq.completion_ids)].tolist()))
+        return out
+
+    def forward_backward(self, micro_batches: list[PackedBatch], kind: LossKind, cfg: LossConfig,
+                         denominator: float) -> dict[str, Any]:
+        """Accumulate gradients of the loss over this rank's micro-batches; return step sums.
+
+        ``denominator``: the loss tokens of the whole optimizer step on all ranks.
+        """
+        scale = self.world_size / denominator
+        sums = dict.fromkeys(SUM_KEYS, 0.0)
+        per_env = PerEnvMoments()
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            logp_N, entropy_N = self._run(mb)
+            self._pending_micro_batches += 1
+            if mb.is_empty:  # nothing to train here, but collectives must stay in step
+                self.backend.backward((logp_N.sum() + entropy_N.sum()) * 0.0)
+                continue
+            inputs = self._loss_inputs(mb, logp_N, entropy_N, cfg)
+            out = compute_loss(kind, inputs, cfg)
+            self.backend.backward(out.loss_sum * scale)
+            _accumulate(sums, per_env, mb, out, logp_N.detach(), cfg)
+        return {"sums": sums, "per_env": per_env.to_json()}
+
+    def _loss_inputs(self, mb: PackedBatch, logp_N: torch.Tensor, entropy_N: torch.Tensor,
+                     cfg: LossConfig) -> LossInputs:
+        logp_N = logp_N.float()
+        old_N = mb.old_logprobs_N if mb.old_logprobs_N is not None else mb.inference_logprobs_N
+        ref_B_T = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_N, _ = self.reference(mb.input_ids_R_P, mb.position_ids_R_P, mb.hidden_index_N,
+                                          mb.targets_N)
+            ref_B_T = mb.to_B_T(ref_N.float())
+        # Without an entropy bonus its value is a metric only: no gradient through it.
+        entropy_N = entropy_N.float() if cfg.entropy_coef > 0 else entropy_N.detach().float()
+        return LossInputs(
+            logprobs_B_T=mb.to_B_T(logp_N),
+            old_logprobs_B_T=mb.to_B_T(old_N),
+            advantages_B=mb.advantages_B,
+            mask_B_T=mb.mask_B_T(),
+            inference_logprobs_B_T=mb.to_B_T(mb.inference_logprobs_N),
+            ref_logprobs_B_T=ref_B_T,
+            entropy_B_T=mb.to_B_T(entropy_N),
+        )
 
     def optim_step(self) -> dict[str, float]:
-        """Clip, step, zero the gradients."""
-        if self._pending_tokens == 0:
+        """Clip, step the optimizer and the schedule, zero the gradients."""
+        if self._pending_micro_batches == 0:
             raise RuntimeError("optim_step without forward_backward: no gradients accumulated")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        out = self.backend.step()
         self.step += 1
-        self._pending_tokens = 0
-        return {"grad_norm": float(grad_norm), "optim_step": self.step}
+        self._pending_micro_batches = 0
+        return {**out, "optim_step": self.step, "optim_step_s": time.perf_counter() - start}
 
-    def _micro_batches(self, rows: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-        """Consecutive rows whose padded size stays within the token budget."""
-        batch: list[dict[str, Any]] = []
-        longest = 0
-        for row in rows:
-            length = len(row["prompt_ids"]) + len(row["completion_ids"])
-            if batch and max(longest, length) * (len(batch) + 1) > self.micro_batch_tokens:
-                yield batch
-                batch, longest = [], 0
-            batch.append(row)
-            longest = max(longest, length)
-        if batch:
-            yield batch
+    # ------------------------------------------------------------------------------ weights
 
-    # ----------------------------------------------------------------- weights
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Full HF-named weights in metadata order on rank 0 (a collective; [] on other ranks)."""
+        full = self.backend.full_state_dict()
+        if self.rank != 0:
+            return []
+        missing = [m["name"] for m in self.metadata if m["name"] not in full]
+        if missing:
+            raise RuntimeError(f"the backend's full state dict lacks {missing[:5]}")
+        return [(m["name"], full[m["name"]]) for m in self.metadata]
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named parameters and buffers as vLLM loads them."""
-        yield from self.model.state_dict().items()
+    # -------------------------------------------------------------------------- checkpoints
 
-    # ------------------------------------------------------------- checkpoints
-
-    def save_checkpoint(self, folder: str | Path) -> Path:
-        """HF safetensors + tokenizer, optimizer state (safetensors), trainer state (JSON)."""
+    def export_hf(self, folder: str | Path) -> Path | None:
+        """Write an HF directory (config, safetensors, tokenizer) on rank 0; a collective."""
+        weights = dict(self.named_weights())
+        if self.rank != 0:
+            return None
         folder = Path(folder)
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        self.model.save_pretrained(folder, safe_serialization=True)
-        self.tokenizer.save_pretrained(folder)
-        gen = self.model_path / "generation_config.json"
-        if gen.exists():
-            shutil.copy(gen, folder / "generation_config.json")
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        tensors: dict[str, torch.Tensor] = {}
-        for p, state in self.optimizer.state.items():
-            for key, value in state.items():
-                tensors[f"{names[id(p)]}::{key}"] = torch.as_tensor(value).contiguous()
-        tensors["rng::torch"] = torch.get_rng_state()
-        # In a sub-folder: vLLM loads every *.safetensors at the top of a model directory.
-        (folder / "trainer").mkdir()
-        save_file(tensors, folder / "trainer" / "optimizer.safetensors")
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        state = {"step": self.step, "param_groups": groups}
-        (folder / "trainer" / "state.json").write_text(json.dumps(state, indent=2))
+        folder.mkdir(parents=True, exist_ok=True)
+        if getattr(self.config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)  # safetensors refuses shared tensors; HF re-ties it
+        save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+        self.config.save_pretrained(folder)
+        source = Path(self.spec.model_path)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt"):
+            if (source / name).exists() and not (folder / name).exists():
+                shutil.copy(source / name, folder / name)
         return folder
 
-    def load_checkpoint(self, folder: str | Path) -> None:
-        """Restore what ``save_checkpoint`` wrote (the model must already be loaded from it)."""
+    def save_checkpoint(self, folder: str | Path) -> None:
+        """HF export at the top, trainer state in ``trainer/``: backend shards, RNG, step (collective).
+
+        vLLM loads every ``*.safetensors`` at the top of a model directory: trainer state stays in
+        the sub-folder. ``folder`` must be visible to every rank (one node, or a shared path).
+        """
         folder = Path(folder)
-        state = json.loads((folder / "trainer" / "state.json").read_text())
-        tensors = load_file(folder / "trainer" / "optimizer.safetensors")
-        params = dict(self.model.named_parameters())
-        for key, value in tensors.items():
-            name, _, field = key.partition("::")
-            if name == "rng":
-                torch.set_rng_state(value)
-                continue
-            self.optimizer.state[params[name]][field] = value
-        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
-            group.update({k: v for k, v in saved.items() if k in group})
+        self.export_hf(folder)
+        state_dir = folder / "trainer"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        self.backend.save(state_dir)
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        save_file(rng, state_dir / f"rng-rank{self.rank}.safetensors")
+        if self.rank == 0:
+            state = {"step": self.step, "backend": self.backend.name, "world_size": self.world_size,
+                     "reference_model": self.spec.reference_model_path}
+            (state_dir / "state.json").write_text(json.dumps(state, indent=2))
+        dist.barrier()
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        """Restore what ``save_checkpoint`` wrote, with the same backend (a collective)."""
+        state_dir = Path(folder) / "trainer"
+        state = json.loads((state_dir / "state.json").read_text())
+        if state["backend"] != self.backend.name:
+            raise ValueError(f"{folder} holds {state['backend']} trainer state; this trainer runs "
+                             f"{self.backend.name}: set trainer.backend = {state['backend']!r} to resume it")
+        self.backend.load(state_dir)
+        rng_file = state_dir / f"rng-rank{self.rank}.safetensors"
+        if rng_file.exists():  # absent when resuming on more ranks than saved
+            rng = load_file(rng_file)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.step = state["step"]
 
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The accumulated gradient, full and HF-named, on rank 0 (a collective; debugging and tests)."""
+        return self.backend.full_gradients()
 
-def _collate(rows: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
-    """Right-padded token ids, attention mask, old logprobs, loss mask and advantages."""
-    lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows]
-    T = max(lengths)
-    ids_B_T = torch.zeros(len(rows), T, dtype=torch.long)
-    attn_B_T = torch.zeros(len(rows), T, dtype=torch.long)
-    old_B_T = torch.zeros(len(rows), T)
-    mask_B_T = torch.zeros(len(rows), T)
-    for i, r in enumerate(rows):
-        p, c = len(r["prompt_ids"]), len(r["completion_ids"])
-        ids_B_T[i, : p + c] = torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]))
-        attn_B_T[i, : p + c] = 1
-        old_B_T[i, p : p + c] = torch.tensor(r["completion_logprobs"], dtype=torch.float32)
-        mask_B_T[i, p : p + c] = 1
-    adv_B = torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)
-    return ids_B_T, attn_B_T, old_B_T, mask_B_T, adv_B
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _accumulate(sums: dict[str, float], per_env: PerEnvMoments, mb: PackedBatch, out, logp_N: torch.Tensor,
+                cfg: LossConfig) -> None:
+    """Add one micro-batch's sums and per-sequence statistics (by environment)."""
+    sums["loss_sum"] += float(out.loss_sum.detach())
+    sums["pg_loss_sum"] += out.pg_loss_sum
+    sums["num_loss_tokens"] += out.num_tokens
+    sums["num_tokens"] += mb.num_tokens
+    sums["clipped_tokens"] += out.clipped_tokens
+    sums["entropy_sum"] += out.entropy_sum
+    sums["mismatch_kl_sum"] += out.mismatch_kl_sum
+    sums["kl_sum"] += out.kl_sum
+    sums["tis_weight_sum"] += out.tis_weight_sum
+    # Importance weights of trainer vs sampler per token, for the effective sample size.
+    w_N = torch.exp(logp_N.double() - mb.inference_logprobs_N.double())
+    seq_N = torch.div(mb.slot_N, mb.max_completion, rounding_mode="floor")
+    w_B = torch.zeros(mb.num_seqs, dtype=torch.float64, device=w_N.device).index_add_(0, seq_N, w_N)
+    w2_B = torch.zeros_like(w_B).index_add_(0, seq_N, w_N * w_N)
+    sums["is_weight_sum"] += float(w_B.sum())
+    sums["is_weight_sq_sum"] += float(w2_B.sum())
+    s = {k: v.cpu().tolist() for k, v in out.sums_B.items()}
+    w_B, w2_B = w_B.cpu().tolist(), w2_B.cpu().tolist()
+    for b, seq in enumerate(mb.sequences):
+        n = s["num_tokens"][b]
+        kl = s["kl"][b] if "kl" in s else 0.0
+        per_env.add("loss", seq.env, (s["pg_loss"][b] + cfg.kl_coef * kl - cfg.entropy_coef * s["entropy"][b]) / n)
+        per_env.add("clip_fraction", seq.env, s["clipped_tokens"][b] / n)
+        per_env.add("entropy", seq.env, s["entropy"][b] / n)
+        per_env.add("mismatch_kl", seq.env, s["mismatch_kl"][b] / n)
+        per_env.add("ess", seq.env, effective_sample_size(w_B[b], w2_B[b], n))
+        if "kl" in s:
+            per_env.add("kl", seq.env, kl / n)

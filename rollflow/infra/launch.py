@@ -1,0 +1,151 @@
+"""The trainer service as a process tree: the real launcher, its ranks, the HTTP endpoint of rank 0.
+
+``TrainerProcess`` starts ``torchrun`` (FSDP2) or the ``deepspeed`` launcher with N ranks of
+``rollflow.tasks.train.service`` under one ``ManagedProcess`` (own process group, dies with the
+run), waits until rank 0 answers ``/health``, and stops the ranks with a ``/shutdown`` command
+(every rank tears down its engine and process group) before signalling whatever is left.
+
+Invariants: ``check_alive`` raises within seconds of a rank's death with a message naming the
+rank (rank 0 answers 503 naming it; once the launcher has exited, the log's last lines do);
+after ``stop`` no process of the tree is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rollflow.infra.http import Endpoint, ServiceCallError, call
+from rollflow.infra.service import ManagedProcess, free_port, log_tail
+
+SERVICE_MODULE = "rollflow.tasks.train.service"
+TORCH_EXTENSIONS_DIR = Path("~/.cache/rollflow/torch_extensions").expanduser()
+
+
+def launcher_argv(backend: str, num_ranks: int, args_file: str | Path, master_port: int) -> list[str]:
+    """The launcher command line: torchrun for FSDP2, the deepspeed launcher for DeepSpeed.
+
+    Both are run as modules of this interpreter (``torchrun`` is ``torch.distributed.run``,
+    ``deepspeed`` is ``deepspeed.launcher.runner``), so the ranks get the same environment.
+    """
+    if backend == "fsdp2":
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_ranks}", "--nnodes=1",
+                "--master-addr=127.0.0.1", f"--master-port={master_port}", "--max-restarts=0",
+                "-m", SERVICE_MODULE, str(args_file)]
+    if backend == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={num_ranks}",
+                "--master_addr=127.0.0.1", f"--master_port={master_port}", "--module", SERVICE_MODULE,
+                str(args_file)]
+    raise ValueError(f"unknown trainer backend {backend!r}; expected 'fsdp2' or 'deepspeed'")
+
+
+def launcher_env(num_ranks: int, token: str, device: str) -> dict[str, str]:
+    """Per-rank threads (the deepspeed launcher leaves OMP_NUM_THREADS unset), the run's token,
+    a persistent cache for DeepSpeed's compiled ops, and CPU mode where no GPU is to be used."""
+    threads = os.environ.get("ROLLFLOW_TRAINER_THREADS") or str(max(1, (os.cpu_count() or 1) // num_ranks))
+    env = {
+        "ROLLFLOW_TOKEN": token,
+        "ROLLFLOW_TRAINER_THREADS": threads,
+        "OMP_NUM_THREADS": threads,
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR)),
+        "LOCAL_SIZE": str(num_ranks),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+class TrainerProcess:
+    """One trainer service: launcher + ranks, reachable at ``endpoint``."""
+
+    def __init__(self, args: dict[str, Any], *, backend: str, num_ranks: int, token: str,
+                 log_dir: str | Path, startup_timeout_s: float):
+        self.log_dir = Path(log_dir)
+        self.backend, self.num_ranks = backend, num_ranks
+        self.startup_timeout_s = startup_timeout_s
+        host = args.get("host", "127.0.0.1")
+        port = args.get("port") or free_port(host)
+        log_path = self.log_dir / "trainer.log"
+        self.args = {**args, "host": host, "port": port, "backend": backend, "log_path": str(log_path)}
+        self.endpoint = Endpoint("trainer", f"http://{host}:{port}", token)
+        args_file = self.log_dir / "trainer-args.json"
+        device = self.args.get("device", "auto")
+        if device == "auto":
+            device = "cuda" if _has_cuda() else "cpu"
+        self.process = ManagedProcess(
+            "trainer", launcher_argv(backend, num_ranks, args_file, free_port()), log_path,
+            env=launcher_env(num_ranks, token, device),
+        )
+        self._args_file = args_file
+        self.ranks: list[dict[str, Any]] = []
+
+    def start(self) -> TrainerProcess:
+        """Launch the ranks; returns at once (they load while other services start)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._args_file.write_text(json.dumps(self.args))
+        self.process.start()
+        return self
+
+    def wait_healthy(self) -> float:
+        """Block until rank 0 answers; raises with the log's tail if the launcher exits first."""
+
+        def probe() -> bool:
+            health = call(self.endpoint, "/health", timeout_s=2, method="GET")
+            self.ranks = health["ranks"]
+            return health["ok"]
+
+        return self.process.wait_healthy(probe, self.startup_timeout_s)
+
+    def check_alive(self, timeout_s: float = 10.0) -> None:
+        """Raise ``ServiceCallError`` naming the dead rank, if one died (``timeout_s``: the probe's)."""
+        if not self.process.is_alive():
+            cause = _failure_in_log(self.process.log_path)
+            raise ServiceCallError(f"the trainer has exited (code {self.process.proc.returncode})"
+                                   f"{': ' + cause if cause else ''}; last lines of {self.process.log_path}:\n"
+                                   f"{log_tail(self.process.log_path, 15)}")
+        try:
+            resp = httpx.get(f"{self.endpoint.url}/health", headers=self.endpoint.headers(), timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise ServiceCallError(f"the trainer does not answer at {self.endpoint.url}: {exc}") from None
+        if resp.status_code != 200:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            raise ServiceCallError(f"the trainer is unhealthy: {detail}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask every rank to shut down cleanly, then signal whatever is left."""
+        if self.process.is_alive():
+            try:
+                call(self.endpoint, "/shutdown", timeout_s=min(10.0, timeout_s))
+                self.process.proc.wait(timeout=min(15.0, timeout_s))
+            except Exception:  # a dead or hung rank: the signals below end it
+                pass
+        self.process.stop(timeout_s=timeout_s)
+
+
+def _failure_in_log(path: Path) -> str | None:
+    """The last failure rank 0 recorded ("trainer rank 1 (pid 42) died", "trainer rank 0: ...")."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"(trainer rank \d+ \(pid \d+\) died|trainer rank 0: [^\n;]*)", text)
+    return found[-1] if found else None
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False

@@ -1,0 +1,265 @@
+"""The two data-parallel backends behind one interface: FSDP2 and DeepSpeed ZeRO 1/2/3.
+
+A backend owns the sharded policy, its optimizer and its learning-rate schedule. The trainer
+drives it the same way whatever it is: ``module(...)`` forward, ``backward(loss)`` per micro-batch
+(gradients accumulate until ``step()``), ``step()`` clips, steps and zeroes.
+
+Gradient reduction: both backends AVERAGE gradients over the data-parallel ranks (FSDP2's
+reduce-scatter, DeepSpeed's averaged reductions); the trainer scales each rank's loss by
+``world_size / global_loss_tokens`` so that the average becomes the exact global token mean.
+
+Invariant: after the same ``backward`` calls on the same micro-batches, every backend holds the
+same gradient (to fp32 rounding) as one process running all of them; ``full_state_dict`` and
+``full_gradients`` are collectives that return HF-named full tensors on rank 0 and ``{}`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rollflow.tasks.train.policy import PackedPolicy, hf_name
+
+
+class Backend(Protocol):
+    """What the trainer needs from a data-parallel backend."""
+
+    name: str
+    module: nn.Module  # call it for the forward pass
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> dict[str, float]: ...
+    def current_lr(self) -> float: ...
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def full_gradients(self) -> dict[str, torch.Tensor]: ...
+    def save(self, folder: Path) -> None: ...
+    def load(self, folder: Path) -> None: ...
+    def close(self) -> None: ...
+
+
+def warmup_schedule(warmup_steps: int):
+    """Linear warm-up to the base learning rate over ``warmup_steps`` optimizer steps, then constant."""
+    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+def _norm(value) -> float:
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
+# ----------------------------------------------------------------------------------- FSDP2
+
+
+class FSDP2Backend:
+    """``torch.distributed.fsdp.fully_shard`` on every decoder layer and on the root wrapper.
+
+    Trainer state is saved with ``torch.distributed.checkpoint`` (each rank writes its shards).
+    """
+
+    name = "fsdp2"
+
+    def __init__(self, policy: PackedPolicy, device: torch.device, *, lr: float, weight_decay: float,
+                 max_grad_norm: float, warmup_steps: int, mixed_precision: bool):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        world = dist.get_world_size()
+        mesh = init_device_mesh(device.type, (world,))
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision else MixedPrecisionPolicy())
+        policy.to(device)
+        # One rank holds everything anyway: keep parameters gathered between forward and backward.
+        reshard = world > 1
+        for layer in policy.decoder_layers():
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        self.module = policy
+        self.max_grad_norm = max_grad_norm
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_schedule(warmup_steps))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> dict[str, float]:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        lr = self.current_lr()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": _norm(grad_norm), "lr": lr}
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.module, options=options)
+        return {hf_name(k): v for k, v in state.items()} if dist.get_rank() == 0 else {}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name, p in self.module.named_parameters():
+            if p.grad is None:
+                continue
+            full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            if dist.get_rank() == 0:
+                grads[hf_name(name)] = full.detach().float().cpu()
+        return grads
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def save(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=str(folder / "dcp"))
+        if dist.get_rank() == 0:
+            # LambdaLR's state is plain numbers (its lambdas are saved as None).
+            (folder / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
+
+    def load(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(json.loads((folder / "scheduler.json").read_text()))
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------- DeepSpeed
+
+
+class DeepSpeedBackend:
+    """A DeepSpeed engine with ZeRO stage 1, 2 or 3; trainer state through DeepSpeed's own save.
+
+    The caller owns the accumulation boundary (``managed_gradient_accumulation: false``): any
+    number of ``backward`` calls accumulate, and ``step()`` is the boundary that finishes the
+    reduction and updates. (With DeepSpeed's default, managed accumulation, each backward of a
+    ``gradient_accumulation_steps = 1`` engine is a boundary, and a second backward before
+    ``step()`` lost gradients: measured.)
+    """
+
+    name = "deepspeed"
+
+    def __init__(self, policy: PackedPolicy, device: torch.device, *, zero_stage: int, lr: float,
+                 weight_decay: float, max_grad_norm: float, warmup_steps: int, mixed_precision: bool):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            # Unset, DeepSpeed clips to 1.0 whatever the run asked for.
+            "gradient_clipping": max_grad_norm,
+            "zero_optimization": {"stage": zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": mixed_precision},
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        policy.to(device)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_schedule(warmup_steps))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=config,
+            dist_init_required=False,
+        )
+        self.zero_stage = zero_stage
+        self.module = self.engine
+        self.policy = policy
+        if zero_stage == 3:
+            deepspeed.zero.register_external_parameter(policy, policy.lm_head_weight)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> dict[str, float]:
+        lr = self.current_lr()
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr}
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.policy.state_dict() if dist.get_rank() == 0 else None
+        if dist.get_rank() != 0 or state is None:
+            return {}
+        return {hf_name(k): v.detach().cpu() for k, v in state.items()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {}
+        optimizer = self.engine.optimizer
+        boundary = optimizer.is_gradient_accumulation_boundary()
+        if self.zero_stage == 2:
+            # Stage 2 reduces per backward into `all_grad_tensors`, readable only once the boundary
+            # is finalized, which consumes them: keep them for step() to finalize again.
+            saved = (dict(optimizer.all_grad_tensors), dict(optimizer.averaged_gradients))
+            optimizer.finalize_gradient_accumulation_boundary()
+        for name, p in self.policy.named_parameters():
+            if self.zero_stage <= 1:
+                # Stage 1 reduces in step(); until then each rank holds its own sum: average it as
+                # step() will.
+                full = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(full)
+                full /= dist.get_world_size()
+            else:
+                full = safe_get_full_grad(p)  # a collective for ZeRO; every rank calls it in order
+            if full is not None and dist.get_rank() == 0:
+                grads[hf_name(name)] = full.detach().float().cpu()
+        if self.zero_stage == 2:
+            # In place: DeepSpeed's per-parameter views hold these very dicts.
+            for live, kept in zip((optimizer.all_grad_tensors, optimizer.averaged_gradients), saved, strict=True):
+                live.clear()
+                live.update(kept)
+            optimizer.set_gradient_accumulation_boundary(boundary)
+        return grads
+
+    def save(self, folder: Path) -> None:
+        self.engine.save_checkpoint(str(folder / "deepspeed"), tag="state", save_latest=False)
+
+    def load(self, folder: Path) -> None:
+        self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state", load_optimizer_states=True,
+                                    load_lr_scheduler_states=True)
+
+    def close(self) -> None:
+        # ZeRO-3 ranks sometimes abort at exit unless the engine is destroyed first.
+        destroy = getattr(self.engine, "destroy", None)
+        if destroy is not None:
+            destroy()
+
+
+def make_backend(name: str, policy: PackedPolicy, device: torch.device, *, zero_stage: int, lr: float,
+                 weight_decay: float, max_grad_norm: float, warmup_steps: int) -> Backend:
+    """The configured backend; bf16 mixed precision on CUDA, fp32 on CPU."""
+    common = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                  warmup_steps=warmup_steps, mixed_precision=device.type == "cuda")
+    if name == "fsdp2":
+        return FSDP2Backend(policy, device, **common)
+    if name == "deepspeed":
+        return DeepSpeedBackend(policy, device, zero_stage=zero_stage, **common)
+    raise ValueError(f"unknown trainer backend {name!r}; expected 'fsdp2' or 'deepspeed'")

@@ -1,0 +1,269 @@
+"""The trainer's commands as every rank runs them: read the batch, take this rank's share, compute.
+
+Rank 0 broadcasts a command (small JSON, see ``service``); every rank then calls ``RankOps.run``
+with it. A command runs in two phases:
+
+1. prepare (local): read the batch's Parquet from storage, check it, plan and pack this rank's
+   micro-batches. The ranks then exchange a status; if any rank found bad input, every rank
+   raises ``CommandError`` together, before any model collective, and the service stays usable.
+2. compute (collective): forward / backward / step / gather, identical on every rank.
+
+An exception in phase 2 leaves the ranks out of step: the service treats it as fatal.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rollflow.infra.storage import RunStorage, StorageError
+from rollflow.infra.weights.group import WeightSender
+from rollflow.tasks.train.control import ControlGroup
+from rollflow.tasks.train.losses import LossConfig
+from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size
+from rollflow.tasks.train.packing import PackedBatch, Sequence, pack, plan_micro_batches
+from rollflow.tasks.train.trainer import SUM_KEYS, Trainer
+
+BATCH_COLUMNS = ["env", "group_index", "sample_index", "prompt_ids", "completion_ids", "completion_logprobs",
+                 "advantage"]
+
+
+class CommandError(ValueError):
+    """Bad input to a command, found before any model collective: the service stays usable."""
+
+
+class RankOps:
+    """One rank's side of every command."""
+
+    def __init__(self, trainer: Trainer, control: ControlGroup, storage: RunStorage, *,
+                 micro_batch_tokens: int, row_tokens: int | None):
+        self.trainer, self.control, self.storage = trainer, control, storage
+        self.rank, self.world_size = control.rank, control.world_size
+        self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
+        self.sender: WeightSender | None = None  # rank 0 only
+        self._cache: dict[tuple[str, int], pa.Table] = {}
+
+    def run(self, cmd: dict[str, Any]) -> Any:
+        return getattr(self, f"op_{cmd['op']}")(cmd)
+
+    # ---------------------------------------------------------------------------- prepare
+
+    def _agree(self, prepare) -> list[Any]:
+        """Run ``prepare`` here, exchange outcomes; raise ``CommandError`` on every rank if any failed."""
+        try:
+            mine = {"ok": prepare()}
+        except (CommandError, StorageError, ValueError, KeyError, OSError) as err:
+            mine = {"error": f"rank {self.rank}: {err}"}
+        everyone = self.control.all_gather(mine)
+        errors = [o["error"] for o in everyone if "error" in o]
+        if errors:
+            raise CommandError(errors[0])
+        return [o["ok"] for o in everyone]
+
+    def _table(self, kind: str, step: int) -> pa.Table:
+        key = (kind, step)
+        if key not in self._cache:
+            if not self.storage.is_committed(kind, step):
+                hint = " (call forward first)" if kind == "logprobs" else ""
+                raise CommandError(f"{self.storage.step_uri(kind, step)} is not committed{hint}")
+            self._cache = {k: v for k, v in self._cache.items() if k[1] == step}  # keep one step
+            self._cache[key] = self.storage.read_step_table(kind, step)
+        return self._cache[key]
+
+    def sequences(self, step: int, groups: list[int] | None, old_logprobs: bool) -> list[Sequence]:
+        """The rows of batch ``step`` (restricted to ``groups``), checked, in storage order."""
+        table = self._table("batches", step)
+        missing = [c for c in BATCH_COLUMNS if c not in table.column_names]
+        if missing:
+            raise CommandError(f"batch step={step} lacks columns {missing}")
+        if groups is not None:
+            table = table.filter(pc.is_in(table["group_index"], value_set=pa.array(groups, type=pa.int32())))
+            absent = sorted(set(groups) - set(table["group_index"].to_pylist()))
+            if absent:
+                raise CommandError(f"batch step={step} has no rows for groups {absent}")
+        rows = table.select(BATCH_COLUMNS).to_pylist()
+        if not rows:
+            raise CommandError(f"batch step={step} has no rows for groups {groups}")
+        old = self._old_logprobs(step) if old_logprobs else {}
+        seqs = []
+        for i, r in enumerate(rows):
+            key = (r["group_index"], r["sample_index"])
+            _check_row(step, i, r, old.get(key) if old_logprobs else None, old_logprobs)
+            seqs.append(Sequence(list(r["prompt_ids"]), list(r["completion_ids"]), list(r["completion_logprobs"]),
+                                 float(r["advantage"]), r["env"] or "", key, old.get(key)))
+        return seqs
+
+    def _old_logprobs(self, step: int) -> dict[tuple[int, int], list[float]]:
+        table = self._table("logprobs", step)
+        return {(g, s): lp for g, s, lp in zip(table["group_index"].to_pylist(), table["sample_index"].to_pylist(),
+                                               table["logprobs"].to_pylist(), strict=True)}
+
+    def my_micro_batches(self, seqs: list[Sequence]) -> list[PackedBatch]:
+        plan = plan_micro_batches([s.num_tokens for s in seqs], self.world_size, self.micro_batch_tokens)
+        return [pack([seqs[i] for i in mb], self.row_tokens) for mb in plan[self.rank]]
+
+    # ---------------------------------------------------------------------------- commands
+
+    def op_ping(self, cmd: dict) -> dict:
+        return {}
+
+    def op_forward(self, cmd: dict) -> dict:
+        """Trainer log-probs of the batch's completions, written to ``logprobs/step=N`` (rank 0)."""
+        start = time.perf_counter()
+        mbs: list[PackedBatch] = []
+        self._agree(lambda: mbs.extend(self.my_micro_batches(
+            self.sequences(cmd["step"], cmd.get("group_indices"), old_logprobs=False))))
+        mine = self.trainer.forward(mbs)
+        everyone = self.control.all_gather([[list(k), lp] for k, lp in mine])
+        if self.rank != 0:
+            return {}
+        rows = sorted((tuple(k), lp) for part in everyone for k, lp in part)
+        table = pa.table({"group_index": pa.array([k[0] for k, _ in rows], pa.int32()),
+                          "sample_index": pa.array([k[1] for k, _ in rows], pa.int32()),
+                          "logprobs": pa.array([lp for _, lp in rows], pa.list_(pa.float32()))})
+        self.storage.remove_step("logprobs", cmd["step"])
+        self._cache.pop(("logprobs", cmd["step"]), None)
+        uri = self.storage.write_step_table("logprobs", cmd["step"], table)
+        return {"uri": uri, "num_sequences": len(rows), "forward_s": time.perf_counter() - start}
+
+    def op_forward_backward(self, cmd: dict) -> dict:
+        start = time.perf_counter()
+        loss = cmd["loss"]
+        cfg = LossConfig(**{k: v for k, v in loss.items() if k != "kind"})
+        mbs: list[PackedBatch] = []
+
+        def prepare() -> int:
+            seqs = self.sequences(cmd["step"], cmd.get("group_indices"), cmd.get("old_logprobs") == "trainer")
+            mbs.extend(self.my_micro_batches(seqs))
+            return sum(len(s.completion_ids) for mb in mbs for s in mb.sequences)
+
+        # The global loss-token count: each rank's count, summed over ranks (the all-gather above
+        # is the all-reduce).
+        tokens = sum(self._agree(prepare))
+        denominator = cmd.get("num_loss_tokens") or tokens
+        mine = self.trainer.forward_backward(mbs, loss["kind"], cfg, denominator)
+        everyone = self.control.all_gather(mine)
+        if self.rank != 0:
+            return {}
+        return _merge_forward_backward(everyone, denominator, time.perf_counter() - start)
+
+    def op_optim_step(self, cmd: dict) -> dict:
+        try:
+            return self.trainer.optim_step()
+        except RuntimeError as err:  # the same on every rank: no gradients anywhere
+            if "without forward_backward" in str(err):
+                raise CommandError(str(err)) from None
+            raise
+
+    def op_save_checkpoint(self, cmd: dict) -> dict:
+        """Every rank writes its part into rank 0's temporary folder; rank 0 uploads and commits."""
+        start = time.perf_counter()
+        folder = Path(cmd["dir"])
+        self.trainer.save_checkpoint(folder)
+        if self.rank != 0:
+            return {}
+        try:
+            uri = self.storage.upload_dir(folder, "checkpoints", cmd["step"])
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return {"uri": uri, "checkpoint_s": time.perf_counter() - start}
+
+    def op_load_checkpoint(self, cmd: dict) -> dict:
+        folder = self.control.broadcast(str(self.storage.local_copy("checkpoints", cmd["step"], cmd["cache"]))
+                                        if self.rank == 0 else None)
+        self.trainer.load_checkpoint(folder)
+        return {"optim_step": self.trainer.step, "path": folder}
+
+    def op_export_hf(self, cmd: dict) -> dict:
+        """Weights, config and tokenizer as an HF directory at ``uri`` (a local path or fsspec URI)."""
+        uri = cmd["uri"]
+        fs, path = fsspec.core.url_to_fs(uri, **cmd.get("storage_options", {}))
+        local = "file" in fs.protocol
+        tmp = Path(path) if local else Path(tempfile.mkdtemp(prefix="rollflow-export-"))
+        try:
+            self.trainer.export_hf(tmp)
+            if self.rank == 0 and not local:
+                fs.put(f"{tmp}/", path, recursive=True)
+        finally:
+            if not local and self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return {"uri": uri}
+
+    def op_gradients(self, cmd: dict) -> dict:
+        """Save the accumulated full gradient (HF names) as safetensors at ``path`` (rank 0)."""
+        from safetensors.torch import save_file
+
+        grads = self.trainer.full_gradients()
+        if self.rank == 0:
+            save_file({k: v.contiguous() for k, v in grads.items()}, cmd["path"])
+        return {"path": cmd["path"], "num_tensors": len(grads)}
+
+    def op_weights_connect(self, cmd: dict) -> dict:
+        if self.rank == 0:
+            if self.sender is not None:
+                self.sender.close()
+            self.sender = None
+            sender = WeightSender(cmd["host"], cmd["port"], cmd["world_size"], cmd["timeout_s"])
+            sender.connect()
+            self.sender = sender
+        return {"ok": True}
+
+    def op_weights_broadcast(self, cmd: dict) -> dict:
+        start = time.perf_counter()
+        named = self.trainer.named_weights()  # a collective: every rank helps gather
+        if self.rank != 0:
+            return {}
+        num_bytes = self.sender.broadcast(named, cmd["version"])
+        return {"bytes": num_bytes, "broadcast_s": time.perf_counter() - start}
+
+    def op_weights_close(self, cmd: dict) -> dict:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        return {"ok": True}
+
+
+def _check_row(step: int, i: int, r: dict, old: list[float] | None, want_old: bool) -> None:
+    where = f"batch step={step} row {i} (group {r['group_index']}, sample {r['sample_index']})"
+    if not r["prompt_ids"]:
+        raise CommandError(f"{where}: empty prompt_ids; every sequence needs at least one prompt token")
+    if not r["completion_ids"]:
+        raise CommandError(f"{where}: empty completion_ids; filter such rows in the advantage stage")
+    if len(r["completion_logprobs"] or []) != len(r["completion_ids"]):
+        raise CommandError(f"{where}: {len(r['completion_logprobs'] or [])} completion_logprobs for "
+                           f"{len(r['completion_ids'])} completion_ids")
+    if r["advantage"] is None or not math.isfinite(r["advantage"]):
+        raise CommandError(f"{where}: advantage is {r['advantage']}; it must be a finite number")
+    if want_old and (old is None or len(old) != len(r["completion_ids"])):
+        raise CommandError(f"{where}: no trainer log-probs of matching length in logprobs/step={step}; "
+                           "call forward on this batch first")
+
+
+def _merge_forward_backward(parts: list[dict], denominator: float, elapsed_s: float) -> dict:
+    sums = {k: sum(p["sums"][k] for p in parts) for k in SUM_KEYS}
+    per_env = PerEnvMoments()
+    for p in parts:
+        per_env.merge_json(p["per_env"])
+    n = max(sums["num_loss_tokens"], 1)
+    return {
+        "loss": sums["loss_sum"] / denominator,
+        "pg_loss": sums["pg_loss_sum"] / denominator,
+        "num_loss_tokens": int(sums["num_loss_tokens"]),
+        "num_tokens": int(sums["num_tokens"]),
+        "clip_fraction": sums["clipped_tokens"] / n,
+        "entropy": sums["entropy_sum"] / n,
+        "mismatch_kl": sums["mismatch_kl_sum"] / n,
+        "kl": sums["kl_sum"] / n,
+        "tis_weight": sums["tis_weight_sum"] / n,
+        "ess": effective_sample_size(sums["is_weight_sum"], sums["is_weight_sq_sum"], n),
+        "per_env": per_env.to_json(),
+        "forward_backward_s": elapsed_s,
+    }

@@ -1,0 +1,82 @@
+"""The policy as the trainer runs it: packed rows in, fp32 log-probs and entropy of chosen tokens out.
+
+``PackedPolicy`` wraps a Hugging Face causal LM. Its forward runs the decoder on packed rows
+(``position_ids`` restart per sequence, no attention mask: see ``packing``), keeps only the
+hidden states that predict a loss token, and computes their log-prob and entropy with the chunked
+kernel of ``gpu_kernels.logprobs`` in fp32 (never the full tokens x vocab logits; Triton on
+CUDA). Prompt positions never reach the LM head.
+
+The wrapper is the root module the backends shard (FSDP2) or hand to DeepSpeed, so the LM head's
+weight is gathered by the root's own hooks; under ZeRO-3 it is registered as an external
+parameter of the wrapper, since the head module itself is never called.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rollflow.gpu_kernels.logprobs import selective_logprobs_entropy
+
+PREFIX = "hf."  # state-dict keys of the wrapper are the HF model's, behind this prefix
+
+
+class PackedPolicy(nn.Module):
+    """A causal LM returning (logprobs_N, entropy_N) of the tokens it is asked about."""
+
+    def __init__(self, hf_model: nn.Module, temperature: float = 1.0):
+        super().__init__()
+        if getattr(hf_model.config, "final_logit_softcapping", None):
+            raise ValueError(f"{type(hf_model).__name__} soft-caps its logits; the trainer's log-prob "
+                             "kernel computes plain lm_head logits and would be wrong for it")
+        self.hf = hf_model
+        self.temperature = temperature
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.hf.get_output_embeddings().weight
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The transformer blocks (the units FSDP2 shards one by one)."""
+        layers = getattr(self.hf.base_model, "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(self.hf).__name__}: no `.layers` on its base model to shard")
+        return list(layers)
+
+    def forward(self, input_ids_R_P: torch.Tensor, position_ids_R_P: torch.Tensor,
+                hidden_index_N: torch.Tensor, targets_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.hf.base_model(input_ids=input_ids_R_P, position_ids=position_ids_R_P,
+                                 attention_mask=None, use_cache=False)
+        hidden_RP_H = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+        hidden_N_H = hidden_RP_H.index_select(0, hidden_index_N)
+        return selective_logprobs_entropy(hidden_N_H, self.lm_head_weight, targets_N,
+                                          temperature=self.temperature)
+
+
+def attention_implementation(device: torch.device) -> str:
+    """flash-attention 2 on CUDA when installed (varlen packing), sdpa otherwise."""
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load_hf_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The HF model in ``dtype`` on CPU (backends move or shard it), with an attention that packs."""
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, torch_dtype=dtype, attn_implementation=attention_implementation(device)
+    )
+    return model
+
+
+def hf_name(key: str) -> str:
+    """A wrapper state-dict key as the HF model names it."""
+    return key[len(PREFIX):] if key.startswith(PREFIX) else key

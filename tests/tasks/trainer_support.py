@@ -1,0 +1,102 @@
+"""Shared by the trainer tests: batches with varied lengths, and an independent reference.
+
+The reference computes what one process on the whole batch should get, the plain way: each
+sequence alone through the HF model (no packing, no padding), full-vocabulary fp32 log-softmax,
+``compute_loss`` per sequence, summed and divided by the batch's loss tokens, one backward.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollflow.infra.schema import rows_to_table
+from rollflow.infra.storage import RunStorage
+from rollflow.tasks.train.losses import LossConfig, LossInputs, compute_loss
+from rollflow.tasks.train.packing import Sequence
+
+
+def make_rows(n: int, seed: int = 0, envs: tuple[str, ...] = ("sort", "add"), step: int = 1,
+              max_prompt: int = 12, max_completion: int = 9) -> list[dict]:
+    """Batch rows (the Parquet schema) with prompt and completion lengths that vary widely."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        g, s = divmod(i, 4)
+        prompt = [1] + [rng.randint(4, 40) for _ in range(rng.randint(1, max_prompt - 1))]
+        completion = [rng.randint(4, 40) for _ in range(rng.randint(0, max_completion - 1))] + [2]
+        rows.append(dict(run="t", step=step, env=envs[g % len(envs)], prompt_id=str(g), group_index=g,
+                         sample_index=s, prompt_text="", completion_text="", prompt_ids=prompt,
+                         completion_ids=completion, completion_logprobs=[rng.uniform(-4, -0.5) for _ in completion],
+                         reward=0.0, advantage=rng.uniform(-1, 1), version_started=0, version_finished=0,
+                         finish_reason="stop", error=None, generate_s=0.0, reward_s=0.0, info="{}"))
+    return rows
+
+
+def write_batch(storage: RunStorage, step: int, rows: list[dict]) -> None:
+    storage.write_step_table("batches", step, rows_to_table(rows))
+
+
+def sequences(rows: list[dict]) -> list[Sequence]:
+    return [Sequence(r["prompt_ids"], r["completion_ids"], r["completion_logprobs"], r["advantage"], r["env"],
+                     (r["group_index"], r["sample_index"])) for r in rows]
+
+
+def load(model_dir: str | Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+
+
+def token_logprobs(model: torch.nn.Module, row: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) of the row's completion tokens, the sequence alone, full logits."""
+    p = len(row["prompt_ids"])
+    ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+    logp_T_V = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    logp_T = logp_T_V[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)[p - 1:]
+    entropy_T = -(logp_T_V.exp() * logp_T_V).sum(-1)[p - 1 : -1]
+    return logp_T, entropy_T
+
+
+def reference(model_dir: str | Path, rows: list[dict], kind: str = "ppo", cfg: LossConfig | None = None,
+              old: dict | None = None, ref_dir: str | Path | None = None) -> dict:
+    """Loss, gradients (HF names) and per-row log-probs of one process on the whole batch."""
+    cfg = cfg or LossConfig(tis_cap=None)
+    model = load(model_dir)
+    ref_model = load(ref_dir) if ref_dir is not None else None
+    total = sum(len(r["completion_ids"]) for r in rows)
+    loss, logprobs = 0.0, []
+    for r in rows:
+        logp, entropy = token_logprobs(model, r)
+        inference = torch.tensor([r["completion_logprobs"]], dtype=torch.float32)
+        old_t = torch.tensor([old[(r["group_index"], r["sample_index"])]]) if old else inference
+        ref = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref = token_logprobs(ref_model, r)[0][None]
+        inputs = LossInputs(logp[None], old_t, torch.tensor([r["advantage"]], dtype=torch.float32),
+                            torch.ones_like(logp)[None], inference_logprobs_B_T=inference, ref_logprobs_B_T=ref,
+                            entropy_B_T=entropy[None] if cfg.entropy_coef > 0 else entropy[None].detach())
+        out = compute_loss(kind, inputs, cfg)
+        (out.loss_sum / total).backward()
+        loss += float(out.loss_sum.detach()) / total
+        logprobs.append(logp.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss, "grads": grads, "logprobs": logprobs, "model": model}
+
+
+def adamw_step(model: torch.nn.Module, lr: float, max_grad_norm: float, weight_decay: float = 0.0) -> float:
+    """The update the trainer's first optimizer step should make: clip, then AdamW."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay).step()
+    return float(norm)
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def max_abs(a: dict[str, torch.Tensor]) -> float:
+    return max(float(v.abs().max()) for v in a.values())
