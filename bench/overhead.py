@@ -10,8 +10,8 @@ train → sync and nothing else. From the run's metrics and rollouts, per step a
 
 - step: wall seconds from the previous step's commit to this one's (``step_s``; consecutive
   steps add up to the run's wall clock): the critical path;
-- service time: what the services did on that path: the trainer's ``forward_backward`` +
-  ``optim_step`` calls (``train_phase_s``), the weight sync from the pause request to the resume's
+- service time: what the services did on that path: the trainer's ``forward_backward``,
+  ``optim_step`` and ``end_step`` calls, timed inside the train task (``train_s``), the weight sync from the pause request to the resume's
   answer (``sync_s``), and, at ``max_staleness = 0`` only, generation, whose every group starts
   when the previous sync publishes the weights: the longest request of the step (``max(generate_s)``
   over its rollouts; with S ≥ 1 generation overlaps training and is off the path);
@@ -55,7 +55,7 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
     if proc.returncode:
         sys.exit(f"S={staleness} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     m = duckdb.sql(f"""
-        select m.step, m.step_s, m.train_phase_s, m.sync_s, m.generate_phase_s, m.advantage_phase_s,
+        select m.step, m.step_s, m.train_s, m.train_phase_s, m.sync_s, m.generate_phase_s, m.advantage_phase_s,
                m.sync_phase_s, m.trainer_wait_for_data_s, g.gen_s
         from read_parquet('{storage}/{name}/metrics/*.parquet', union_by_name=true) m
         join (select step, max(generate_s) gen_s from read_parquet('{storage}/{name}/rollouts/*/*.parquet')
@@ -63,11 +63,11 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
         where m.step > {warmup} and m.step < {steps + warmup}  -- the last step also checkpoints
         order by m.step""").df()
     on_path = m.gen_s if staleness == 0 else m.gen_s * 0
-    service = m.train_phase_s + m.sync_s + on_path
-    return {"S": staleness, "steps": len(m), "step_s": m.step_s.mean(), "train_s": m.train_phase_s.mean(),
+    service = m.train_s + m.sync_s + on_path
+    return {"S": staleness, "steps": len(m), "step_s": m.step_s.mean(), "train_s": m.train_s.mean(),
             "sync_s": m.sync_s.mean(), "gen_s": m.gen_s.mean(), "on_path_s": on_path.mean(),
             "service_s": service.mean(), "control_s": (m.step_s - service).mean(),
-            "trainer_idle": (m.step_s - m.train_phase_s - m.sync_s).sum() / m.step_s.sum(),
+            "trainer_idle": (m.step_s - m.train_s - m.sync_s).sum() / m.step_s.sum(),
             "advantage_s": m.advantage_phase_s.mean()}
 
 
