@@ -91,6 +91,30 @@ def test_weight_group_round_trip_keeps_order_shapes_and_dtypes():
     assert num_bytes == 16 + (12 + 7) * 4 + 5 * 2
 
 
+def test_reused_buckets_deliver_each_sync_exactly():
+    """Both sides reuse their buckets between syncs; every sync still delivers its own values."""
+    syncs = [{"w": torch.randn(64, 8), "h": torch.randn(9).to(torch.bfloat16)} for _ in range(3)]
+    metadata = weight_metadata(syncs[0].items())
+    sender, receiver = _pair()
+    got = []
+
+    def receive():
+        for _ in syncs:
+            version, named = receiver.receive(metadata)
+            got.append((version, {n: t.clone() for n, t in named}))  # load before the next receive
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    for version, tensors in enumerate(syncs):
+        sender.broadcast(tensors.items(), version)
+    thread.join(10)
+    sender.close()
+    receiver.close()
+    assert [v for v, _ in got] == [0, 1, 2]
+    for (_, received), sent in zip(got, syncs, strict=True):
+        assert all(torch.equal(received[n], t) for n, t in sent.items())
+
+
 def test_absent_receiver_fails_within_timeout():
     start = time.monotonic()
     with pytest.raises(WeightGroupError, match="could not join"):

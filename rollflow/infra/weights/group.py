@@ -12,7 +12,10 @@ Wire format of one sync (no pickling; both sides hold the same JSON metadata):
    concatenation of the flattened tensors of that dtype in metadata order.
 
 A float32 model (the CPU path) is thus exactly one bucket. A bf16 model with float32 norms on GPU
-is two, and nothing is cast. Each bucket costs one extra copy of the weights on both sides.
+is two, and nothing is cast. Each bucket costs one extra copy of the weights on both sides; both
+sides keep their buckets between syncs and reuse them: a fresh CPU bucket per sync paid a page
+fault per 4 KiB page on every sync (bench/weight_sync.py: ~3x the broadcast itself), and a
+sync needs that memory anyway.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class _WeightGroupMember:
         self.device = torch.device(device)
         self._store: TCPStore | None = None
         self._group: ProcessGroup | None = None
+        self._buckets: dict[str, torch.Tensor] = {}  # by dtype name, reused by every sync
 
     @property
     def connected(self) -> bool:
@@ -158,6 +162,15 @@ class _WeightGroupMember:
                 except Exception as err:  # teardown must not mask the error that caused it
                     logger.debug("weight group shutdown failed: %s", err)
         self._store = None
+        self._buckets = {}
+
+    def _bucket(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """This dtype's bucket of ``numel`` elements: the previous sync's when it fits."""
+        name = str(dtype).removeprefix("torch.")
+        bucket = self._buckets.get(name)
+        if bucket is None or bucket.numel() != numel:
+            bucket = self._buckets[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return bucket
 
 
 class WeightSender(_WeightGroupMember):
@@ -188,8 +201,9 @@ class WeightSender(_WeightGroupMember):
         header = torch.tensor([int(version), total_numel], dtype=torch.int64, device=self.device)
         self._broadcast(header)
         num_bytes = header.numel() * header.element_size()
-        for flats in by_dtype.values():
-            bucket = torch.cat([f.to(self.device) for f in flats])
+        for dtype, flats in by_dtype.items():
+            bucket = self._bucket(dtype, sum(f.numel() for f in flats))
+            torch.cat([f.to(self.device) for f in flats], out=bucket)
             self._broadcast(bucket)
             num_bytes += bucket.numel() * bucket.element_size()
         return num_bytes
@@ -206,7 +220,10 @@ class WeightReceiverGroup(_WeightGroupMember):
     def receive(
         self, metadata: list[dict[str, Any]]
     ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-        """Receive one sync; returns its version and ``(name, tensor)`` views into the buckets."""
+        """Receive one sync; returns its version and ``(name, tensor)`` views into the buckets.
+
+        The views are valid until the next ``receive``, which reuses the buckets: load them first.
+        """
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._broadcast(header)
         version, total_numel = (int(x) for x in header.tolist())
@@ -218,7 +235,7 @@ class WeightReceiverGroup(_WeightGroupMember):
             )
         buckets = {}
         for dtype_name, numel in layout.items():
-            buckets[dtype_name] = torch.empty(numel, dtype=_dtype(dtype_name), device=self.device)
+            buckets[dtype_name] = self._bucket(_dtype(dtype_name), numel)
             self._broadcast(buckets[dtype_name])
         return version, _unflatten(metadata, buckets)
 

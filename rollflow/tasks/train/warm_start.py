@@ -72,7 +72,9 @@ def warm_start(model, tokenizer, train_pairs: Pairs, eval_pairs: Pairs, *, targe
     """Train on answers until held-out greedy accuracy >= target; returns (steps, accuracy)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    acc = greedy_accuracy(model, tokenizer, eval_pairs)
+    # Room for the longest answer and its eos: a fixed 8 tokens made longer answers unreachable.
+    longest = max(len(tokenizer(a, add_special_tokens=False).input_ids) for _, a in eval_pairs) + 1
+    acc = greedy_accuracy(model, tokenizer, eval_pairs, max_new_tokens=longest)
     step = 0
     while acc < target and step < max_steps:
         model.train()
@@ -83,7 +85,7 @@ def warm_start(model, tokenizer, train_pairs: Pairs, eval_pairs: Pairs, *, targe
             loss.backward()
             optimizer.step()
             step += 1
-        acc = greedy_accuracy(model, tokenizer, eval_pairs)
+        acc = greedy_accuracy(model, tokenizer, eval_pairs, max_new_tokens=longest)
         if step % (eval_every * 8) == 0:
             progress(f"model: warm start step {step}: held-out accuracy {acc:.2f} (target {target:.2f})")
     model.eval()

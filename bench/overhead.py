@@ -1,0 +1,147 @@
+"""Time per step spent in the control plane (Prefect and our orchestration) on the critical path.
+
+    .venv/bin/python bench/overhead.py                 # 30 steps at max_staleness 0 and 1, ~8 min
+    .venv/bin/python bench/overhead.py --steps 20 --staleness 0
+
+Method 1, inside a real run (``rollflow run configs/quickstart.toml``: vLLM, trainer service,
+Prefect flows) of a tiny step: the quickstart model, 16 groups × 4 completions of ≤ 8 tokens,
+no evaluation and no checkpoint until the last step, so that a step is generate → advantage →
+train → sync and nothing else. From the run's metrics and rollouts, per step after a warm-up:
+
+- step: wall seconds from the previous step's commit to this one's (``step_s``; consecutive
+  steps add up to the run's wall clock): the critical path;
+- service time: what the services did on that path: the trainer's ``forward_backward``,
+  ``optim_step`` and ``end_step`` calls, timed inside the train task (``train_s``), the weight sync from the pause request to the resume's
+  answer (``sync_s``), and, at ``max_staleness = 0`` only, generation, whose every group starts
+  when the previous sync publishes the weights: the longest request of the step (``max(generate_s)``
+  over its rollouts; with S ≥ 1 generation overlaps training and is off the path);
+- control plane = step − service time: Prefect flow and task runs, the producer hand-off, the
+  advantage task (reads the step's rollouts, writes its batch), metrics, events and the commit.
+
+Method 2, the Prefect machinery alone, in this process against a private Prefect API (as
+``rollflow run`` starts one): a flow run of five no-op tasks (the step flow's generate,
+advantage, train, sync, checkpoint), and the same five no-op functions called directly (the
+baseline); the difference is what Prefect adds per step when nothing overlaps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import duckdb  # noqa: E402
+from machine import Machine, table  # noqa: E402
+
+TINY = ["train.train_batch_size=16", "train.mini_batch_size=16", "sampling.group_size=4", "run.eval_every=0",
+        "run.checkpoint_every=100000"]
+
+
+def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
+    name = f"overhead-s{staleness}"
+    cmd = [sys.executable, "-m", "rollflow.cli", "run", "configs/quickstart.toml", f"run.name={name}",
+           f"run.storage={storage}", f"run.num_steps={steps + warmup}", f"train.max_staleness={staleness}", *TINY]
+    env = {**os.environ, "PREFECT_HOME": str(storage / "prefect"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode:
+        sys.exit(f"S={staleness} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    m = duckdb.sql(f"""
+        select m.step, m.step_s, m.train_s, m.train_phase_s, m.sync_s, m.generate_phase_s, m.advantage_phase_s,
+               m.sync_phase_s, m.trainer_wait_for_data_s, g.gen_s
+        from read_parquet('{storage}/{name}/metrics/*.parquet', union_by_name=true) m
+        join (select step, max(generate_s) gen_s from read_parquet('{storage}/{name}/rollouts/*/*.parquet')
+              group by step) g using (step)
+        where m.step > {warmup} and m.step < {steps + warmup}  -- the last step also checkpoints
+        order by m.step""").df()
+    on_path = m.gen_s if staleness == 0 else m.gen_s * 0
+    service = m.train_s + m.sync_s + on_path
+    return {"S": staleness, "steps": len(m), "step_s": m.step_s.mean(), "train_s": m.train_s.mean(),
+            "sync_s": m.sync_s.mean(), "gen_s": m.gen_s.mean(), "on_path_s": on_path.mean(),
+            "service_s": service.mean(), "control_s": (m.step_s - service).mean(),
+            "trainer_idle": (m.step_s - m.train_s - m.sync_s).sum() / m.step_s.sum(),
+            "advantage_s": m.advantage_phase_s.mean()}
+
+
+def prefect_noop(repeats: int, storage: Path) -> dict:
+    """Wall seconds of a flow run of five no-op tasks, and of the five no-op calls alone."""
+    os.environ.setdefault("PREFECT_HOME", str(storage / "prefect-noop"))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+
+    from rollflow.infra.prefect_api import local_prefect_api
+
+    def work(step: int) -> dict:
+        return {"step": step}
+
+    stages = [task(name=n, cache_policy=NO_CACHE, persist_result=False)(work)
+              for n in ("generate", "advantage", "train", "sync", "checkpoint")]
+
+    @flow(name="noop-step", persist_result=False, validate_parameters=False)
+    def noop_step(step: int) -> None:
+        for stage in stages:
+            stage(step)
+
+    def direct(step: int) -> None:
+        for _ in stages:
+            work(step)
+
+    with local_prefect_api():
+        noop_step(0)  # the first flow run pays for imports and connections
+        flows, calls = [], []
+        for step in range(repeats):
+            start = time.perf_counter()
+            noop_step(step)
+            flows.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            direct(step)
+            calls.append(time.perf_counter() - start)
+    return {"flow_s": statistics.median(flows), "direct_s": statistics.median(calls)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="measured steps, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--noop-repeats", type=int, default=20)
+    args = parser.parse_args()
+    machine = Machine()
+    with tempfile.TemporaryDirectory(prefix="rollflow-bench-overhead-") as tmp:
+        rows = []
+        for s in args.staleness:
+            rows.append(run_one(Path(tmp), s, args.steps, args.warmup))
+            print(f"S={s}: done", file=sys.stderr, flush=True)
+        noop = prefect_noop(args.noop_repeats, Path(tmp))
+
+    ms = lambda s: f"{s * 1000:.0f}"  # noqa: E731
+    print(f"\ncontrol plane on the critical path: quickstart model, 16 groups × 4 per step, "
+          f"{args.steps} steps measured after {args.warmup}; means per step (ms)")
+    print(machine.line() + "\n")
+    print(table(["max_staleness", "step", "train (trainer)", "sync (pause→resume)", "generation (longest request)",
+                 "… of it on the path", "service time", "control plane = step − service",
+                 "control plane share of the step", "trainer idle share", "advantage task"],
+                [[r["S"], ms(r["step_s"]), ms(r["train_s"]), ms(r["sync_s"]), ms(r["gen_s"]), ms(r["on_path_s"]),
+                  ms(r["service_s"]), ms(r["control_s"]), f"{r['control_s'] / r['step_s']:.0%}",
+                  f"{r['trainer_idle']:.0%}", ms(r["advantage_s"])] for r in rows]))
+    print("\nAt max_staleness ≥ 1 generation should overlap training, so all trainer idle time is counted "
+          "as control plane: an upper bound that includes any wait for generation that overlap did not hide.")
+    step = rows[0]["step_s"]
+    print(f"\nPrefect alone (median of {args.noop_repeats}): a flow run of 5 no-op tasks "
+          f"{ms(noop['flow_s'])} ms, the 5 no-op calls directly {noop['direct_s'] * 1e6:.0f} µs; "
+          f"Prefect per step = {noop['flow_s'] / step:.0%} of a max_staleness={rows[0]['S']} step "
+          f"({ms(step)} ms) if nothing overlapped it")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""TRL's GRPOTrainer against rollflow: wall-clock seconds to a held-out reward threshold.
+
+    .venv/bin/python bench/vs_trl.py --workload a          # tiny, ~0.4M params, ≤ 8 tokens
+    .venv/bin/python bench/vs_trl.py --workload b          # ~10M params, ≥ 24-token completions
+    .venv/bin/python bench/vs_trl.py --workload a --only trl   # one side (e.g. to tune)
+
+Both sides start from the same warm-started policy (rollflow's ``prepare_policy``: a tiny
+character Llama trained by a short supervised pass, cached in ~/.cache/rollflow/models), on the
+same environment, group size, prompts per step, learning rate (AdamW, constant, no warm-up,
+weight decay 0, gradient clipping 1.0), sampling temperature 1.0 and completion length, one
+optimizer step per generation batch, the same loss shape (PPO-clip ε = 0.2 on token ratios, no
+KL term, reward − group mean as advantage, loss summed over tokens / all tokens of the batch:
+TRL's ``loss_type="dapo"``, ``scale_rewards="none"``, ``beta=0``).
+
+- TRL: ``GRPOTrainer`` with its own HF ``generate`` (no vLLM), in a child process, on CPU.
+- rollflow: ``rollflow run`` (vLLM CPU, trainer service, Prefect flows) with ``model.path`` set
+  to the same policy, ``max_staleness`` as given (default 1), in a child process.
+
+Held-out reward: exact match of greedy completions on the same 256 held-out prompts (rollflow's
+``evaluate`` set), every ``--eval-every`` steps on both sides; TRL evaluates with HF generate in
+a callback, rollflow with vLLM. Time to threshold counts training only: each side's evaluation
+time is subtracted, and start-up (model load; for rollflow vLLM, trainer service and Prefect) is
+reported apart. A side that has not reached the threshold by ``--max-steps`` or ``--max-s`` is
+reported with the best reward it reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from machine import Machine, table  # noqa: E402
+
+# Workloads: the quickstart config with these overrides.
+WORKLOADS = {
+    "a": {"what": "tiny: quickstart model (~0.4M), sort 3-5 letters, ≤ 8 tokens",
+          "overrides": ["sampling.group_size=8", "train.train_batch_size=8", "train.mini_batch_size=8",
+                        "sampling.max_tokens=8", "train.lr=2e-4"],
+          "threshold": 0.8, "eval_every": 10, "max_steps": 2000},
+    "b": {"what": "generation-dominated: ~10M char Llama, sort 24-28 letters, ≤ 32 tokens",
+          "overrides": ["model.tiny.hidden_size=512", "model.tiny.num_layers=3", "model.tiny.intermediate_size=1536",
+                        "model.tiny.num_heads=8", "model.tiny.max_position_embeddings=96",
+                        "envs=[{name='sort_letters', args={letters='abcdefgh', min_len=24, max_len=28}}]",
+                        "model.warm_start_target=0.3", "model.warm_start_max_steps=4000",
+                        "sampling.group_size=8", "train.train_batch_size=8", "train.mini_batch_size=8",
+                        "sampling.max_tokens=32", "train.lr=1e-4"],
+          "threshold": 0.6, "eval_every": 10, "max_steps": 1000},
+}
+
+
+def load_cfg(workload: str, extra: list[str]):
+    from rollflow.infra.config import load_config
+
+    return load_config(ROOT / "configs/quickstart.toml", [*WORKLOADS[workload]["overrides"], *extra])
+
+
+def eval_prompts(cfg):
+    """The held-out prompts of rollflow's ``evaluate`` (same seed, same count)."""
+    from rollflow.tasks.generate.rollouts import select_prompts
+    from rollflow.tasks.generate.task import build_envs
+
+    envs, out = build_envs(cfg), []
+    for i, name in enumerate(sorted(envs)):
+        out += select_prompts({name: envs[name]}, {name: 1.0}, cfg.sampling.num_eval_prompts, "eval",
+                              seed=cfg.run.seed * 7919 + i)
+    return out
+
+
+# ------------------------------------------------------------------------------ TRL
+
+
+def trl_child(spec: dict) -> dict:
+    import random
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollflow.tasks.generate.task import build_envs
+
+    t_start = time.perf_counter()
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    cfg = load_cfg(spec["workload"], spec["extra"])
+    s, t = cfg.sampling, cfg.train
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], torch_dtype=torch.float32)
+    env = next(iter(build_envs(cfg).values()))
+    rng = random.Random(cfg.run.seed)
+    bos = tok.bos_token
+    train = env.prompts("train", spec["max_steps"] * t.train_batch_size, rng)
+    dataset = Dataset.from_list([{"prompt": bos + p.text, "answer": p.answer} for p in train])
+    held_out = eval_prompts(cfg)
+
+    def exact_match(prompts, completions, answer, **_):
+        return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+    @torch.no_grad()
+    def evaluate(m) -> float:
+        m.eval()
+        enc = tok([bos + p.text for p in held_out], return_tensors="pt", padding=True, add_special_tokens=False)
+        out = m.generate(**enc, max_new_tokens=s.max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+        texts = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        m.train()
+        return sum(x.strip() == p.answer for x, p in zip(texts, held_out, strict=True)) / len(held_out)
+
+    curve, state = [], {"eval_s": 0.0, "reached": None, "train_start": None}
+
+    class HeldOut(TrainerCallback):
+        def on_train_begin(self, args, st, control, **kw):
+            state["train_start"] = time.perf_counter()
+
+        def on_step_end(self, args, st, control, model=None, **kw):
+            if st.global_step % spec["eval_every"]:
+                return
+            e0 = time.perf_counter()
+            reward = evaluate(model)
+            state["eval_s"] += time.perf_counter() - e0
+            train_s = time.perf_counter() - state["train_start"] - state["eval_s"]
+            curve.append((st.global_step, round(train_s, 2), reward))
+            if reward >= spec["threshold"] and state["reached"] is None:
+                state["reached"] = (st.global_step, train_s, reward)
+                control.should_training_stop = True
+            if train_s > spec["max_s"]:
+                control.should_training_stop = True
+
+    config = GRPOConfig(
+        output_dir=spec["out"], per_device_train_batch_size=s.group_size * t.train_batch_size,
+        gradient_accumulation_steps=1, num_generations=s.group_size, max_completion_length=s.max_tokens,
+        temperature=s.temperature, top_p=s.top_p, learning_rate=t.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=0.0,
+        epsilon=t.clip_eps_low, epsilon_high=t.clip_eps_high, loss_type="dapo", scale_rewards="none",
+        num_iterations=1, max_steps=spec["max_steps"], logging_steps=10**9, report_to="none",
+        save_strategy="no", use_cpu=True, bf16=False, seed=cfg.run.seed, disable_dropout=True,
+        shuffle_dataset=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+                          processing_class=tok, callbacks=[HeldOut()])
+    initial = evaluate(model)
+    setup_s = time.perf_counter() - t_start
+    trainer.train()
+    last = curve[-1] if curve else (0, 0.0, initial)
+    reached = state["reached"]
+    return {"side": "TRL", "initial": initial, "reached": reached is not None,
+            "steps": reached[0] if reached else last[0], "train_s": reached[1] if reached else last[1],
+            "reward": reached[2] if reached else max(r for _, _, r in curve or [last]),
+            "setup_s": setup_s, "eval_s": state["eval_s"], "curve": curve}
+
+
+# ------------------------------------------------------------------------------ rollflow
+
+
+def rollflow_side(spec: dict, tmp: Path) -> dict:
+    """A real run with model.path = the shared policy; followed through its metrics, stopped at
+    the threshold."""
+    import pyarrow.parquet as pq
+    import toml
+
+    from rollflow.infra.config import dump_config
+
+    name = "vs-trl"
+    config = dump_config(load_cfg(spec["workload"], spec["extra"]))
+    config["model"] = {"path": spec["model"]}  # the shared policy, not the tiny recipe
+    (tmp / "rollflow.toml").write_text(toml.dumps(config))
+    cmd = [sys.executable, "-m", "rollflow.cli", "run", str(tmp / "rollflow.toml"), f"run.name={name}",
+           f"run.storage={tmp}", f"run.num_steps={spec['max_steps']}", f"run.eval_every={spec['eval_every']}",
+           f"train.max_staleness={spec['staleness']}", "run.checkpoint_every=100000", "metrics.sinks=[]"]
+    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    log = open(tmp / "rollflow.log", "w")
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    metrics_dir = tmp / name / "metrics"
+    rows: dict[int, dict] = {}
+    reached = None
+    try:
+        while proc.poll() is None and reached is None:
+            time.sleep(0.5)
+            for f in sorted(metrics_dir.glob("*.parquet")) if metrics_dir.exists() else []:
+                step = int(f.stem.split("=")[1])
+                if step not in rows:
+                    try:
+                        rows[step] = pq.read_table(f).to_pylist()[0]
+                    except Exception:  # noqa: BLE001 - being written; read it next time
+                        continue
+            train_s, curve = 0.0, []
+            for step in sorted(rows):
+                r = rows[step]
+                if step == 0 or step - 1 not in rows and step != min(s for s in rows if s > 0):
+                    continue
+                train_s += r["step_s"] - (r.get("eval_phase_s") or 0.0)
+                if r.get("eval_reward") is not None:
+                    curve.append((step, round(train_s, 2), r["eval_reward"]))
+                    if r["eval_reward"] >= spec["threshold"]:
+                        reached = curve[-1]
+                        break
+            if curve and curve[-1][1] > spec["max_s"]:
+                break
+    finally:
+        wall_s = time.perf_counter() - start
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode not in (0, -signal.SIGTERM, None) and reached is None and not curve:
+        sys.exit("rollflow failed:\n" + (tmp / "rollflow.log").read_text()[-4000:])
+    first = sum(r["step_s"] for s, r in rows.items() if s > 0)
+    last = curve[-1] if curve else (0, 0.0, rows.get(0, {}).get("eval_reward", float("nan")))
+    return {"side": "rollflow", "initial": rows.get(0, {}).get("eval_reward"), "reached": reached is not None,
+            "steps": (reached or last)[0], "train_s": (reached or last)[1],
+            "reward": reached[2] if reached else max(r for _, _, r in curve or [last]),
+            "setup_s": wall_s - first, "eval_s": sum(r.get("eval_phase_s") or 0.0 for r in rows.values()),
+            "curve": curve}
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def prepare_model(workload: str, extra: list[str]) -> str:
+    from rollflow.flows.rl_run import prepare_policy
+
+    return str(prepare_policy(load_cfg(workload, extra)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="a")
+    parser.add_argument("--only", choices=["trl", "rollflow"])
+    parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--max-s", type=float, default=1800.0, help="training seconds before a side gives up")
+    parser.add_argument("--threshold", type=float)
+    parser.add_argument("--trl-child", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
+    args = parser.parse_args()
+    if args.trl_child:
+        print(json.dumps(trl_child(json.loads(args.trl_child))))
+        return
+
+    machine = Machine()
+    w = WORKLOADS[args.workload]
+    model = prepare_model(args.workload, args.overrides)
+    spec = {"workload": args.workload, "extra": args.overrides, "model": model,
+            "threshold": args.threshold or w["threshold"], "eval_every": w["eval_every"],
+            "max_steps": args.max_steps or w["max_steps"], "max_s": args.max_s, "staleness": args.staleness}
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rollflow-bench-trl-") as tmp:
+        if args.only != "rollflow":
+            child = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps({**spec, "out": tmp})],
+                                   cwd=ROOT, capture_output=True, text=True)
+            if child.returncode:
+                sys.exit("TRL failed:\n" + child.stderr[-4000:])
+            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+            print(f"TRL: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
+        if args.only != "trl":
+            results.append(rollflow_side(spec, Path(tmp)))
+            print(f"rollflow: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
+
+    cfg = load_cfg(args.workload, args.overrides)
+    print(f"\nworkload ({args.workload}) {w['what']}: group {cfg.sampling.group_size}, "
+          f"{cfg.train.train_batch_size} prompts per step, lr {cfg.train.lr:g}, threshold "
+          f"{spec['threshold']} held-out exact match; rollflow max_staleness {args.staleness}")
+    print(machine.line() + "\n")
+    base = results[0]["train_s"] if results else float("nan")
+    print(table(["side", "held-out at start", "reached", "steps", "training s to threshold (or to the end)",
+                 "vs TRL", "s/step", "best held-out", "start-up s", "evaluation s (excluded)"],
+                [[r["side"], f"{r['initial']:.3f}", "yes" if r["reached"] else "NO", r["steps"], f"{r['train_s']:.1f}",
+                  f"{r['train_s'] / base:.2f}×", f"{r['train_s'] / max(1, r['steps']):.3f}", f"{r['reward']:.3f}",
+                  f"{r['setup_s']:.0f}", f"{r['eval_s']:.0f}"] for r in results]))
+    for r in results:
+        print(f"\n{r['side']} curve (step, training s, held-out): "
+              + ", ".join(f"({s}, {t:.0f}, {x:.2f})" for s, t, x in r["curve"][:: max(1, len(r["curve"]) // 15)]))
+
+
+if __name__ == "__main__":
+    main()

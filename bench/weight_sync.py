@@ -1,0 +1,277 @@
+"""A full weight sync: our weight group against a raw gloo broadcast and an in-process copy.
+
+    .venv/bin/python bench/weight_sync.py                     # ~10M, ~100M, ~500M + vLLM, ~6 min
+    .venv/bin/python bench/weight_sync.py --sizes 10M --no-vllm
+
+Part 1, transport (float32, the CPU path; two processes on this machine, gloo over loopback):
+for Llama-shaped state dicts of ~10M, ~100M and ~500M parameters (random values; the transport
+does not look at them), each repeated ``--repeats`` times in one weight group:
+
+- ours: ``WeightSender.broadcast(named_tensors)`` → ``WeightReceiverGroup.receive`` and every
+  tensor view taken (what the vLLM worker extension does before ``reload_weights``);
+- raw gloo: one broadcast of a flat tensor of the same bytes on the same group (the floor of
+  any gloo path);
+- in-process copy: ``dst.copy_(src)`` of the same bytes in one process (memory bandwidth).
+
+Timed from the sender's start (after a tiny broadcast that lines both ranks up) to the moment
+the receiver holds every tensor; both clocks are ``time.perf_counter`` (CLOCK_MONOTONIC, shared
+by the processes of one machine). Also shown: packing the tensors into the sender's bucket
+alone (``torch.cat(..., out=bucket)``), the extra copy the one-bucket wire format costs.
+
+Part 2, generation paused (real vLLM, ``--no-vllm`` skips it): a vLLM server of the quickstart
+model (0.4M parameters) and of a ~10M one, under a load of 32 requests kept in flight, receives
+``--vllm-syncs`` syncs through ``infra.inference.sync.sync_weights`` (pause(keep) → broadcast ∥
+receive + ``reload_weights`` → reset prefix cache → resume). "Paused" is from the pause request
+to the resume's answer; the baseline is our transport of the same model's bytes to a plain
+receiver (part 1's method), measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+from machine import Machine, table  # noqa: E402
+
+from rollflow.infra.service import free_port  # noqa: E402
+from rollflow.infra.weights.group import (  # noqa: E402
+    WeightReceiverGroup,
+    WeightSender,
+    weight_metadata,
+)
+
+# (hidden, layers, intermediate, vocab) of Llama-shaped models of about the named size.
+SHAPES = {"10M": (256, 4, 1024, 12_000), "100M": (768, 10, 2048, 16_000), "500M": (1536, 14, 4096, 32_000)}
+TIMEOUT_S = 300.0
+
+
+def llama_shapes(hidden: int, layers: int, inter: int, vocab: int) -> list[tuple[str, list[int]]]:
+    shapes = [("model.embed_tokens.weight", [vocab, hidden])]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + f"self_attn.{n}_proj.weight", [hidden, hidden]) for n in "qkvo"]
+        shapes += [(p + "mlp.gate_proj.weight", [inter, hidden]), (p + "mlp.up_proj.weight", [inter, hidden]),
+                   (p + "mlp.down_proj.weight", [hidden, inter]),
+                   (p + "input_layernorm.weight", [hidden]), (p + "post_attention_layernorm.weight", [hidden])]
+    return shapes + [("model.norm.weight", [hidden]), ("lm_head.weight", [vocab, hidden])]
+
+
+def flat_named_tensors(shapes: list[tuple[str, list[int]]]) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """One flat float32 storage and named views into it (so the raw broadcast needs no copy)."""
+    total = sum(torch.Size(s).numel() for _, s in shapes)
+    flat = torch.empty(total, dtype=torch.float32).uniform_(-0.02, 0.02)
+    named, offset = [], 0
+    for name, shape in shapes:
+        n = torch.Size(shape).numel()
+        named.append((name, flat[offset:offset + n].view(shape)))
+        offset += n
+    return flat, named
+
+
+# ------------------------------------------------------------------------------ part 1
+
+
+def receiver(spec: dict) -> None:
+    """The receiving rank (a child process): prints the time it held each broadcast."""
+    torch.set_num_threads(1)
+    group = WeightReceiverGroup("127.0.0.1", spec["port"], 1, 2, TIMEOUT_S)
+    group.connect()
+    meta, done = spec["metadata"], {"raw": [], "ours": []}
+    line_up = torch.zeros(1, dtype=torch.int64)
+    raw = torch.empty(spec["numel"], dtype=torch.float32)
+    for _ in range(spec["repeats"]):
+        group._broadcast(line_up)
+        group._broadcast(raw)
+        done["raw"].append(time.perf_counter())
+    del raw
+    for _ in range(spec["repeats"]):
+        group._broadcast(line_up)
+        _, named = group.receive(meta)
+        views = list(named)
+        done["ours"].append(time.perf_counter())
+        del views, named
+    group.close()
+    print(json.dumps(done))
+
+
+def measure_transport(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None, repeats: int) -> dict:
+    """Seconds per full sync: ours, raw gloo, in-process copy, and the sender's torch.cat."""
+    if flat is None:
+        flat = torch.cat([t.detach().reshape(-1) for _, t in named])
+    meta = weight_metadata(named)
+    port = free_port()
+    spec = {"port": port, "metadata": meta, "numel": flat.numel(), "repeats": repeats}
+    child = subprocess.Popen([sys.executable, __file__, "--receiver", json.dumps(spec)],
+                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S)
+    started = {"raw": [], "ours": []}
+    try:
+        sender.connect()
+        line_up = torch.zeros(1, dtype=torch.int64)
+        for _ in range(repeats):
+            sender._broadcast(line_up)
+            started["raw"].append(time.perf_counter())
+            sender._broadcast(flat)
+        for version in range(repeats):
+            sender._broadcast(line_up)
+            started["ours"].append(time.perf_counter())
+            sender.broadcast(named, version)
+        out, _ = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        sender.close()
+        if child.poll() is None:
+            child.kill()
+    done = json.loads(out.strip().splitlines()[-1])
+    result = {k: statistics.median(d - s for s, d in zip(started[k], done[k], strict=True)) for k in started}
+    dst = torch.empty_like(flat)
+    result["cat"] = _best(lambda: torch.cat([t.detach().reshape(-1) for _, t in named], out=dst), repeats)
+    result["copy"] = _best(lambda: dst.copy_(flat), repeats)
+    result["bytes"] = flat.numel() * flat.element_size()
+    result["params"] = flat.numel()
+    return result
+
+
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+# ------------------------------------------------------------------------------ part 2
+
+
+def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
+    """Syncs into a real vLLM server under load; returns the sync_weights figures."""
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.infra.inference.client import InferenceClient
+    from rollflow.infra.inference.server import InferenceServer
+    from rollflow.infra.inference.sync import init_weight_group, sync_weights
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).float()
+    named = [(n, t.detach()) for n, t in model.state_dict().items()]
+    transport = measure_transport(named, None, 5)
+    server = InferenceServer(model_dir, max_model_len=64, log_path=log_dir / f"vllm-{model_dir.name}.log")
+    start = time.monotonic()
+    server.start()
+    startup_s = time.monotonic() - start
+    port = free_port()
+    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S)
+
+    async def go() -> list[dict]:
+        async with InferenceClient(server.url, timeout_s=120) as client:
+            await init_weight_group(client, lambda: asyncio.to_thread(sender.connect), "127.0.0.1", port, 2,
+                                    TIMEOUT_S, weight_metadata(named))
+            stop = asyncio.Event()
+
+            async def load() -> None:  # 32 requests kept in flight while syncs happen
+                while not stop.is_set():
+                    await client.complete([1, 5, 6, 7], n=1, max_tokens=32, temperature=1.0)
+
+            loaders = [asyncio.create_task(load()) for _ in range(32)]
+            await asyncio.sleep(2.0)
+            stats = []
+            for version in range(1, syncs + 1):
+                stats.append(await sync_weights(
+                    client, lambda v=version: asyncio.to_thread(sender.broadcast, named, v), version, TIMEOUT_S))
+                await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*loaders)
+            await client.collective_rpc("close_weight_group")
+            return stats
+
+    try:
+        stats = asyncio.run(go())
+    finally:
+        sender.close()
+        server.stop()
+    paused = [s["total_s"] for s in stats]
+    return {"params": transport["params"], "bytes": transport["bytes"], "startup_s": startup_s,
+            "transport_s": transport["ours"], "paused_median_s": statistics.median(paused),
+            "paused_max_s": max(paused), "broadcast_median_s": statistics.median(s["broadcast_s"] for s in stats),
+            "pause_call_median_s": statistics.median(s["pause_s"] for s in stats), "syncs": len(stats)}
+
+
+def tiny_model_dirs(root: Path) -> list[tuple[str, Path]]:
+    from rollflow.infra.config import TinyModelSpec, load_config
+    from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
+
+    quick = load_config(ROOT / "configs/quickstart.toml").model.tiny
+    specs = {"quickstart (0.4M)": quick.model_copy(update={"max_position_embeddings": 64}),
+             "~10M": TinyModelSpec(hidden_size=512, num_layers=3, intermediate_size=1536, num_heads=8,
+                                   max_position_embeddings=64)}
+    tok = build_char_tokenizer(quick.alphabet)
+    return [(name, save_hf_dir(build_tiny_llama(spec, len(tok)), tok, root / f"m{i}"))
+            for i, (name, spec) in enumerate(specs.items())]
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--vllm-syncs", type=int, default=10)
+    parser.add_argument("--receiver", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.receiver:
+        receiver(json.loads(args.receiver))
+        return
+
+    machine = Machine()
+    gbps = lambda nbytes, s: f"{nbytes / s / 1e9:.2f}"  # noqa: E731
+    rows = []
+    for size in args.sizes:
+        flat, named = flat_named_tensors(llama_shapes(*SHAPES[size]))
+        r = measure_transport(named, flat, args.repeats)
+        del flat, named
+        b = r["bytes"]
+        rows.append([f"{r['params'] / 1e6:.0f}M", f"{b / 1e6:.0f}", f"{r['ours'] * 1000:.0f}",
+                     f"{r['raw'] * 1000:.0f}", f"{r['copy'] * 1000:.0f}", f"{r['cat'] * 1000:.0f}",
+                     gbps(b, r["ours"]), gbps(b, r["raw"]), gbps(b, r["copy"]),
+                     f"{r['raw'] / r['ours']:.2f}", f"{r['copy'] / r['ours']:.2f}"])
+        print(f"{size}: done", file=sys.stderr, flush=True)
+    vllm_rows = []
+    if not args.no_vllm:
+        with tempfile.TemporaryDirectory(prefix="rollflow-bench-sync-") as tmp:
+            for name, model_dir in tiny_model_dirs(Path(tmp)):
+                v = vllm_pause(model_dir, args.vllm_syncs, Path(tmp))
+                vllm_rows.append([name, f"{v['params'] / 1e6:.2f}M", f"{v['bytes'] / 1e6:.1f}",
+                                  f"{v['startup_s']:.0f}", v["syncs"], f"{v['pause_call_median_s'] * 1000:.0f}",
+                                  f"{v['broadcast_median_s'] * 1000:.0f}", f"{v['paused_median_s'] * 1000:.0f}",
+                                  f"{v['paused_max_s'] * 1000:.0f}", f"{v['transport_s'] * 1000:.1f}",
+                                  f"{v['paused_median_s'] / v['transport_s']:.1f}×"])
+                print(f"vLLM {name}: done", file=sys.stderr, flush=True)
+
+    print(f"\nweight sync, float32, sender and receiver on this machine (gloo over loopback), "
+          f"median of {args.repeats}")
+    print(machine.line() + "\n")
+    print(table(["params", "MB", "ours ms", "raw gloo ms", "in-process copy ms", "sender packing ms",
+                 "ours GB/s", "raw gloo GB/s", "copy GB/s", "ours vs raw gloo (speed)",
+                 "ours vs copy (speed)"], rows))
+    if vllm_rows:
+        print(f"\ngeneration paused by a real sync into vLLM (CPU), under 32 requests in flight; "
+              f"medians of {args.vllm_syncs} syncs\n")
+        print(table(["model", "params", "MB", "vLLM start s", "syncs", "pause call ms",
+                     "broadcast + reload ms", "paused ms (median)", "paused ms (max)",
+                     "transport alone ms (baseline)", "paused vs transport"], vllm_rows))
+
+
+if __name__ == "__main__":
+    main()
