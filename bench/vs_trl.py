@@ -27,6 +27,7 @@ reported with the best reward it reached.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -251,6 +252,8 @@ def main() -> None:
         print(json.dumps(trl_child(json.loads(args.trl_child))))
         return
 
+    if args.only != "rollflow" and importlib.util.find_spec("trl") is None:
+        sys.exit("bench/vs_trl.py needs TRL: .venv/bin/pip install -e '.[bench]' (or pass --only rollflow)")
     machine = Machine()
     w = WORKLOADS[args.workload]
     model = prepare_model(args.workload, args.overrides)
