@@ -128,7 +128,7 @@ def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resume
             for _, future in running:
                 future.cancel()
             host.close(exc)  # ends the step flows still waiting, before the pool joins them
-            if isinstance(exc, Exception) and (dead := services.dead_service(grace_s=2.0)):
+            if isinstance(exc, Exception) and (dead := services.dead_service(grace_s=5.0)):
                 raise ServiceCallError(f"{dead}; the run stops (rerun to resume)") from exc
             raise
 

@@ -92,19 +92,23 @@ class RunServices:
 
     def dead_service(self, grace_s: float = 0.0) -> str | None:
         """After a failure: which service died, as a message naming it (None: both live).
-        ``grace_s`` lets a process that is dying now (a call to it just failed) finish exiting."""
+        ``grace_s`` lets a process that is dying now (a call to it just failed) finish exiting: a
+        trainer that no longer answers but whose launcher still runs is waited for, so that the
+        message can name the rank that died."""
         deadline = time.monotonic() + grace_s
         while True:
+            trainer_error = None
             try:
                 if self.trainer_proc is not None:
                     self._check_trainer()
-                if self.inference is not None and not self.inference.is_alive():
-                    return (f"the vLLM server died (exit code {self.inference.returncode}); "
-                            f"see {self.inference.log_path}")
             except ServiceCallError as exc:
-                return str(exc)
+                trainer_error = str(exc)
+                if not self.trainer_proc.process.is_alive():
+                    return trainer_error
+            if self.inference is not None and not self.inference.is_alive():
+                return f"the vLLM server died (exit code {self.inference.returncode}); see {self.inference.log_path}"
             if time.monotonic() >= deadline:
-                return None
+                return trainer_error
             time.sleep(0.2)
 
     # -------------------------------------------------------------------- stop

@@ -133,13 +133,21 @@ class TrainerProcess:
 
 
 def _failure_in_log(path: Path) -> str | None:
-    """The last failure rank 0 recorded ("trainer rank 1 (pid 42) died", "trainer rank 0: ...")."""
+    """The last failure recorded in the log, naming the rank: rank 0's own report ("trainer rank 1
+    (pid 42) died", "trainer rank 0: ..."), else torchrun's root cause when rank 0 itself died."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return None
     found = re.findall(r"(trainer rank \d+ \(pid \d+\) died|trainer rank 0: [^\n;]*)", text)
-    return found[-1] if found else None
+    if found:
+        return found[-1]
+    # torchrun: "rank      : 0 (local_rank: 0)" then "exitcode  : -9 (pid: 29834)  (SIGKILL)"
+    root = re.findall(r"rank\s+:\s+(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s+:\s+(-?\d+) \(pid: (\d+)\)", text)
+    if root:
+        rank, code, pid = root[-1]
+        return f"trainer rank {rank} (pid {pid}) died (exit code {code})"
+    return None
 
 
 def _has_cuda() -> bool:

@@ -10,18 +10,22 @@ Layout (see docs/architecture.md)::
     <root>/<run>/events.jsonl
 
 Invariant: a step directory counts only once its ``_SUCCESS`` marker exists, and the marker is
-written after every other file of the directory. Readers never open an unmarked directory;
+written after every other file of the directory. The marker holds a commit id (unique per
+commit): a local copy of a step folder is valid only while its marker holds the same id. Readers never open an unmarked directory;
 writers clear an unmarked directory before writing it again, so storage holds each step once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import re
+import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +119,8 @@ class RunStorage:
         return self.step_uri(kind, step)
 
     def commit(self, kind: str, step: int) -> None:
-        """Write the ``_SUCCESS`` marker: the last write of a step folder."""
-        self._write_bytes(f"{self.step_dir(kind, step)}/{SUCCESS}", b"")
+        """Write the ``_SUCCESS`` marker, holding a fresh commit id: the last write of a step folder."""
+        self._write_bytes(f"{self.step_dir(kind, step)}/{SUCCESS}", f"{uuid.uuid4().hex}\n".encode())
 
     def read_step_table(self, kind: str, step: int) -> pa.Table:
         """Read a committed step folder; an unmarked folder is an error."""
@@ -211,15 +215,26 @@ class RunStorage:
     def local_copy(self, kind: str, step: int, cache: str | Path) -> Path:
         """A local folder holding a committed step folder (itself, when storage is local).
 
-        The copy gets its own ``_SUCCESS`` after every file: an interrupted copy is made again.
+        The copy lives under ``cache`` in a folder named by a hash of the step folder's URI, and
+        gets the remote marker's commit id as its own ``_SUCCESS`` after every file: an
+        interrupted copy, or one of another commit at the same URI (a run deleted and started
+        again, another endpoint), is made again.
         """
-        if not self.is_committed(kind, step):
-            raise StorageError(f"{self.step_uri(kind, step)} is not committed (no {SUCCESS})")
+        marker = f"{self.step_dir(kind, step)}/{SUCCESS}"
+        try:
+            commit_id = self.fs.cat_file(marker)
+        except FileNotFoundError:
+            raise StorageError(f"{self.step_uri(kind, step)} is not committed (no {SUCCESS})") from None
+        except OSError as exc:
+            raise StorageError(f"reading {marker}: {exc}") from exc
         if self.is_local:
             return Path(self.step_dir(kind, step))
-        target = Path(cache) / self.run / kind / f"step={step}"
-        if not (target / SUCCESS).exists():
-            target.mkdir(parents=True, exist_ok=True)
+        key = hashlib.sha256(self.step_uri(kind, step).encode()).hexdigest()[:16]
+        target = Path(cache) / f"{self.run}-{kind}-step={step}-{key}"
+        local_marker = target / SUCCESS
+        if not (local_marker.exists() and local_marker.read_bytes() == commit_id):
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
             source = self.step_dir(kind, step)
             for remote in self.fs.find(source):
                 if remote.rsplit("/", 1)[-1] == SUCCESS:
@@ -230,7 +245,7 @@ class RunStorage:
                     self.fs.get_file(remote, str(local))
                 except OSError as exc:
                     raise StorageError(f"downloading {remote} to {local}: {exc}") from exc
-            (target / SUCCESS).write_bytes(b"")
+            local_marker.write_bytes(commit_id)
         return target
 
     # ---------------------------------------------------------------- helpers

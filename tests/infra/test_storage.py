@@ -72,3 +72,18 @@ def test_upload_dir_and_local_copy(storage, tmp_path):
     local = storage.local_copy("checkpoints", 4, tmp_path / "cache")
     assert (local / "model.safetensors").read_bytes() == b"weights"
     assert (local / "trainer" / "state.json").read_text() == "{}"
+
+
+def test_a_local_copy_follows_a_new_commit_at_the_same_uri(storage, tmp_path):
+    """A run deleted and started again under the same name (or another endpoint with the same
+    bucket) commits new files at the same URI: the cached copy of the old commit is not reused."""
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"old weights")
+    storage.upload_dir(src, "checkpoints", 2)
+    assert (storage.local_copy("checkpoints", 2, tmp_path / "cache") / "model.safetensors").read_bytes() == b"old weights"
+    storage.fs.rm(storage.step_dir("checkpoints", 2), recursive=True)
+    (src / "model.safetensors").write_bytes(b"new weights")
+    storage.upload_dir(src, "checkpoints", 2)
+    local = storage.local_copy("checkpoints", 2, tmp_path / "cache")
+    assert (local / "model.safetensors").read_bytes() == b"new weights"
