@@ -144,7 +144,9 @@ def test_run_on_s3_resumes_from_s3(tmp_path, model_cache, s3_endpoint):
     for kind in ("rollouts", "batches", "checkpoints"):
         assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{root}/{kind}/step=*/_SUCCESS")) == \
             ["step=1", "step=2", "step=3"]
-    assert fs.exists(f"{root}/checkpoints/step=3/trainer/optimizer.safetensors")
+    # The trainer's sharded state went up with the model (FSDP2: DCP shards and their metadata).
+    assert fs.exists(f"{root}/checkpoints/step=3/trainer/state.json")
+    assert fs.glob(f"{root}/checkpoints/step=3/trainer/dcp/*.distcp")
 
 
 def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_path, model_cache):
