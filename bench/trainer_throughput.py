@@ -8,7 +8,7 @@ mini-batch (this machine is shared: both loops see the same load): an HF model, 
 micro-batches of the same token budget, full-vocabulary fp32 log-softmax, the same PPO loss,
 clip, AdamW. The ratio is service / bare loop.
 
-    PYTHONPATH=. .venv/bin/python bench/trainer_throughput.py [--configs fsdp2:1 deepspeed:2:3 ...]
+    .venv/bin/python bench/trainer_throughput.py [--configs fsdp2:1 deepspeed:2:3 ...]
 
 Prints one table; the first two mini-batches of every measurement are warm-up and not counted.
 """
