@@ -9,7 +9,14 @@ import httpx
 
 
 class ServiceCallError(RuntimeError):
-    """A control call that failed; the message names the service, the path and the cause."""
+    """A control call that failed; the message names the service, the path and the cause.
+
+    ``status`` is the HTTP status of the answer, None when there was none (unreachable, no
+    answer within the deadline)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -54,5 +61,5 @@ def _result(ep: Endpoint, path: str, resp: httpx.Response) -> Any:
             detail = resp.json().get("detail", resp.text)
         except ValueError:
             detail = resp.text
-        raise ServiceCallError(f"{ep.name} {path}: HTTP {resp.status_code}: {detail}")
+        raise ServiceCallError(f"{ep.name} {path}: HTTP {resp.status_code}: {detail}", resp.status_code)
     return resp.json() if resp.content else None

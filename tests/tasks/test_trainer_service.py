@@ -237,6 +237,49 @@ def test_weights_broadcast_gathers_the_shards(service):
     assert max_abs_diff(got, load_file(service.export("sent") / "model.safetensors")) == 0.0
 
 
+def test_a_failed_weight_group_leaves_the_service_usable(service):
+    """vLLM gone mid-sync, or never joining, is the weight plane's failure (502), not the ranks':
+    the service answers, and a restarted server joins again and gets the last step's weights."""
+    _whole_suite(service)
+    import threading
+
+    from rollflow.infra.service import free_port
+    from rollflow.infra.weights.group import WeightReceiverGroup
+
+    def join(timeout_s: float) -> WeightReceiverGroup:
+        port = free_port()
+        receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=timeout_s)
+        joiner = threading.Thread(target=receiver.connect)
+        joiner.start()
+        service.call("/weights/connect", {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": timeout_s})
+        joiner.join(30)
+        return receiver
+
+    with pytest.raises(ServiceCallError, match="HTTP 502") as err:  # nobody joins
+        service.call("/weights/connect", {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 2})
+    assert err.value.status == 502 and service.call("/health", method="GET")["ok"]
+
+    join(5).close()  # the receiver dies before the broadcast
+    with pytest.raises(ServiceCallError, match="HTTP 502"):
+        service.call("/weights/broadcast", {"version": 1})
+    with pytest.raises(ServiceCallError, match="HTTP 409"):  # the broken group was dropped
+        service.call("/weights/broadcast", {"version": 1})
+    assert service.call("/health", method="GET")["ok"]
+
+    receiver = join(30)
+    service.call("/end_step", {"step": 3})  # the last finished step: the version-less tag
+    metadata = service.call("/weights/metadata", method="GET")
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(version=receiver.receive(metadata)[0]))
+    thread.start()
+    sent = service.call("/weights/broadcast", {})
+    thread.join(30)
+    service.call("/weights/close")
+    receiver.close()
+    assert sent["version"] == got["version"] == 3
+    assert service.call("/health", method="GET")["weights_version"] == 3
+
+
 def test_a_dead_rank_is_named_within_seconds(service):
     """Kill rank 1: health and the next call fail within seconds naming it; then the tree exits."""
     _whole_suite(service)

@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.context import RunContext
 from rollflow.infra.events import publish
-from rollflow.infra.http import acall
+from rollflow.infra.http import ServiceCallError, acall
 from rollflow.infra.inference.client import InferenceClient, InferenceClientError
 from rollflow.infra.inference.gate import serving_gate
 from rollflow.infra.inference.sync import WeightSyncError, sync_weights
@@ -48,9 +48,17 @@ def sync(ctx: RunContext, version: int) -> dict:
             with gate.weights_turn(timeout_s) if gate else contextlib.nullcontext():
                 result = asyncio.run(run())
             break
-        except (WeightSyncError, InferenceClientError):
-            if attempt or gate is None or not gate.wait_restart(restarts_seen, RESTART_NOTICE_S):
+        except (WeightSyncError, InferenceClientError) as err:
+            # A dead or hung trainer is no vLLM restart's to fix: fail at once, naming it.
+            if attempt or gate is None or _trainer_unreachable(err) \
+                    or not gate.wait_restart(restarts_seen, RESTART_NOTICE_S):
                 raise
     result["attempts"] = attempt + 1
     publish(ctx.storage, "weights_published", version=version)
     return result
+
+
+def _trainer_unreachable(err: BaseException) -> bool:
+    """The trainer's half of the sync failed without an answer, or answered that it failed (503)."""
+    cause = err.__cause__
+    return isinstance(cause, ServiceCallError) and cause.status in (None, 503)

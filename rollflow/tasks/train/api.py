@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from rollflow.tasks.train.control import PeerWatch
 from rollflow.tasks.train.losses import LossConfig
-from rollflow.tasks.train.ops import CommandError, RankOps
+from rollflow.tasks.train.ops import CommandError, RankOps, WeightPlaneError
 from rollflow.tasks.train.trainer import Trainer
 
 log = logging.getLogger("rollflow.trainer")
@@ -167,6 +167,8 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
             return dispatcher.wait(queued or dispatcher.enqueue({"op": op, **(fields or {})}), deadline_s)
         except CommandError as err:
             raise HTTPException(400, str(err)) from None
+        except WeightPlaneError as err:  # the inference side of the weight group: 502, still usable
+            raise HTTPException(502, str(err)) from None
         except ServiceFailed as err:
             raise HTTPException(503, str(err)) from None
         except TimeoutError as err:

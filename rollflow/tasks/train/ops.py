@@ -40,6 +40,13 @@ class CommandError(ValueError):
     """Bad input to a command, found before any model collective: the service stays usable."""
 
 
+class WeightPlaneError(RuntimeError):
+    """The weight group to the inference server failed (its peer died, never joined, timed out).
+
+    Only rank 0 talks to that group, after every rank finished its part of the command, so the
+    ranks are still in step: the service stays usable, and a restarted server can join again."""
+
+
 class RankOps:
     """One rank's side of every command."""
 
@@ -212,7 +219,10 @@ class RankOps:
                 self.sender.close()
             self.sender = None
             sender = WeightSender(cmd["host"], cmd["port"], cmd["world_size"], cmd["timeout_s"])
-            sender.connect()
+            try:
+                sender.connect()
+            except Exception as err:
+                raise WeightPlaneError(str(err)) from err
             self.sender = sender
         return {"ok": True}
 
@@ -221,7 +231,12 @@ class RankOps:
         named = self.trainer.named_weights()  # a collective: every rank helps gather
         if self.rank != 0:
             return {}
-        num_bytes = self.sender.broadcast(named, cmd["version"])
+        try:
+            num_bytes = self.sender.broadcast(named, cmd["version"])
+        except Exception as err:  # the group is broken now: a restarted server connects anew
+            self.sender.close()
+            self.sender = None
+            raise WeightPlaneError(f"weight broadcast v{cmd['version']} failed: {err}") from err
         return {"bytes": num_bytes, "broadcast_s": time.perf_counter() - start}
 
     def op_weights_close(self, cmd: dict) -> dict:

@@ -38,7 +38,7 @@ from pydantic import BaseModel
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.train.api import Dispatcher, ServiceFailed, build_app
 from rollflow.tasks.train.control import ControlGroup, PeerWatch, rank_identity
-from rollflow.tasks.train.ops import CommandError, RankOps
+from rollflow.tasks.train.ops import CommandError, RankOps, WeightPlaneError
 from rollflow.tasks.train.trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
@@ -106,7 +106,7 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
             return
         try:
             result, error = ops.run(cmd), None
-        except CommandError as err:
+        except (CommandError, WeightPlaneError) as err:  # the ranks are in step: go on
             result, error = None, err
         except Exception as err:
             log.error("command %s failed on rank %d:\n%s", cmd["op"], rank, traceback.format_exc())
