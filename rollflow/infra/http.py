@@ -1,11 +1,49 @@
-"""The control channel: JSON over HTTP with the run's token and a deadline on every call."""
+"""The control channel: JSON over HTTP with the run's token and a deadline on every call.
+
+Every client of the process shares one TLS context, and blocking calls share one client: building
+a TLS context (loading the CA bundle) costs ~70 ms, which ``httpx.request`` paid on every call
+(measured: 88 ms per call against 2 ms on a shared client). Connections are not kept alive
+between calls: a new loopback connection costs ~1 ms, and a kept-alive one the server closed
+while idle could fail a call at random.
+"""
 
 from __future__ import annotations
 
+import ssl
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+_LOCK = threading.Lock()
+_TLS: ssl.SSLContext | None = None
+_CLIENT: httpx.Client | None = None
+_NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
+
+
+def tls_context() -> ssl.SSLContext:
+    """The process's TLS context, built once."""
+    global _TLS
+    with _LOCK:
+        if _TLS is None:
+            _TLS = httpx.create_ssl_context()
+        return _TLS
+
+
+def client() -> httpx.Client:
+    """The process's shared blocking client (thread-safe; no kept-alive connections)."""
+    global _CLIENT
+    context = tls_context()
+    with _LOCK:
+        if _CLIENT is None:
+            _CLIENT = httpx.Client(verify=context, limits=_NO_KEEPALIVE)
+        return _CLIENT
+
+
+def async_client(**kwargs: Any) -> httpx.AsyncClient:
+    """A new async client on the shared TLS context (an event loop owns its client)."""
+    return httpx.AsyncClient(verify=tls_context(), limits=_NO_KEEPALIVE, **kwargs)
 
 
 class ServiceCallError(RuntimeError):
@@ -35,7 +73,7 @@ def call(ep: Endpoint, path: str, payload: dict[str, Any] | None = None, *, time
          method: str = "POST") -> Any:
     """One blocking call; raises ``ServiceCallError`` on transport errors, timeouts and non-2xx."""
     try:
-        resp = httpx.request(method, ep.url + path, json=payload, headers=ep.headers(), timeout=timeout_s)
+        resp = client().request(method, ep.url + path, json=payload, headers=ep.headers(), timeout=timeout_s)
     except httpx.TimeoutException:
         raise ServiceCallError(f"{ep.name} {path}: no answer within {timeout_s:.0f}s") from None
     except httpx.TransportError as exc:

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from rollflow.infra.http import Endpoint, ServiceCallError, call
+from rollflow.infra.http import Endpoint, ServiceCallError, call, client
 from rollflow.infra.service import ManagedProcess, free_port, log_tail
 
 SERVICE_MODULE = "rollflow.tasks.train.service"
@@ -111,7 +111,7 @@ class TrainerProcess:
                                    f"{': ' + cause if cause else ''}; last lines of {self.process.log_path}:\n"
                                    f"{log_tail(self.process.log_path, 15)}")
         try:
-            resp = httpx.get(f"{self.endpoint.url}/health", headers=self.endpoint.headers(), timeout=timeout_s)
+            resp = client().get(f"{self.endpoint.url}/health", headers=self.endpoint.headers(), timeout=timeout_s)
         except httpx.HTTPError as exc:
             raise ServiceCallError(f"the trainer does not answer at {self.endpoint.url}: {exc}") from None
         if resp.status_code != 200:

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from rollflow.infra.config import RunConfig
-from rollflow.infra.http import Endpoint, ServiceCallError, acall, call
+from rollflow.infra.http import Endpoint, ServiceCallError, acall, async_client, call, client
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.gate import ServingGate, register_gate, unregister_gate
 from rollflow.infra.inference.server import InferenceServer
@@ -87,7 +87,7 @@ class InferenceSupervisor:
 
         async def join() -> None:
             client = InferenceClient(self.server.url, timeout_s=timeout_s)
-            async with httpx.AsyncClient() as http:
+            async with async_client() as http:
                 try:
                     connect = lambda: acall(  # noqa: E731
                         http, self.trainer, "/weights/connect",
@@ -112,7 +112,7 @@ class InferenceSupervisor:
         if not self.server.is_alive():
             return f"the vLLM server died (exit code {self.server.returncode})"
         try:
-            healthy = httpx.get(f"{self.url}/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
+            healthy = client().get(f"{self.url}/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
         except httpx.HTTPError:
             healthy = False
         self._unhealthy_probes = 0 if healthy else self._unhealthy_probes + 1
@@ -178,7 +178,7 @@ class InferenceSupervisor:
 
         async def sync() -> dict:
             client = InferenceClient(self.server.url, timeout_s=timeout_s)
-            async with httpx.AsyncClient() as http:
+            async with async_client() as http:
                 try:
                     send = lambda: acall(http, self.trainer, "/weights/broadcast", {},  # noqa: E731
                                          timeout_s=timeout_s)

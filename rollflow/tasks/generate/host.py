@@ -22,10 +22,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import httpx
-
 from rollflow.infra.config import RunConfig
-from rollflow.infra.http import Endpoint, ServiceCallError, acall
+from rollflow.infra.http import Endpoint, ServiceCallError, acall, async_client
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.gate import serving_gate
 from rollflow.tasks.generate.environments import Environment, RolloutContext
@@ -137,7 +135,7 @@ class ProducerHost:
     # ------------------------------------------------------------ end of training
 
     async def _watch_training_finished(self, trainer: Endpoint) -> None:
-        async with httpx.AsyncClient() as http:
+        async with async_client() as http:
             while True:
                 try:
                     info = await acall(http, trainer, "/training_finished?wait_s=10", method="GET",

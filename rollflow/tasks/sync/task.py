@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import httpx
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.context import RunContext
 from rollflow.infra.events import publish
-from rollflow.infra.http import ServiceCallError, acall
+from rollflow.infra.http import ServiceCallError, acall, async_client
 from rollflow.infra.inference.client import InferenceClient, InferenceClientError
 from rollflow.infra.inference.gate import serving_gate
 from rollflow.infra.inference.sync import WeightSyncError, sync_weights
@@ -34,7 +33,7 @@ def sync(ctx: RunContext, version: int) -> dict:
 
     async def run() -> dict:
         client = InferenceClient(ctx.inference.url, timeout_s=timeout_s)
-        async with httpx.AsyncClient() as http:
+        async with async_client() as http:
             try:
                 send = lambda: acall(http, ctx.trainer, "/weights/broadcast", {"version": version},  # noqa: E731
                                      timeout_s=timeout_s)
