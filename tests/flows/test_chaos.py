@@ -56,6 +56,8 @@ class Campaign:
     def launch(self, *overrides: str, private_api: bool = False) -> subprocess.Popen:
         """Start the run; on the campaign's Prefect API unless ``private_api`` (the run starts
         its own, as without a configured server)."""
+        if self.proc is not None and self.proc.poll() is None:  # an earlier test failed mid-launch
+            self.kill_run(self.proc)
         self.launches += 1
         self.launched_at = time.time()
         self.log = self.root / f"launch-{self.launches}.log"
@@ -242,8 +244,19 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
     proc = c.launch("train.max_staleness=0")
     # Once step N's weights are out, step N+1's requests go to vLLM at once: freeze it so that
     # they are surely in flight, then kill it.
+    # Found first: scanning the processes takes long enough for a tiny step's requests to finish.
+    found: list[psutil.Process] = []
+
+    def vllm_started() -> bool:
+        try:
+            found.append(_service_process(c.root, "vllm.entrypoints.openai.api_server"))
+        except AssertionError:  # not spawned yet
+            return False
+        return True
+
+    c.wait_for(proc, vllm_started, "the vLLM server's process")
+    vllm = found[-1]
     c.wait_for(proc, lambda: c.published_now(step), f"weights_published({step})")
-    vllm = _service_process(c.root, "vllm.entrypoints.openai.api_server")
     vllm.send_signal(signal.SIGSTOP)
     time.sleep(1.0)
     killed_at = time.time()
