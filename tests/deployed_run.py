@@ -22,6 +22,8 @@ import httpx
 import psutil
 import yaml
 
+from rollflow.infra.service import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
 RUN_DEADLINE_S = 420
@@ -82,14 +84,6 @@ class Service:
 
     def tail(self, num_chars: int = 4000) -> str:
         return f"--- {self.name} log ({self.log}) ---\n{self.log.read_text(errors='replace')[-num_chars:]}"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def processes_marked(marker: str) -> list[psutil.Process]:

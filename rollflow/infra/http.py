@@ -93,11 +93,15 @@ async def acall(client: httpx.AsyncClient, ep: Endpoint, path: str, payload: dic
     return _result(ep, path, resp)
 
 
+def error_detail(resp: httpx.Response) -> str:
+    """What a failed answer says: FastAPI's ``detail``, else the body."""
+    try:
+        return resp.json().get("detail", resp.text)
+    except ValueError:
+        return resp.text
+
+
 def _result(ep: Endpoint, path: str, resp: httpx.Response) -> Any:
     if resp.status_code >= 400:
-        try:
-            detail = resp.json().get("detail", resp.text)
-        except ValueError:
-            detail = resp.text
-        raise ServiceCallError(f"{ep.name} {path}: HTTP {resp.status_code}: {detail}", resp.status_code)
+        raise ServiceCallError(f"{ep.name} {path}: HTTP {resp.status_code}: {error_detail(resp)}", resp.status_code)
     return resp.json() if resp.content else None

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from rollflow.infra.http import Endpoint, ServiceCallError, call, client
+from rollflow.infra.http import Endpoint, ServiceCallError, call, client, error_detail
 from rollflow.infra.service import ManagedProcess, free_port, log_tail
 
 SERVICE_MODULE = "rollflow.tasks.train.service"
@@ -115,11 +115,7 @@ class TrainerProcess:
         except httpx.HTTPError as exc:
             raise ServiceCallError(f"the trainer does not answer at {self.endpoint.url}: {exc}") from None
         if resp.status_code != 200:
-            try:
-                detail = resp.json().get("detail", resp.text)
-            except ValueError:
-                detail = resp.text
-            raise ServiceCallError(f"the trainer is unhealthy: {detail}")
+            raise ServiceCallError(f"the trainer is unhealthy: {error_detail(resp)}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ask every rank to shut down cleanly, then signal whatever is left."""

@@ -10,9 +10,10 @@ Layout (see docs/architecture.md)::
     <root>/<run>/events.jsonl
 
 Invariant: a step directory counts only once its ``_SUCCESS`` marker exists, and the marker is
-written after every other file of the directory. The marker holds a commit id (unique per
-commit): a local copy of a step folder is valid only while its marker holds the same id. Readers never open an unmarked directory;
+written after every other file of the directory. Readers never open an unmarked directory;
 writers clear an unmarked directory before writing it again, so storage holds each step once.
+The marker holds a commit id (unique per commit): a local copy of a step folder is valid only
+while its marker holds the same id.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_run import ROOT, _rollflow_processes, env_for, write_config
+from deployed_run import processes_marked
+from test_run import ROOT, env_for, write_config
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 SEED = int(os.environ.get("ROLLFLOW_CHAOS_SEED", "6"))
@@ -102,9 +103,9 @@ class Campaign:
 
     def assert_no_orphans(self) -> None:
         deadline = time.monotonic() + 30
-        while _rollflow_processes(str(self.root)) and time.monotonic() < deadline:
+        while processes_marked(str(self.root)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        left = [" ".join(p.cmdline()[:4]) for p in _rollflow_processes(str(self.root))]
+        left = [" ".join(p.cmdline()[:4]) for p in processes_marked(str(self.root))]
         assert not left, f"processes outlived the run: {left}"
 
     # ------------------------------------------------------------------ storage
@@ -316,7 +317,7 @@ def test_trainer_killed_fails_the_run_fast_naming_it_then_a_rerun_completes(camp
 
 def _service_process(marker: Path, module: str) -> psutil.Process:
     """The run's process running ``module`` (not its bash guard); the highest rank if several."""
-    found = [p for p in _rollflow_processes(str(marker))
+    found = [p for p in processes_marked(str(marker))
              if module in " ".join(p.cmdline()) and p.cmdline()[0] != "bash" and "-c" not in p.cmdline()[:2]]
     with_rank = [p for p in found if "RANK" in p.environ()]
     assert found, f"no process runs {module}"

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from deployed_run import processes_marked
 
 pytestmark = pytest.mark.slow
 
@@ -117,18 +117,6 @@ def test_run_trains_and_writes_the_documented_layout(tmp_path, model_cache):
     assert "already committed" in again
 
 
-def _rollflow_processes(marker: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline", "environ"]):
-        try:
-            text = " ".join(p.info["cmdline"] or []) + " ".join((p.info["environ"] or {}).values())
-        except (psutil.Error, TypeError):
-            continue
-        if marker in text and p.pid != os.getpid():
-            found.append(p)
-    return found
-
-
 def test_run_on_s3_resumes_from_s3(tmp_path, model_cache, s3_endpoint):
     """The whole layout on S3 (moto's server): rollouts, checkpoints, and a resume that reads them."""
     import fsspec
@@ -178,4 +166,4 @@ def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_
     assert end["event"] == "training_finished" and end["source"] == "trainer" and end["step"] == 4
     assert end["groups_in_flight"] + end["groups_ready"] > 0
     assert exited - end["time"] < 30
-    assert not _rollflow_processes(str(tmp_path)), "service processes outlived the run"
+    assert not processes_marked(str(tmp_path)), "service processes outlived the run"

@@ -13,6 +13,7 @@ import asyncio
 import os
 import secrets
 import signal
+import threading
 import time
 
 import httpx
@@ -32,7 +33,9 @@ from trainer_support import (
 
 from rollflow.infra.http import Endpoint, ServiceCallError, call
 from rollflow.infra.launch import TrainerProcess
+from rollflow.infra.service import free_port
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.weights.group import WeightReceiverGroup
 from rollflow.tasks.train.losses import LossConfig
 
 pytestmark = pytest.mark.slow
@@ -209,18 +212,8 @@ def test_exported_model_is_served_by_vllm(service):
 def test_weights_broadcast_gathers_the_shards(service):
     """The weight group's sender is rank 0; every rank helps gather the full weights it sends."""
     _whole_suite(service)
-    import threading
-
-    from rollflow.infra.service import free_port
-    from rollflow.infra.weights.group import WeightReceiverGroup
-
     metadata = service.call("/weights/metadata", method="GET")
-    port = free_port()
-    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=30)
-    joiner = threading.Thread(target=receiver.connect)
-    joiner.start()
-    service.call("/weights/connect", {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": 30})
-    joiner.join(30)
+    receiver = _join_weight_group(service, timeout_s=30)
     got: dict = {}
 
     def receive():
@@ -241,32 +234,18 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     """vLLM gone mid-sync, or never joining, is the weight plane's failure (502), not the ranks':
     the service answers, and a restarted server joins again and gets the last step's weights."""
     _whole_suite(service)
-    import threading
-
-    from rollflow.infra.service import free_port
-    from rollflow.infra.weights.group import WeightReceiverGroup
-
-    def join(timeout_s: float) -> WeightReceiverGroup:
-        port = free_port()
-        receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=timeout_s)
-        joiner = threading.Thread(target=receiver.connect)
-        joiner.start()
-        service.call("/weights/connect", {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": timeout_s})
-        joiner.join(30)
-        return receiver
-
     with pytest.raises(ServiceCallError, match="HTTP 502") as err:  # nobody joins
         service.call("/weights/connect", {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 2})
     assert err.value.status == 502 and service.call("/health", method="GET")["ok"]
 
-    join(5).close()  # the receiver dies before the broadcast
+    _join_weight_group(service, timeout_s=5).close()  # the receiver dies before the broadcast
     with pytest.raises(ServiceCallError, match="HTTP 502"):
         service.call("/weights/broadcast", {"version": 1})
     with pytest.raises(ServiceCallError, match="HTTP 409"):  # the broken group was dropped
         service.call("/weights/broadcast", {"version": 1})
     assert service.call("/health", method="GET")["ok"]
 
-    receiver = join(30)
+    receiver = _join_weight_group(service, timeout_s=30)
     service.call("/end_step", {"step": 3})  # the last finished step: the version-less tag
     metadata = service.call("/weights/metadata", method="GET")
     got: dict = {}
@@ -278,6 +257,17 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     receiver.close()
     assert sent["version"] == got["version"] == 3
     assert service.call("/health", method="GET")["weights_version"] == 3
+
+
+def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
+    """A weight group of the service (rank 0 sends) and one receiver, as a vLLM worker joins it."""
+    port = free_port()
+    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=timeout_s)
+    joiner = threading.Thread(target=receiver.connect)
+    joiner.start()
+    service.call("/weights/connect", {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": timeout_s})
+    joiner.join(30)
+    return receiver
 
 
 def test_a_dead_rank_is_named_within_seconds(service):

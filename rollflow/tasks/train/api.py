@@ -8,12 +8,14 @@ mid-collective, 504 past the call's deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -110,9 +112,6 @@ class Dispatcher:
         self.watch = watch
         self._queue: queue.Queue[_Pending] = queue.Queue()
 
-    def submit(self, cmd: dict[str, Any], timeout_s: float) -> Any:
-        return self.wait(self.enqueue(cmd), timeout_s)
-
     def enqueue(self, cmd: dict[str, Any]) -> _Pending:
         if self.watch.failure:
             raise ServiceFailed(self.watch.failure)
@@ -161,18 +160,16 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
     # so that a broadcast's version tag and an optimizer step are queued in the order they were read.
     order = threading.Lock()
 
-    def run(op: str, fields: dict[str, Any] | None = None, deadline_s: float = timeout_s,
-            queued: Any = None) -> Any:
-        try:
-            return dispatcher.wait(queued or dispatcher.enqueue({"op": op, **(fields or {})}), deadline_s)
-        except CommandError as err:
-            raise HTTPException(400, str(err)) from None
-        except WeightPlaneError as err:  # the inference side of the weight group: 502, still usable
-            raise HTTPException(502, str(err)) from None
-        except ServiceFailed as err:
-            raise HTTPException(503, str(err)) from None
-        except TimeoutError as err:
-            raise HTTPException(504, str(err)) from None
+    def queue(op: str, fields: dict[str, Any] | None = None) -> _Pending:
+        with _as_http_errors():
+            return dispatcher.enqueue({"op": op, **(fields or {})})
+
+    def result(pending: _Pending, deadline_s: float = timeout_s) -> Any:
+        with _as_http_errors():
+            return dispatcher.wait(pending, deadline_s)
+
+    def run(op: str, fields: dict[str, Any] | None = None, deadline_s: float = timeout_s) -> Any:
+        return result(queue(op, fields), deadline_s)
 
     @app.get("/health")
     def health() -> dict:
@@ -204,8 +201,8 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
             raise HTTPException(409, f"training finished after step {num_steps}: no more optimizer steps")
         with order:
             state["weights_version"] = None
-            queued = _enqueue(dispatcher, {"op": "optim_step"})
-        return run("optim_step", queued=queued)
+            pending = queue("optim_step")
+        return result(pending)
 
     @app.post("/end_step")
     def end_step(req: EndStep) -> dict:
@@ -259,8 +256,8 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
             version = state["weights_version"] if req.version is None else req.version
             if version is None:
                 raise HTTPException(409, "a step is training: its weights are no policy version yet")
-            queued = _enqueue(dispatcher, {"op": "weights_broadcast", "version": version})
-        return {"version": version, **run("weights_broadcast", queued=queued)}
+            pending = queue("weights_broadcast", {"version": version})
+        return {"version": version, **result(pending)}
 
     @app.post("/weights/close")
     def close_weights() -> dict:
@@ -273,8 +270,16 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
     return app
 
 
-def _enqueue(dispatcher: Dispatcher, cmd: dict[str, Any]) -> _Pending:
+@contextlib.contextmanager
+def _as_http_errors() -> Iterator[None]:
+    """A command's failure as the HTTP answer of its route."""
     try:
-        return dispatcher.enqueue(cmd)
+        yield
+    except CommandError as err:
+        raise HTTPException(400, str(err)) from None
+    except WeightPlaneError as err:  # the inference side of the weight group: 502, still usable
+        raise HTTPException(502, str(err)) from None
     except ServiceFailed as err:
         raise HTTPException(503, str(err)) from None
+    except TimeoutError as err:
+        raise HTTPException(504, str(err)) from None
