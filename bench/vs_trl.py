@@ -48,14 +48,18 @@ WORKLOADS = {
           "overrides": ["sampling.group_size=8", "train.train_batch_size=8", "train.mini_batch_size=8",
                         "sampling.max_tokens=8", "train.lr=2e-4"],
           "threshold": 0.8, "eval_every": 10, "max_steps": 2000},
-    "b": {"what": "generation-dominated: ~10M char Llama, sort 24-28 letters, ≤ 32 tokens",
+    # Whole 24-28-letter answers are out of reach of a 10M model trained for minutes on 2 cores
+    # (exact match still 0.00 after 400 supervised steps), so (b) scores the fraction of positions
+    # right, and warm-starts for a fixed 200 steps (~5 min; held-out ~0.6).
+    "b": {"what": "generation-dominated: ~10M char Llama, sort 24-28 letters (positions right), ≤ 32 tokens",
           "overrides": ["model.tiny.hidden_size=512", "model.tiny.num_layers=3", "model.tiny.intermediate_size=1536",
                         "model.tiny.num_heads=8", "model.tiny.max_position_embeddings=96",
-                        "envs=[{name='sort_letters', args={letters='abcdefgh', min_len=24, max_len=28}}]",
-                        "model.warm_start_target=0.3", "model.warm_start_max_steps=4000",
+                        "envs=[{name='sort_letters', args={letters='abcdefgh', min_len=24, max_len=28, "
+                        "partial_credit=true}}]",
+                        "model.warm_start_target=1.0", "model.warm_start_max_steps=200",
                         "sampling.group_size=8", "train.train_batch_size=8", "train.mini_batch_size=8",
                         "sampling.max_tokens=32", "train.lr=1e-4"],
-          "threshold": 0.6, "eval_every": 10, "max_steps": 1000},
+          "threshold": 0.7, "eval_every": 10, "max_steps": 1000},
 }
 
 
@@ -88,6 +92,7 @@ def trl_child(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rollflow.tasks.generate.environments import Prompt
     from rollflow.tasks.generate.task import build_envs
 
     t_start = time.perf_counter()
@@ -105,8 +110,8 @@ def trl_child(spec: dict) -> dict:
     dataset = Dataset.from_list([{"prompt": bos + p.text, "answer": p.answer} for p in train])
     held_out = eval_prompts(cfg)
 
-    def exact_match(prompts, completions, answer, **_):
-        return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+    def env_reward(prompts, completions, answer, **_):  # the env's own reward, as rollflow scores it
+        return [env.reward(Prompt(env.name, "", p, a), c) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
     @torch.no_grad()
     def evaluate(m) -> float:
@@ -116,7 +121,7 @@ def trl_child(spec: dict) -> dict:
                          pad_token_id=tok.pad_token_id)
         texts = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
         m.train()
-        return sum(x.strip() == p.answer for x, p in zip(texts, held_out, strict=True)) / len(held_out)
+        return sum(env.reward(p, x) for x, p in zip(texts, held_out, strict=True)) / len(held_out)
 
     curve, state = [], {"eval_s": 0.0, "reached": None, "train_start": None}
 
@@ -147,7 +152,7 @@ def trl_child(spec: dict) -> dict:
         num_iterations=1, max_steps=spec["max_steps"], logging_steps=10**9, report_to="none",
         save_strategy="no", use_cpu=True, bf16=False, seed=cfg.run.seed, disable_dropout=True,
         shuffle_dataset=False)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=env_reward, args=config, train_dataset=dataset,
                           processing_class=tok, callbacks=[HeldOut()])
     initial = evaluate(model)
     setup_s = time.perf_counter() - t_start

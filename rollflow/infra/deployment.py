@@ -57,7 +57,7 @@ class RunServices:
         self.trainer_proc = TrainerProcess(
             trainer_args(cfg, self.policy_dir, self.checkpoint_step), backend=cfg.trainer.backend,
             num_ranks=cfg.trainer.num_ranks, token=self.token, log_dir=self.log_dir,
-            startup_timeout_s=cfg.trainer.startup_timeout_s,
+            startup_timeout_s=cfg.trainer.startup_timeout_s, beside_inference=True,
         )
         self.trainer = self.trainer_proc.endpoint
         self.trainer_proc.start()  # loads while vLLM starts

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from rollflow.infra.http import Endpoint, ServiceCallError, call, client, error_detail
-from rollflow.infra.service import ManagedProcess, free_port, log_tail
+from rollflow.infra.service import ManagedProcess, cpu_split, free_port, log_tail
 
 SERVICE_MODULE = "rollflow.tasks.train.service"
 TORCH_EXTENSIONS_DIR = Path("~/.cache/rollflow/torch_extensions").expanduser()
@@ -45,10 +45,11 @@ def launcher_argv(backend: str, num_ranks: int, args_file: str | Path, master_po
     raise ValueError(f"unknown trainer backend {backend!r}; expected 'fsdp2' or 'deepspeed'")
 
 
-def launcher_env(num_ranks: int, token: str, device: str) -> dict[str, str]:
-    """Per-rank threads (the deepspeed launcher leaves OMP_NUM_THREADS unset), the run's token,
-    a persistent cache for DeepSpeed's compiled ops, and CPU mode where no GPU is to be used."""
-    threads = os.environ.get("ROLLFLOW_TRAINER_THREADS") or str(max(1, (os.cpu_count() or 1) // num_ranks))
+def launcher_env(num_ranks: int, token: str, device: str, num_cpus: int | None = None) -> dict[str, str]:
+    """Per-rank threads (the deepspeed launcher leaves OMP_NUM_THREADS unset; the ranks share
+    ``num_cpus`` cores, default all), the run's token, a persistent cache for DeepSpeed's compiled
+    ops, and CPU mode where no GPU is to be used."""
+    threads = os.environ.get("ROLLFLOW_TRAINER_THREADS") or str(max(1, (num_cpus or os.cpu_count() or 1) // num_ranks))
     env = {
         "ROLLFLOW_TOKEN": token,
         "ROLLFLOW_TRAINER_THREADS": threads,
@@ -66,7 +67,7 @@ class TrainerProcess:
     """One trainer service: launcher + ranks, reachable at ``endpoint``."""
 
     def __init__(self, args: dict[str, Any], *, backend: str, num_ranks: int, token: str,
-                 log_dir: str | Path, startup_timeout_s: float):
+                 log_dir: str | Path, startup_timeout_s: float, beside_inference: bool = False):
         self.log_dir = Path(log_dir)
         self.backend, self.num_ranks = backend, num_ranks
         self.startup_timeout_s = startup_timeout_s
@@ -81,7 +82,9 @@ class TrainerProcess:
             device = "cuda" if _has_cuda() else "cpu"
         self.process = ManagedProcess(
             "trainer", launcher_argv(backend, num_ranks, args_file, free_port()), log_path,
-            env=launcher_env(num_ranks, token, device),
+            # Beside vLLM on a host without a GPU, the ranks keep to the trainer's share of the cores.
+            env=launcher_env(num_ranks, token, device,
+                             len(cpu_split()[1]) if beside_inference and device == "cpu" else None),
         )
         self._args_file = args_file
         self.ranks: list[dict[str, Any]] = []

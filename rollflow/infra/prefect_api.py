@@ -1,7 +1,8 @@
 """The Prefect API a run talks to: the configured server, or a private one for the run.
 
 Prefect's own ephemeral server outlives a SIGKILLed parent. ``local_prefect_api`` starts the same
-server as a ``ManagedProcess``, so it dies with the run like every other service.
+server as a ``ManagedProcess``, so it dies with the run like every other service (its app, with
+SQLite writers serialised, is ``prefect_server.create_app``).
 ``require_prefect_server`` is for what needs a real, lasting server (deployments).
 """
 
@@ -13,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import prefect
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 from rollflow.infra.service import ManagedProcess, free_port
@@ -59,8 +59,8 @@ def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str | None]:
     home = Path(settings.home).expanduser()
     server = ManagedProcess(
         "prefect API",
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
-         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(__file__).resolve().parents[2]), "--factory",
+         "rollflow.infra.prefect_server:create_app", "--host", "127.0.0.1", "--port", str(port),
          "--log-level", "error", "--lifespan", "on"],
         home / "rollflow-api.log",
         env={"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",

@@ -1,6 +1,12 @@
-"""Naming the dead trainer rank from the launcher's log, when rank 0 could not say it itself."""
+"""Naming the dead trainer rank from the launcher's log, when rank 0 could not say it itself;
+how the ranks share a host's cores with vLLM."""
 
-from rollflow.infra.launch import _failure_in_log
+import os
+
+import pytest
+
+from rollflow.infra.launch import TrainerProcess, _failure_in_log
+from rollflow.infra.service import cpu_split
 
 TORCHRUN_ROOT_CAUSE = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -34,3 +40,26 @@ def test_no_failure_recorded(tmp_path):
     log.write_text("trainer[0] INFO rank 0/1 ready\n")
     assert _failure_in_log(log) is None
     assert _failure_in_log(tmp_path / "missing.log") is None
+
+
+@pytest.mark.parametrize(("cpus", "inference", "trainer"), [
+    ({0, 1}, [0], [1]), ({0}, [0], [0]), (set(range(8)), [0, 1, 2, 3], [4, 5, 6, 7])])
+def test_cpu_split_gives_vllm_and_the_trainer_their_own_cores(monkeypatch, cpus, inference, trainer):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
+    assert cpu_split() == (inference, trainer)
+
+
+def test_ranks_beside_vllm_on_a_cpu_host_keep_to_the_trainers_cores(monkeypatch, tmp_path):
+    monkeypatch.delenv("ROLLFLOW_TRAINER_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+
+    def threads(**kw):
+        proc = TrainerProcess({"device": "cpu"}, backend="fsdp2", token="t", log_dir=tmp_path, startup_timeout_s=1, **kw)
+        return proc.process.env["OMP_NUM_THREADS"]
+
+    assert threads(num_ranks=1) == "8"                          # alone: every core
+    assert threads(num_ranks=1, beside_inference=True) == "4"   # beside vLLM: its half
+    assert threads(num_ranks=2, beside_inference=True) == "2"
+    monkeypatch.setenv("ROLLFLOW_TRAINER_THREADS", "3")         # the user's choice wins
+    assert threads(num_ranks=1, beside_inference=True) == "3"

@@ -28,6 +28,16 @@ def test_train_and_eval_splits_are_disjoint_and_rewards_exact(env):
     assert env.reward(p, p.answer + "x") == 0.0
 
 
+def test_sort_letters_partial_credit_counts_right_positions_over_the_longer_string():
+    env, p = SortLettersEnv(partial_credit=True), Prompt("sort_letters", "x", "sort dcab=", "abcd")
+    assert env.reward(p, " abcd ") == 1.0
+    assert env.reward(p, "abdd") == 0.75
+    assert env.reward(p, "ab") == 0.5            # too short: the missing positions are wrong
+    assert env.reward(p, "abcdabcd") == 0.5      # too long: the extra positions are wrong
+    assert env.reward(p, "") == 0.0
+    assert SortLettersEnv().reward(p, "abdd") == 0.0  # exact match by default
+
+
 def test_prompts_are_reproducible_from_the_seed():
     envs = {"add": AddEnv(), "sort_letters": SortLettersEnv()}
     a = select_prompts(envs, {"add": 1, "sort_letters": 3}, 64, "train", seed=7)

@@ -14,7 +14,7 @@ from types import TracebackType
 
 import httpx
 
-from rollflow.infra.service import ManagedProcess, ServiceError, free_port
+from rollflow.infra.service import ManagedProcess, ServiceError, cpu_split, free_port
 
 WORKER_EXTENSION_CLS = "rollflow.infra.inference.worker_extension.WeightReceiver"
 
@@ -99,6 +99,8 @@ class InferenceServer:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        if _on_cpu():  # the worker's OpenMP threads on vLLM's share of the cores (see cpu_split)
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpu_split()[0])))
         # The worker extension is imported by module path inside vLLM's worker processes.
         root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

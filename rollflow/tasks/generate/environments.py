@@ -170,14 +170,26 @@ class AddEnv(_ExactMatchEnv):
 
 
 class SortLettersEnv(_ExactMatchEnv):
-    """Letter sorting: ``"sort dcab="`` → ``"abcd"``."""
+    """Letter sorting: ``"sort dcab="`` → ``"abcd"``.
+
+    ``partial_credit``: the reward is the fraction of positions right (over the longer of the
+    answer and the completion) instead of exact match, a dense signal for long words that a
+    small model rarely gets wholly right.
+    """
 
     name = "sort_letters"
 
-    def __init__(self, letters: str = "abcdefgh", min_len: int = 3, max_len: int = 5):
+    def __init__(self, letters: str = "abcdefgh", min_len: int = 3, max_len: int = 5, partial_credit: bool = False):
         if not 1 <= min_len <= max_len:
             raise ValueError(f"env sort_letters: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
         self.letters, self.min_len, self.max_len = letters, min_len, max_len
+        self.partial_credit = partial_credit
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        if not self.partial_credit:
+            return super().reward(prompt, completion)
+        got, want = completion.strip(), prompt.answer
+        return sum(a == b for a, b in zip(got, want, strict=False)) / max(len(got), len(want))
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
         word = "".join(rng.choice(self.letters) for _ in range(rng.randint(self.min_len, self.max_len)))
