@@ -73,9 +73,11 @@ def train_step(ctx: RunContext, step: int) -> dict:
     metrics["flow_s"] = time.perf_counter() - t0
     metrics["step_s"] = host.step_seconds()  # consecutive steps add up to the run's wall clock
     ctx.storage.write_metrics(step, metrics)
-    publish_step_metrics(cfg.run.name, step, metrics)
     if step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps:
         checkpoint(ctx, step)
     publish(ctx.storage, "step_committed", step=step)
     host.mark_committed(step)
+    # For people, after the commit: the artifact is a call to the Prefect API that the next
+    # step's trainer must not wait for.
+    publish_step_metrics(cfg.run.name, step, metrics)
     return metrics
