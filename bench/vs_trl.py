@@ -16,8 +16,8 @@ TRL's ``loss_type="dapo"``, ``scale_rewards="none"``, ``beta=0``).
 - rollflow: ``rollflow run`` (vLLM CPU, trainer service, Prefect flows) with ``model.path`` set
   to the same policy, ``max_staleness`` as given (default 1), in a child process.
 
-Held-out reward: exact match of greedy completions on the same 256 held-out prompts (rollflow's
-``evaluate`` set), every ``--eval-every`` steps on both sides; TRL evaluates with HF generate in
+Held-out reward: the env's reward (exact match for (a), the fraction of positions right for (b))
+of greedy completions on the same 256 held-out prompts (rollflow's ``evaluate`` set), every ``--eval-every`` steps on both sides; TRL evaluates with HF generate in
 a callback, rollflow with vLLM. Time to threshold counts training only: each side's evaluation
 time is subtracted, and start-up (model load; for rollflow vLLM, trainer service and Prefect) is
 reported apart. A side that has not reached the threshold by ``--max-steps`` or ``--max-s`` is
@@ -281,7 +281,7 @@ def main() -> None:
     cfg = load_cfg(args.workload, args.overrides)
     print(f"\nworkload ({args.workload}) {w['what']}: group {cfg.sampling.group_size}, "
           f"{cfg.train.train_batch_size} prompts per step, lr {cfg.train.lr:g}, threshold "
-          f"{spec['threshold']} held-out exact match; rollflow max_staleness {args.staleness}")
+          f"{spec['threshold']} held-out reward (the env's: {cfg.envs[0].name}); rollflow max_staleness {args.staleness}")
     print(machine.line() + "\n")
     base = results[0]["train_s"] if results else float("nan")
     print(table(["side", "held-out at start", "reached", "steps", "training s to threshold (or to the end)",
