@@ -294,6 +294,37 @@ def test_requests_aborted_by_a_real_pause_are_retried_and_complete(server):
     assert all(c.finish_reason in ("stop", "length") and c.token_ids for g in results for c in g)
 
 
+def _worker_cpu_s(server) -> float:
+    procs = [psutil.Process(pid) for pid in server.pids()]
+    return sum(sum(p.cpu_times()[:2]) for p in procs if p.name().startswith("VLLM::Worker"))
+
+
+@pytest.mark.slow
+def test_worker_sleeps_between_requests_and_wakes_for_each(server):
+    """On CPU, vLLM's worker does not spin between requests (vllm_plugin.py), and no wake-up is
+    lost: a pause, a no-op RPC, a resume and a short completion each answer at once (a lost
+    wake-up costs vLLM's 5 s recheck)."""
+
+    async def go(client):
+        await client.complete(PROMPT_IDS, max_tokens=4, temperature=1.0)  # the first one warms up
+        slowest = 0.0
+        for _ in range(8):  # gaps well under vLLM's own 1 s spin window
+            await asyncio.sleep(0.25)
+            for call in (lambda: client.pause(mode="keep"), lambda: client.collective_rpc("close_weight_group"),
+                         client.resume, lambda: client.complete(PROMPT_IDS, max_tokens=4, temperature=1.0)):
+                start = time.monotonic()
+                await call()
+                slowest = max(slowest, time.monotonic() - start)
+        return slowest
+
+    cpu0, wall0 = _worker_cpu_s(server), time.monotonic()
+    slowest = run(go, server)  # (the warm-up's few ms of CPU are within the bound)
+    busy = (_worker_cpu_s(server) - cpu0) / (time.monotonic() - wall0)
+    assert slowest < 1.0, f"a call took {slowest:.2f}s: a wake-up was lost"
+    # Spinning, the worker is busy ~100% of the wall clock here; generating 8 x 4 tokens is a few %.
+    assert busy < 0.5, f"vLLM's worker was busy {busy:.0%} of the time between requests"
+
+
 @pytest.mark.slow
 def test_absent_trainer_makes_init_fail_within_timeout(server):
     async def go(client):

@@ -14,6 +14,7 @@ from types import TracebackType
 
 import httpx
 
+from rollflow.infra.inference.vllm_plugin import SPIN_ENV
 from rollflow.infra.service import ManagedProcess, ServiceError, cpu_split, free_port
 
 WORKER_EXTENSION_CLS = "rollflow.infra.inference.worker_extension.WeightReceiver"
@@ -101,6 +102,8 @@ class InferenceServer:
         env.setdefault("DO_NOT_TRACK", "1")
         if _on_cpu():  # the worker's OpenMP threads on vLLM's share of the cores (see cpu_split)
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpu_split()[0])))
+            # No spinning between engine steps: the cores are shared (see vllm_plugin.py).
+            env.setdefault(SPIN_ENV, "0.02")
         # The worker extension is imported by module path inside vLLM's worker processes.
         root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
