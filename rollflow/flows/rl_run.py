@@ -28,7 +28,7 @@ from rollflow.infra.events import publish
 from rollflow.infra.http import ServiceCallError
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.generate.host import ProducerHost
+from rollflow.tasks.generate.host import ProducerHost, step_flows_in_flight
 from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context, reused_steps
 from rollflow.tasks.train.warm_start import prepare_tiny_model
 
@@ -98,14 +98,14 @@ def rl_run(config: dict) -> dict:
 
 def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resumed_from: int,
               report: Callable[[int, dict], None]) -> None:
-    """Run the step flows in step order, up to ``max_staleness + 2`` at once (each its own flow run).
+    """Run the step flows in step order, ``step_flows_in_flight`` at once (each its own flow run).
 
-    The flow beyond the staleness bound waits at its generate task while the others work, so a
-    flow run's start-up cost (~1 s) is never on the critical path. A failed step closes the
+    The flows beyond the staleness bound wait at their generate task while the others work, so a
+    flow run's own cost (~1 s to start and finish) is never on the critical path. A failed step closes the
     producer, which ends the flows waiting on it, and fails the run.
     """
     cfg = ctx.config
-    workers = cfg.train.max_staleness + 2
+    workers = step_flows_in_flight(cfg)
     steps = iter(range(resumed_from + 1, cfg.run.num_steps + 1))
     running: deque[tuple[int, Future]] = deque()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="step") as pool:

@@ -1,10 +1,12 @@
 """One outer training step as one Prefect flow run: generate → advantage → train → sync.
 
 Step flows overlap (see ``rl_run.run_steps``): step N+1's flow takes its groups from the rollout
-producer while step N trains, never further ahead than ``max_staleness``. The trainer keeps step
-order: step N trains only after step N-1 has committed. The step commits when its checkpoint's
-``_SUCCESS`` is written; a step killed before that is redone on resume, and its half-written
-folders are replaced, not added to.
+producer while step N trains, never further ahead than ``max_staleness``. Two orders hold:
+step N trains once step N-1 released the trainer, the moment its weights are out (after its
+checkpoint or evaluation, when it has one: those must see step N-1's weights); and step N
+commits after step N-1 committed. So step N-1's metrics and commit run while step N trains.
+The step commits when its checkpoint's ``_SUCCESS`` is written; a step killed before that is
+redone on resume, and its half-written folders are replaced, not added to.
 """
 
 from __future__ import annotations
@@ -38,16 +40,19 @@ def train_step(ctx: RunContext, step: int) -> dict:
     t1 = time.perf_counter()
     batch = advantage(ctx, step, reuse=rollouts["reused"], group_scored_envs=rollouts["group_scored_envs"])
     t2 = time.perf_counter()
-    trainer_free_at = host.wait_committed(step - 1, take_timeout_s(cfg))
+    trainer_free_at = host.wait_released(step - 1, take_timeout_s(cfg))
     t3 = time.perf_counter()
     trained = train(ctx, step, batch["minibatches"])
     t4 = time.perf_counter()
     evaluates = step == cfg.run.num_steps or bool(cfg.run.eval_every and step % cfg.run.eval_every == 0)
+    checkpoints = step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps
     synced = {}
     if step % cfg.train.sync_every == 0 or evaluates:
         synced = sync(ctx, version=step)
         host.set_version(step)  # vLLM serves it now: the producer admits the groups it unblocks
     t5 = time.perf_counter()
+    if not (evaluates or checkpoints):
+        host.release(step)
     metrics = {
         "reward_mean": rollouts["reward_mean"],
         **{f"reward/{env}": r for env, r in rollouts["reward_by_env"].items()},
@@ -59,7 +64,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
         "sync_s": synced.get("total_s"), "sync_pause_s": synced.get("pause_s"),
         **{k: rollouts[k] for k in PRODUCER_METRICS if k in rollouts},
         # Wall clock by phase. The trainer waited for data from the moment it was free (the
-        # previous step's commit) until this step's batch was ready.
+        # previous step released it) until this step's batch was ready.
         "generate_phase_s": t1 - t0, "advantage_phase_s": t2 - t1, "train_phase_s": t4 - t3,
         "sync_phase_s": t5 - t4, "trainer_wait_for_data_s": max(0.0, t2 - trainer_free_at),
         "wait_for_previous_step_s": t3 - t2,
@@ -70,11 +75,13 @@ def train_step(ctx: RunContext, step: int) -> dict:
         metrics["eval_phase_s"] = time.perf_counter() - t_eval
         metrics["eval_reward"] = ev["eval_reward"]
         metrics.update({f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()})
+    host.wait_committed(step - 1, take_timeout_s(cfg))
     metrics["flow_s"] = time.perf_counter() - t0
     metrics["step_s"] = host.step_seconds()  # consecutive steps add up to the run's wall clock
     ctx.storage.write_metrics(step, metrics)
-    if step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps:
+    if checkpoints:
         checkpoint(ctx, step)
+    host.release(step)  # (again, for a step that released already: a no-op)
     publish(ctx.storage, "step_committed", step=step)
     host.mark_committed(step)
     # For people, after the commit: the artifact is a call to the Prefect API that the next

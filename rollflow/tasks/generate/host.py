@@ -2,14 +2,16 @@
 
 Step flows run in several threads at once (they overlap); the producer is not thread-safe, so it
 lives on one loop and every call from a task crosses into that loop. The host also keeps the
-trainer's order: step N trains only after step N-1 has committed, however the flows overlap.
+steps' two orders, however the flows overlap: step N trains only after step N-1 released the
+trainer (its weights are out), and commits only after step N-1 committed.
 
 The end of training is the trainer's to say: a watcher on the host's loop long-polls the
 trainer service's ``/training_finished``; when the trainer publishes it (after the run's last
 optimizer step) the producer is finished at once: it stops admitting and cancels what is in flight.
 
 Invariant: ``close()`` (after the ``training_finished`` event, or on a failure) ends every
-waiter: pending ``take`` calls raise ``TrainingFinished``, ``wait_committed`` raises, the loop stops.
+waiter: pending ``take`` calls raise ``TrainingFinished``, ``wait_released`` and
+``wait_committed`` raise, the loop stops.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ from rollflow.tasks.generate.rollouts import SamplingStats, group_runner
 
 log = logging.getLogger(__name__)
 _HOSTS: dict[str, ProducerHost] = {}
+
+# Step flows in flight beyond the staleness bound's S + 2: a flow run's own start and finish
+# (~1 s on 2 cores: API calls, and the heartbeat thread it joins at the end) then happen while
+# earlier steps train, also when a step takes less than that (a tiny step: ~0.3 s).
+EXTRA_STEP_FLOWS = 2
+
+
+def step_flows_in_flight(cfg: RunConfig) -> int:
+    """How many step flows run at once: the ones within the staleness bound, and a margin."""
+    return cfg.train.max_staleness + 2 + EXTRA_STEP_FLOWS
 
 
 def host_for(run: str) -> ProducerHost:
@@ -61,8 +73,8 @@ class ProducerHost:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-producer", daemon=True)
         self.thread.start()
-        self._taken = self._committed = resumed_from
-        self._committed_at = self._last_step_end = time.perf_counter()
+        self._taken = self._released = self._committed = resumed_from
+        self._released_at = self._last_step_end = time.perf_counter()
         self._closed: BaseException | None = None
         self._cond = threading.Condition()
         self.sampling_stats = SamplingStats()  # retries of aborted or disconnected requests
@@ -161,15 +173,26 @@ class ProducerHost:
 
     # --------------------------------------------------------------- step order
 
-    def wait_committed(self, step: int, timeout_s: float) -> float:
-        """Block until ``step`` has committed; returns when it did (``time.perf_counter``)."""
+    def wait_released(self, step: int, timeout_s: float) -> float:
+        """Block until ``step`` released the trainer; returns when it did (``time.perf_counter``)."""
+        self._wait(lambda: self._released >= step, timeout_s,
+                   f"step {step + 1} waited for step {step} to release the trainer")
+        return self._released_at
+
+    def release(self, step: int) -> None:
+        """``step`` is done with the trainer and the weights: the next step may train."""
+        with self._cond:
+            self._released, self._released_at = max(self._released, step), time.perf_counter()
+            self._cond.notify_all()
+
+    def wait_committed(self, step: int, timeout_s: float) -> None:
+        """Block until ``step`` has committed (steps commit in step order)."""
         self._wait(lambda: self._committed >= step, timeout_s,
                    f"step {step + 1} waited for step {step} to commit")
-        return self._committed_at
 
     def step_seconds(self) -> float:
         """Seconds since the previous step's metrics (or the start): consecutive steps add up to
-        the wall clock. Steps call it in step order (each trains after its predecessor commits)."""
+        the wall clock. Steps call it in step order (each after its predecessor committed)."""
         with self._cond:
             now = time.perf_counter()
             elapsed, self._last_step_end = now - self._last_step_end, now
@@ -177,7 +200,7 @@ class ProducerHost:
 
     def mark_committed(self, step: int) -> None:
         with self._cond:
-            self._committed, self._committed_at = max(self._committed, step), time.perf_counter()
+            self._committed = max(self._committed, step)
             self._cond.notify_all()
 
     def _wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:

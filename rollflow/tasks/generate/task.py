@@ -27,7 +27,7 @@ from rollflow.infra.context import RunContext
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.schema import rows_to_table
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
-from rollflow.tasks.generate.host import host_for
+from rollflow.tasks.generate.host import host_for, step_flows_in_flight
 from rollflow.tasks.generate.rollouts import (
     GroupResult,
     RetryPolicy,
@@ -132,7 +132,7 @@ def take_timeout_s(cfg: RunConfig) -> float:
     """How long a step may wait for its groups: a whole step of every earlier overlapping step."""
     per_step = (cfg.inference.request_timeout_s + cfg.trainer.request_timeout_s
                 + cfg.trainer.weight_sync_timeout_s)
-    return per_step * (cfg.train.max_staleness + 2)
+    return per_step * step_flows_in_flight(cfg)
 
 
 def _summary(rows: list[dict]) -> dict:
