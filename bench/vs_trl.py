@@ -3,12 +3,15 @@
     .venv/bin/python bench/vs_trl.py --workload a          # tiny, ~0.4M params, ≤ 8 tokens
     .venv/bin/python bench/vs_trl.py --workload b          # ~10M params, ≥ 24-token completions
     .venv/bin/python bench/vs_trl.py --workload a --only trl   # one side (e.g. to tune)
+    .venv/bin/python bench/vs_trl.py --workload a --minibatches 4  # 4 optimizer steps per generation
 
 Both sides start from the same warm-started policy (rollflow's ``prepare_policy``: a tiny
 character Llama trained by a short supervised pass, cached in ~/.cache/rollflow/models), on the
 same environment, group size, prompts per step, learning rate (AdamW, constant, no warm-up,
-weight decay 0, gradient clipping 1.0), sampling temperature 1.0 and completion length, one
-optimizer step per generation batch, the same loss shape (PPO-clip ε = 0.2 on token ratios, no
+weight decay 0, gradient clipping 1.0), sampling temperature 1.0 and completion length, the
+same number of optimizer steps per generation batch (``--minibatches K``, default 1: TRL's
+``steps_per_generation``, rollflow's ``train_batch_size = K · mini_batch_size``; each optimizer
+step takes the workload's prompts per step), the same loss shape (PPO-clip ε = 0.2 on token ratios, no
 KL term, reward − group mean as advantage, loss summed over tokens / all tokens of the batch:
 TRL's ``loss_type="dapo"``, ``scale_rewards="none"``, ``beta=0``).
 
@@ -63,10 +66,17 @@ WORKLOADS = {
 }
 
 
-def load_cfg(workload: str, extra: list[str]):
+def load_cfg(workload: str, extra: list[str], minibatches: int = 1):
+    """The workload's config; with K mini-batches an outer step samples K times the prompts."""
     from rollflow.infra.config import load_config
 
-    return load_config(ROOT / "configs/quickstart.toml", [*WORKLOADS[workload]["overrides"], *extra])
+    cfg = load_config(ROOT / "configs/quickstart.toml", [*WORKLOADS[workload]["overrides"], *extra])
+    if minibatches == 1:
+        return cfg
+    prompts = cfg.train.mini_batch_size
+    return load_config(ROOT / "configs/quickstart.toml", [
+        *WORKLOADS[workload]["overrides"], *extra,
+        f"train.train_batch_size={prompts * minibatches}", f"train.mini_batch_size={prompts}"])
 
 
 def eval_prompts(cfg):
@@ -98,7 +108,7 @@ def trl_child(spec: dict) -> dict:
     t_start = time.perf_counter()
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    cfg = load_cfg(spec["workload"], spec["extra"])
+    cfg = load_cfg(spec["workload"], spec["extra"], spec["minibatches"])
     s, t = cfg.sampling, cfg.train
     tok = AutoTokenizer.from_pretrained(spec["model"])
     tok.padding_side = "left"
@@ -106,7 +116,7 @@ def trl_child(spec: dict) -> dict:
     env = next(iter(build_envs(cfg).values()))
     rng = random.Random(cfg.run.seed)
     bos = tok.bos_token
-    train = env.prompts("train", spec["max_steps"] * t.train_batch_size, rng)
+    train = env.prompts("train", spec["max_steps"] * t.mini_batch_size, rng)
     dataset = Dataset.from_list([{"prompt": bos + p.text, "answer": p.answer} for p in train])
     held_out = eval_prompts(cfg)
 
@@ -144,8 +154,9 @@ def trl_child(spec: dict) -> dict:
                 control.should_training_stop = True
 
     config = GRPOConfig(
-        output_dir=spec["out"], per_device_train_batch_size=s.group_size * t.train_batch_size,
-        gradient_accumulation_steps=1, num_generations=s.group_size, max_completion_length=s.max_tokens,
+        output_dir=spec["out"], per_device_train_batch_size=s.group_size * t.mini_batch_size,
+        gradient_accumulation_steps=1, steps_per_generation=t.train_batch_size // t.mini_batch_size,
+        num_generations=s.group_size, max_completion_length=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p, learning_rate=t.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=0.0,
         epsilon=t.clip_eps_low, epsilon_high=t.clip_eps_high, loss_type="dapo", scale_rewards="none",
@@ -177,11 +188,13 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
     from rollflow.infra.config import dump_config
 
     name = "vs-trl"
-    config = dump_config(load_cfg(spec["workload"], spec["extra"]))
+    k = spec["minibatches"]  # optimizer steps per outer step: steps are counted as optimizer steps
+    config = dump_config(load_cfg(spec["workload"], spec["extra"], spec["minibatches"]))
     config["model"] = {"path": spec["model"]}  # the shared policy, not the tiny recipe
     (tmp / "rollflow.toml").write_text(toml.dumps(config))
     cmd = [sys.executable, "-m", "rollflow.cli", "run", str(tmp / "rollflow.toml"), f"run.name={name}",
-           f"run.storage={tmp}", f"run.num_steps={spec['max_steps']}", f"run.eval_every={spec['eval_every']}",
+           f"run.storage={tmp}", f"run.num_steps={spec['max_steps'] // k}",
+           f"run.eval_every={max(1, spec['eval_every'] // k)}",
            f"train.max_staleness={spec['staleness']}", "run.checkpoint_every=100000", "metrics.sinks=[]"]
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -208,7 +221,7 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
                     continue
                 train_s += r["step_s"] - (r.get("eval_phase_s") or 0.0)
                 if r.get("eval_reward") is not None:
-                    curve.append((step, round(train_s, 2), r["eval_reward"]))
+                    curve.append((step * k, round(train_s, 2), r["eval_reward"]))
                     if r["eval_reward"] >= spec["threshold"]:
                         reached = curve[-1]
                         break
@@ -247,6 +260,8 @@ def main() -> None:
     parser.add_argument("--workload", choices=list(WORKLOADS), default="a")
     parser.add_argument("--only", choices=["trl", "rollflow"])
     parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--minibatches", type=int, default=1,
+                        help="optimizer steps per generation batch (TRL steps_per_generation, rollflow mini-batches)")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--max-s", type=float, default=1800.0, help="training seconds before a side gives up")
     parser.add_argument("--threshold", type=float)
@@ -264,7 +279,8 @@ def main() -> None:
     model = prepare_model(args.workload, args.overrides)
     spec = {"workload": args.workload, "extra": args.overrides, "model": model,
             "threshold": args.threshold or w["threshold"], "eval_every": w["eval_every"],
-            "max_steps": args.max_steps or w["max_steps"], "max_s": args.max_s, "staleness": args.staleness}
+            "max_steps": args.max_steps or w["max_steps"], "max_s": args.max_s, "staleness": args.staleness,
+            "minibatches": args.minibatches}
     results = []
     with tempfile.TemporaryDirectory(prefix="rollflow-bench-trl-") as tmp:
         if args.only != "rollflow":
@@ -278,14 +294,15 @@ def main() -> None:
             results.append(rollflow_side(spec, Path(tmp)))
             print(f"rollflow: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
 
-    cfg = load_cfg(args.workload, args.overrides)
+    cfg = load_cfg(args.workload, args.overrides, args.minibatches)
     print(f"\nworkload ({args.workload}) {w['what']}: group {cfg.sampling.group_size}, "
-          f"{cfg.train.train_batch_size} prompts per step, lr {cfg.train.lr:g}, threshold "
+          f"{cfg.train.mini_batch_size} prompts per optimizer step, {args.minibatches} optimizer step(s) per "
+          f"generation batch, lr {cfg.train.lr:g}, threshold "
           f"{spec['threshold']} held-out reward (the env's: {cfg.envs[0].name}); rollflow max_staleness {args.staleness}")
     print(machine.line() + "\n")
     base = results[0]["train_s"] if results else float("nan")
-    print(table(["side", "held-out at start", "reached", "steps", "training s to threshold (or to the end)",
-                 "vs TRL", "s/step", "best held-out", "start-up s", "evaluation s (excluded)"],
+    print(table(["side", "held-out at start", "reached", "optimizer steps", "training s to threshold (or to the end)",
+                 "vs TRL", "s per optimizer step", "best held-out", "start-up s", "evaluation s (excluded)"],
                 [[r["side"], f"{r['initial']:.3f}", "yes" if r["reached"] else "NO", r["steps"], f"{r['train_s']:.1f}",
                   f"{r['train_s'] / base:.2f}×", f"{r['train_s'] / max(1, r['steps']):.3f}", f"{r['reward']:.3f}",
                   f"{r['setup_s']:.0f}", f"{r['eval_s']:.0f}"] for r in results]))
