@@ -2,44 +2,55 @@
 
 vLLM's processes hand work to each other through shared-memory queues whose readers spin
 (``sched_yield`` in a loop) for 1 s after every message before they sleep on a socket. On a GPU
-host that buys microseconds of latency for a spare CPU core. On a CPU host the spinning worker
-is the core that the trainer and the control plane need: measured in a tiny run on 2 cores,
-vLLM's worker was busy 85% of the time, ~72% of it in that spin and ~15% generating.
+host that buys microseconds of latency for a spare CPU core. On a CPU host the spinning reader
+takes the core that the model, the trainer and the control plane need: measured in a tiny run
+on 2 cores, vLLM's worker was busy 85% of the time, ~72% of it in that spin; with a 20 ms window
+the worker and the engine core still spun ~0.3 of a core between them (py-spy), because the
+engine waits on the worker for every engine step.
 
-``rollflow`` sets ``ROLLFLOW_VLLM_SPIN_S`` for the servers it starts on CPU (20 ms); the plugin
-then uses that window instead of 1 s. Without the variable, as for any vLLM a user starts,
-nothing changes.
+``rollflow`` sets ``ROLLFLOW_VLLM_SPIN_S`` for the servers it starts on CPU. The plugin then
+replaces the spin by a wait on the reader's own notification socket with a 1 ms timeout, for
+that window after each read: a message wakes the reader at once, and the CPU is free meanwhile.
+Without the variable, as for any vLLM a user starts, nothing changes.
 
-Why not 0: the writer's wake-up goes through a zmq PUB socket with a send high-water mark of 1,
-and zmq drops a message sent within ~1 ms of the previous one (the socket has not yet processed
-its peer's "read" credit). vLLM counts on the reader still spinning then. With no window at all
-a dropped wake-up cost a 5 s recheck (measured: every ``/pause`` took 5.03 s); a reader that
-keeps spinning for 20 ms after each read sees every message written that soon after another.
+Why a window with a timeout at all, not vLLM's idle wait straight away: the writer's wake-up is
+a zmq PUB message with a send high-water mark of 1, and zmq drops one sent within ~1 ms of the
+previous (the socket has not yet processed its peer's "read" credit). vLLM counts on the reader
+still spinning then. With no window a dropped wake-up cost a 5 s recheck (measured: every
+``/pause`` took 5.03 s); within the window the reader looks at the queue again after 1 ms.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 SPIN_ENV = "ROLLFLOW_VLLM_SPIN_S"
+POLL_MS = 1  # how soon a reader in its window looks at the queue again without a wake-up
 
 
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (called once per process, maybe more)."""
-    spin = os.environ.get(SPIN_ENV)
-    if spin is None:
+    window = os.environ.get(SPIN_ENV)
+    if window is None:
         return
+    import zmq
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-    if getattr(SpinCondition.wait, "_rollflow_spin_s", None) is not None:
+    if getattr(SpinCondition.wait, "_rollflow_window_s", None) is not None:
         return
-    spin_s = float(spin)
-    spin_wait = SpinCondition.wait
+    window_s = float(window)
+    idle_wait = SpinCondition.wait
 
     def wait(self, timeout_ms: int | None = None) -> None:
-        # Queues made before the plugin loaded get the window too: vLLM reads it on every wait.
-        self.busy_loop_s = spin_s
-        return spin_wait(self, timeout_ms)
+        if time.monotonic() > self.last_read + window_s:
+            self.busy_loop_s = 0.0  # vLLM's idle wait: sleep until a wake-up (or its timeout)
+            return idle_wait(self, timeout_ms)
+        # Within the window: sleep on the wake-up socket, at most POLL_MS (a dropped wake-up).
+        events = dict(self.poller.poll(timeout=POLL_MS if timeout_ms is None else min(POLL_MS, timeout_ms)))
+        if self.local_notify_socket in events:
+            self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
+        # A cancel event is left on its socket, as vLLM does: every later wait sees it at once.
 
-    wait._rollflow_spin_s = spin_s
+    wait._rollflow_window_s = window_s
     SpinCondition.wait = wait
