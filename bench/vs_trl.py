@@ -3,13 +3,13 @@
     .venv/bin/python bench/vs_trl.py --workload a          # tiny, ~0.4M params, ≤ 8 tokens
     .venv/bin/python bench/vs_trl.py --workload b          # ~10M params, ≥ 24-token completions
     .venv/bin/python bench/vs_trl.py --workload a --only trl   # one side (e.g. to tune)
-    .venv/bin/python bench/vs_trl.py --workload a --minibatches 4  # 4 optimizer steps per generation
+    .venv/bin/python bench/vs_trl.py --workload a --minibatches 1  # one optimizer step per generation
 
 Both sides start from the same warm-started policy (rollflow's ``prepare_policy``: a tiny
 character Llama trained by a short supervised pass, cached in ~/.cache/rollflow/models), on the
 same environment, group size, prompts per step, learning rate (AdamW, constant, no warm-up,
 weight decay 0, gradient clipping 1.0), sampling temperature 1.0 and completion length, the
-same number of optimizer steps per generation batch (``--minibatches K``, default 1: TRL's
+same number of optimizer steps per generation batch (``--minibatches K``, (a) 4, (b) 1: TRL's
 ``steps_per_generation``, rollflow's ``train_batch_size = K · mini_batch_size``; each optimizer
 step takes the workload's prompts per step), the same loss shape (PPO-clip ε = 0.2 on token ratios, no
 KL term, reward − group mean as advantage, loss summed over tokens / all tokens of the batch:
@@ -17,7 +17,11 @@ TRL's ``loss_type="dapo"``, ``scale_rewards="none"``, ``beta=0``).
 
 - TRL: ``GRPOTrainer`` with its own HF ``generate`` (no vLLM), in a child process, on CPU.
 - rollflow: ``rollflow run`` (vLLM CPU, trainer service, Prefect flows) with ``model.path`` set
-  to the same policy, ``max_staleness`` as given (default 1), in a child process.
+  to the same policy, ``max_staleness`` as given (``--staleness``; (a) 0, as the CPU quickstart,
+  (b) 1), in a child process.
+
+Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a) 3, (b) 1)
+and the ratio of the median times is printed: one run's crossing of the threshold is noisy.
 
 Held-out reward: the env's reward (exact match for (a), the fraction of positions right for (b))
 of greedy completions on the same 256 held-out prompts (rollflow's ``evaluate`` set), every ``--eval-every`` steps on both sides; TRL evaluates with HF generate in
@@ -34,6 +38,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +55,10 @@ WORKLOADS = {
     "a": {"what": "tiny: quickstart model (~0.4M), sort 3-5 letters, ≤ 8 tokens",
           "overrides": ["sampling.group_size=8", "train.train_batch_size=8", "train.mini_batch_size=8",
                         "sampling.max_tokens=8", "train.lr=2e-4"],
-          "threshold": 0.8, "eval_every": 10, "max_steps": 2000},
+          # 4 optimizer steps per generation batch on both sides: DESIGN.md's answer to a step
+          # this small (one Prefect flow run per 4 optimizer steps). --minibatches 1 for one.
+          "threshold": 0.8, "eval_every": 10, "max_steps": 4000, "minibatches": 4,
+          "seeds": 3, "staleness": 0},
     # Whole 24-28-letter answers are out of reach of a 10M model trained for minutes on 2 cores
     # (exact match still 0.00 after 400 supervised steps), so (b) scores the fraction of positions
     # right, and warm-starts for a fixed 200 steps (~5 min; held-out ~0.6).
@@ -62,7 +70,8 @@ WORKLOADS = {
                         "model.warm_start_target=1.0", "model.warm_start_max_steps=200",
                         "sampling.group_size=8", "train.train_batch_size=8", "train.mini_batch_size=8",
                         "sampling.max_tokens=32", "train.lr=1e-4"],
-          "threshold": 0.7, "eval_every": 10, "max_steps": 1000},
+          "threshold": 0.7, "eval_every": 10, "max_steps": 1000, "minibatches": 1,
+          "seeds": 1, "staleness": 1},
 }
 
 
@@ -117,7 +126,14 @@ def trl_child(spec: dict) -> dict:
     rng = random.Random(cfg.run.seed)
     bos = tok.bos_token
     train = env.prompts("train", spec["max_steps"] * t.mini_batch_size, rng)
-    dataset = Dataset.from_list([{"prompt": bos + p.text, "answer": p.answer} for p in train])
+    # TRL tokenizes a text prompt with the tokenizer's special tokens (this one adds <bos>), so it
+    # gets the bare text; the ids must be rollflow's (bos + text): a doubled <bos> is a context the
+    # policy never saw in its warm start, and it slowed TRL's learning ~7x per step (measured).
+    dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in train])
+    for p in train[:16]:
+        ids = tok(text=[p.text])["input_ids"][0]
+        assert ids == tok(bos + p.text, add_special_tokens=False)["input_ids"], (
+            f"TRL would see other prompt ids than rollflow: {ids}")
     held_out = eval_prompts(cfg)
 
     def env_reward(prompts, completions, answer, **_):  # the env's own reward, as rollflow scores it
@@ -259,12 +275,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=list(WORKLOADS), default="a")
     parser.add_argument("--only", choices=["trl", "rollflow"])
-    parser.add_argument("--staleness", type=int, default=1)
-    parser.add_argument("--minibatches", type=int, default=1,
-                        help="optimizer steps per generation batch (TRL steps_per_generation, rollflow mini-batches)")
+    parser.add_argument("--staleness", type=int, help="rollflow's max_staleness (default: the workload's, a: 0, b: 1)")
+    parser.add_argument("--minibatches", type=int,
+                        help="optimizer steps per generation batch (TRL steps_per_generation, rollflow "
+                             "mini-batches); default: the workload's (a: 4, b: 1)")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--max-s", type=float, default=1800.0, help="training seconds before a side gives up")
     parser.add_argument("--threshold", type=float)
+    parser.add_argument("--seeds", type=int, help="runs per side, run.seed = 0..N-1 (default: the workload's, "
+                                                  "a: 3, b: 1); the medians' ratio is printed")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
     args = parser.parse_args()
@@ -276,40 +295,56 @@ def main() -> None:
         sys.exit("bench/vs_trl.py needs TRL: .venv/bin/pip install -e '.[bench]' (or pass --only rollflow)")
     machine = Machine()
     w = WORKLOADS[args.workload]
+    args.minibatches = args.minibatches or w["minibatches"]
+    args.staleness = w["staleness"] if args.staleness is None else args.staleness
     model = prepare_model(args.workload, args.overrides)
     spec = {"workload": args.workload, "extra": args.overrides, "model": model,
             "threshold": args.threshold or w["threshold"], "eval_every": w["eval_every"],
             "max_steps": args.max_steps or w["max_steps"], "max_s": args.max_s, "staleness": args.staleness,
             "minibatches": args.minibatches}
+    seeds = args.seeds or w["seeds"]
     results = []
-    with tempfile.TemporaryDirectory(prefix="rollflow-bench-trl-") as tmp:
-        if args.only != "rollflow":
-            child = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps({**spec, "out": tmp})],
-                                   cwd=ROOT, capture_output=True, text=True)
-            if child.returncode:
-                sys.exit("TRL failed:\n" + child.stderr[-4000:])
-            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-            print(f"TRL: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
-        if args.only != "trl":
-            results.append(rollflow_side(spec, Path(tmp)))
-            print(f"rollflow: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
+    for seed in range(seeds):  # a fresh storage and Prefect home per seed (the same run name resumes)
+        run = {**spec, "extra": [*args.overrides, f"run.seed={seed}"]}  # prompt order and sampling, both sides
+        with tempfile.TemporaryDirectory(prefix="rollflow-bench-trl-") as tmp:
+            if args.only != "rollflow":
+                child = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps({**run, "out": tmp})],
+                                       cwd=ROOT, capture_output=True, text=True)
+                if child.returncode:
+                    sys.exit("TRL failed:\n" + child.stderr[-4000:])
+                results.append({**json.loads(child.stdout.strip().splitlines()[-1]), "seed": seed})
+                print(f"seed {seed} TRL: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
+            if args.only != "trl":
+                results.append({**rollflow_side(run, Path(tmp)), "seed": seed})
+                print(f"seed {seed} rollflow: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
 
     cfg = load_cfg(args.workload, args.overrides, args.minibatches)
     print(f"\nworkload ({args.workload}) {w['what']}: group {cfg.sampling.group_size}, "
           f"{cfg.train.mini_batch_size} prompts per optimizer step, {args.minibatches} optimizer step(s) per "
           f"generation batch, lr {cfg.train.lr:g}, threshold "
-          f"{spec['threshold']} held-out reward (the env's: {cfg.envs[0].name}); rollflow max_staleness {args.staleness}")
+          f"{spec['threshold']} held-out reward (the env's: {cfg.envs[0].name}); rollflow max_staleness "
+          f"{args.staleness}; seeds 0..{seeds - 1}")
     print(machine.line() + "\n")
-    base = results[0]["train_s"] if results else float("nan")
-    print(table(["side", "held-out at start", "reached", "optimizer steps", "training s to threshold (or to the end)",
-                 "vs TRL", "s per optimizer step", "best held-out", "start-up s", "evaluation s (excluded)"],
-                [[r["side"], f"{r['initial']:.3f}", "yes" if r["reached"] else "NO", r["steps"], f"{r['train_s']:.1f}",
-                  f"{r['train_s'] / base:.2f}×", f"{r['train_s'] / max(1, r['steps']):.3f}", f"{r['reward']:.3f}",
-                  f"{r['setup_s']:.0f}", f"{r['eval_s']:.0f}"] for r in results]))
+    trl = {r["seed"]: r["train_s"] for r in results if r["side"] == "TRL"}
+    print(table(["side", "seed", "held-out at start", "reached", "optimizer steps",
+                 "training s to threshold (or to the end)", "vs TRL (same seed)", "s per optimizer step",
+                 "best held-out", "start-up s", "evaluation s (excluded)"],
+                [[r["side"], r["seed"], f"{r['initial']:.3f}", "yes" if r["reached"] else "NO", r["steps"],
+                  f"{r['train_s']:.1f}", f"{r['train_s'] / trl.get(r['seed'], float('nan')):.2f}×",
+                  f"{r['train_s'] / max(1, r['steps']):.3f}", f"{r['reward']:.3f}", f"{r['setup_s']:.0f}",
+                  f"{r['eval_s']:.0f}"] for r in results]))
+    if seeds > 1:  # one run's crossing of the threshold is noisy (held-out swings ~±0.1 between evaluations)
+        med = {side: statistics.median(r["train_s"] for r in results if r["side"] == side) for side in ("TRL", "rollflow")
+               if any(r["side"] == side for r in results)}
+        reached = {side: sum(r["reached"] for r in results if r["side"] == side) for side in med}
+        print("\nmedian training s to threshold over the seeds: "
+              + ", ".join(f"{side} {m:.1f} (reached {reached[side]}/{seeds})" for side, m in med.items())
+              + (f"; rollflow / TRL = {med['rollflow'] / med['TRL']:.2f}×" if len(med) == 2 else "")
+              + ("" if all(reached[side] == seeds for side in med) else
+                 " (a run that did not reach the threshold counts its whole training time: a lower bound)"))
     for r in results:
-        print(f"\n{r['side']} curve (step, training s, held-out): "
+        print(f"\n{r['side']} seed {r['seed']} curve (step, training s, held-out): "
               + ", ".join(f"({s}, {t:.0f}, {x:.2f})" for s, t, x in r["curve"][:: max(1, len(r["curve"]) // 15)]))
-
 
 if __name__ == "__main__":
     main()
