@@ -128,7 +128,7 @@ def trl_child(spec: dict) -> dict:
     train = env.prompts("train", spec["max_steps"] * t.mini_batch_size, rng)
     # TRL tokenizes a text prompt with the tokenizer's special tokens (this one adds <bos>), so it
     # gets the bare text; the ids must be rollflow's (bos + text): a doubled <bos> is a context the
-    # policy never saw in its warm start, and it slowed TRL's learning ~7x per step (measured).
+    # policy never saw in its warm start: TRL then needed 1680 optimizer steps to 0.8, not 450 (seed 0).
     dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in train])
     for p in train[:16]:
         ids = tok(text=[p.text])["input_ids"][0]
