@@ -275,15 +275,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=list(WORKLOADS), default="a")
     parser.add_argument("--only", choices=["trl", "rollflow"])
-    parser.add_argument("--staleness", type=int, help="rollflow's max_staleness (default: the workload's, a: 0, b: 1)")
+    def per_workload(key: str) -> str:
+        return "default: the workload's (" + ", ".join(f"{name}: {w[key]}" for name, w in WORKLOADS.items()) + ")"
+
+    parser.add_argument("--staleness", type=int, help="rollflow's max_staleness; " + per_workload("staleness"))
     parser.add_argument("--minibatches", type=int,
                         help="optimizer steps per generation batch (TRL steps_per_generation, rollflow "
-                             "mini-batches); default: the workload's (a: 4, b: 1)")
+                             "mini-batches); " + per_workload("minibatches"))
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--max-s", type=float, default=1800.0, help="training seconds before a side gives up")
     parser.add_argument("--threshold", type=float)
-    parser.add_argument("--seeds", type=int, help="runs per side, run.seed = 0..N-1 (default: the workload's, "
-                                                  "a: 3, b: 1); the medians' ratio is printed")
+    parser.add_argument("--seeds", type=int, help="runs per side, run.seed = 0..N-1, and the medians' ratio; "
+                                                  + per_workload("seeds"))
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
     args = parser.parse_args()
@@ -334,9 +337,9 @@ def main() -> None:
                   f"{r['train_s'] / max(1, r['steps']):.3f}", f"{r['reward']:.3f}", f"{r['setup_s']:.0f}",
                   f"{r['eval_s']:.0f}"] for r in results]))
     if seeds > 1:  # one run's crossing of the threshold is noisy (held-out swings ~±0.1 between evaluations)
-        med = {side: statistics.median(r["train_s"] for r in results if r["side"] == side) for side in ("TRL", "rollflow")
-               if any(r["side"] == side for r in results)}
-        reached = {side: sum(r["reached"] for r in results if r["side"] == side) for side in med}
+        runs = {side: [r for r in results if r["side"] == side] for side in ("TRL", "rollflow")}
+        med = {side: statistics.median(r["train_s"] for r in rs) for side, rs in runs.items() if rs}
+        reached = {side: sum(r["reached"] for r in runs[side]) for side in med}
         print("\nmedian training s to threshold over the seeds: "
               + ", ".join(f"{side} {m:.1f} (reached {reached[side]}/{seeds})" for side, m in med.items())
               + (f"; rollflow / TRL = {med['rollflow'] / med['TRL']:.2f}×" if len(med) == 2 else "")
@@ -345,6 +348,7 @@ def main() -> None:
     for r in results:
         print(f"\n{r['side']} seed {r['seed']} curve (step, training s, held-out): "
               + ", ".join(f"({s}, {t:.0f}, {x:.2f})" for s, t, x in r["curve"][:: max(1, len(r["curve"]) // 15)]))
+
 
 if __name__ == "__main__":
     main()
