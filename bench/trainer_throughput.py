@@ -26,16 +26,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollflow.infra.config import TinyModelSpec
-from rollflow.infra.http import call
-from rollflow.infra.launch import TrainerProcess
+from rollflow.infra.config import LossConfig, TinyModelSpec, TrainerSection, TrainSection
 from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.train.losses import LossConfig, LossInputs, compute_loss
+from rollflow.tasks.train.launch import TrainerProcess
+from rollflow.tasks.train.losses import LossInputs, compute_loss
+from rollflow.tasks.train.protocol import ServiceArgs
 
 WARMUP = 2
-LOSS = {"kind": "ppo", "eps_low": 0.2, "eps_high": 0.2}
+LOSS = LossConfig(eps_low=0.2, eps_high=0.2)
 
 
 def quickstart_rows(step: int, num_groups: int, group_size: int, rng: random.Random) -> list[dict]:
@@ -70,7 +70,7 @@ class BareTorch:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.micro_batch_tokens = micro_batch_tokens
-        self.cfg = LossConfig(tis_cap=None)
+        self.cfg = LOSS
 
     def step(self, rows: list[dict]) -> None:
         total = sum(len(r["completion_ids"]) for r in rows)
@@ -79,7 +79,7 @@ class BareTorch:
             logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
             logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             logp = torch.nn.functional.pad(logp, (1, 0))
-            out = compute_loss("ppo", LossInputs(logp, old, adv, mask, inference_logprobs_B_T=old), self.cfg)
+            out = compute_loss(LossInputs(logp, old, adv, mask, inference_logprobs_B_T=old), self.cfg)
             (out.loss_sum / total).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
@@ -119,10 +119,11 @@ def measure(model_dir: Path, root: Path, batches: list[list[dict]], backend: str
             zero_stage: int, micro_batch_tokens: int, lr: float) -> tuple[float, float, float]:
     """(service tok/s, bare tok/s, service start-up s), the two loops alternating mini-batch by
     mini-batch so that both see the same machine (the service idles while the bare loop runs)."""
-    args = dict(model_path=str(model_dir), storage_root=str(root / "runs"), run="bench", lr=lr, weight_decay=0.0,
-                max_grad_norm=1.0, micro_batch_tokens=micro_batch_tokens, zero_stage=zero_stage, device="cpu")
-    proc = TrainerProcess(args, backend=backend, num_ranks=num_ranks, token=secrets.token_hex(8),
-                          log_dir=root / f"logs-{backend}-{num_ranks}-{zero_stage}", startup_timeout_s=900)
+    trainer = TrainerSection(backend=backend, num_ranks=num_ranks, zero_stage=zero_stage if backend == "deepspeed" else None,
+                             micro_batch_tokens=micro_batch_tokens, device="cpu", startup_timeout_s=900)
+    args = ServiceArgs(model_path=str(model_dir), storage_root=str(root / "runs"), run="bench",
+                       train=TrainSection(lr=lr, max_grad_norm=1.0), trainer=trainer)
+    proc = TrainerProcess(args, token=secrets.token_hex(8), log_dir=root / f"logs-{backend}-{num_ranks}-{zero_stage}")
     bare = BareTorch(model_dir, micro_batch_tokens, lr)
     start = time.perf_counter()
     proc.start()
@@ -135,8 +136,8 @@ def measure(model_dir: Path, root: Path, batches: list[list[dict]], backend: str
             t0 = time.perf_counter()
             bare.step(rows)
             t1 = time.perf_counter()
-            call(proc.endpoint, "/forward_backward", {"step": step, "loss": LOSS}, timeout_s=600)
-            call(proc.endpoint, "/optim_step", timeout_s=600)
+            proc.client.forward_backward(step, loss=LOSS)
+            proc.client.optim_step()
             t2 = time.perf_counter()
             if step > WARMUP:
                 bare_s += t1 - t0

@@ -175,7 +175,7 @@ def trl_child(spec: dict) -> dict:
         num_generations=s.group_size, max_completion_length=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p, learning_rate=t.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=0.0,
-        epsilon=t.clip_eps_low, epsilon_high=t.clip_eps_high, loss_type="dapo", scale_rewards="none",
+        epsilon=t.loss.eps_low, epsilon_high=t.loss.eps_high, loss_type="dapo", scale_rewards="none",
         num_iterations=1, max_steps=spec["max_steps"], logging_steps=10**9, report_to="none",
         save_strategy="no", use_cpu=True, bf16=False, seed=cfg.run.seed, disable_dropout=True,
         shuffle_dataset=False)

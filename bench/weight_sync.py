@@ -20,7 +20,7 @@ alone (``torch.cat(..., out=bucket)``), the extra copy the one-bucket wire forma
 
 Part 2, generation paused (real vLLM, ``--no-vllm`` skips it): a vLLM server of the quickstart
 model (0.4M parameters) and of a ~10M one, under a load of 32 requests kept in flight, receives
-``--vllm-syncs`` syncs through ``infra.inference.sync.sync_weights`` (pause(keep) → broadcast ∥
+``--vllm-syncs`` syncs through ``tasks.sync.weights.sync_weights`` (pause(keep) → broadcast ∥
 receive + ``reload_weights`` → reset prefix cache → resume). "Paused" is from the pause request
 to the resume's answer; the baseline is our transport of the same model's bytes to a plain
 receiver (part 1's method), measured in the same run.
@@ -160,7 +160,7 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
 
     from rollflow.infra.inference.client import InferenceClient
     from rollflow.infra.inference.server import InferenceServer
-    from rollflow.infra.inference.sync import init_weight_group, sync_weights
+    from rollflow.tasks.sync.weights import init_weight_group, sync_weights
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).float()
     named = [(n, t.detach()) for n, t in model.state_dict().items()]

@@ -131,16 +131,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    """Register deployments on the configured Prefect server (see infra/deploy.py)."""
+    """Register deployments on the configured Prefect server (see flows/deploy.py)."""
     from pathlib import Path
 
-    from rollflow.infra.deploy import DeployError, deploy
-    from rollflow.infra.prefect_api import PrefectServerUnavailable
-    from rollflow.infra.work_pools import WorkPoolError
+    from rollflow.flows.deploy import deploy
+    from rollflow.infra.errors import InputError, ServiceError
 
     try:
         deploy(Path(args.prefect_file), args.configs, args.pool)
-    except (DeployError, PrefectServerUnavailable, WorkPoolError) as exc:
+    except (InputError, ServiceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -148,14 +147,15 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Copy a committed checkpoint, less its trainer state, to a Hugging Face model folder."""
-    from rollflow.infra.export import ExportError, export_checkpoint
+    from rollflow.infra.errors import InputError
+    from rollflow.infra.export import export_checkpoint
     from rollflow.infra.storage import RunStorage
 
     storage = RunStorage(args.storage, args.run)
     out = args.out or f"exports/{args.run}-step-{args.step}"
     try:
         path = export_checkpoint(storage, args.step, out, show_progress=sys.stderr.isatty())
-    except ExportError as exc:
+    except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"exported step {args.step} of run {args.run} to {path}; load it with "

@@ -13,7 +13,12 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import time  # noqa: E402
+
 import pytest  # noqa: E402
+
+VLLM_MAX_LEN = 64
+PROMPT_IDS = [1, 10, 11, 12, 13]  # <bos> + "6789" in the character tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +65,43 @@ def deployed_run(tmp_path_factory):
     from deployed_run import make_deployed_run
 
     return make_deployed_run(tmp_path_factory.mktemp("deployed"))
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dirs(tmp_path_factory) -> list[Path]:
+    """Two tiny Llamas of the same shape, differently seeded: served policy and new policy."""
+    from rollflow.infra.config import TinyModelSpec
+    from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
+
+    tok = build_char_tokenizer()
+    root = tmp_path_factory.mktemp("models")
+    return [save_hf_dir(build_tiny_llama(TinyModelSpec(seed=seed, max_position_embeddings=VLLM_MAX_LEN),
+                                         vocab_size=len(tok)), tok, root / f"s{seed}") for seed in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_model_dirs, tmp_path_factory):
+    """A real vLLM server (the CPU build) serving the first of ``vllm_model_dirs``, per module."""
+    from rollflow.infra.inference.server import InferenceServer
+
+    srv = InferenceServer(vllm_model_dirs[0], max_model_len=VLLM_MAX_LEN,
+                          log_path=tmp_path_factory.mktemp("logs") / "vllm.log")
+    start = time.monotonic()
+    srv.start()
+    print(f"\nvLLM server healthy after {time.monotonic() - start:.1f}s")
+    yield srv
+    srv.stop()
+
+
+def greedy_reference(model_dir, prompt_ids: list[int], max_tokens: int):
+    """transformers' greedy completion of ``prompt_ids`` (and the model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.infra.models.tiny import EOS_ID
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=EOS_ID, pad_token_id=0)
+    return model, out[0, len(prompt_ids):].tolist()

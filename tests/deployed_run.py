@@ -178,7 +178,7 @@ def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) ->
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from rollflow.infra.deploy import deploy
+    from rollflow.flows.deploy import deploy
     from rollflow.infra.work_pools import ensure_work_pool
 
     with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:

@@ -8,16 +8,16 @@ A deployment is ``rl-run/<config name>``. Its two parameters are what a user pas
 - ``overrides``: ``key.path=value`` strings applied on top, exactly as on ``rollflow run``.
 
 A worker runs the flow in a fresh process; the run flow starts (and stops) its own services there,
-as it does under ``rollflow run``. ``rollflow deploy`` registers the deployments (infra/deploy.py).
+as it does under ``rollflow run``. ``rollflow deploy`` registers the deployments (``deploy.py``).
 """
 
 from __future__ import annotations
 
 from prefect import flow
 
+from rollflow.flows.deploy import FLOW_NAME
 from rollflow.flows.rl_run import rl_run
-from rollflow.infra.config import dump_config
-from rollflow.infra.deploy import FLOW_NAME, resolve_config
+from rollflow.infra.config import dump_config, resolve_config
 
 
 def _flow_run_name() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import math
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,16 +21,19 @@ from pathlib import Path
 from prefect import flow
 
 from rollflow.flows.artifacts import RunProgress, publish_summary
+from rollflow.flows.deploy import FLOW_NAME
+from rollflow.flows.order import StepOrder
+from rollflow.flows.services import HEALTH_CHECK_INTERVAL_S, RunServices
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
-from rollflow.infra.deployment import HEALTH_CHECK_INTERVAL_S, RunServices
+from rollflow.infra.errors import ServiceError
 from rollflow.infra.events import publish
-from rollflow.infra.http import ServiceCallError
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.generate.host import ProducerHost, step_flows_in_flight
 from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context, reused_steps
+from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.warm_start import prepare_tiny_model
 
 LOCAL_CACHE = Path("~/.cache/rollflow/checkpoints").expanduser()
@@ -40,7 +44,7 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-@flow(name="rl-run", flow_run_name="{config[run][name]}", persist_result=False, validate_parameters=False)
+@flow(name=FLOW_NAME, flow_run_name="{config[run][name]}", persist_result=False, validate_parameters=False)
 def rl_run(config: dict) -> dict:
     """Train the policy of ``config`` (a RunConfig as a dict) for ``run.num_steps`` steps."""
     cfg = config if isinstance(config, RunConfig) else validate_config(config)
@@ -63,31 +67,33 @@ def rl_run(config: dict) -> dict:
     # Sinks open first: a configured sink whose package is missing fails before services start.
     with MetricSinks.from_config(cfg, log_dir) as sinks, \
             RunServices(cfg, policy_dir, resumed_from or None, log_dir, progress=say) as services:
-        ctx = RunContext(config=cfg, model_path=str(base_model), trainer=services.trainer,
+        ctx = RunContext(config=cfg, model_path=str(base_model), trainer=services.trainer.endpoint,
                          inference=services.inference_ep)
         if resumed_from == 0 and not storage.read_metrics():
             ev = evaluate(ctx)
-            start_metrics = {"eval_reward": ev["eval_reward"],
-                             **{f"eval_reward/{e}": r for e, r in ev["eval_reward_by_env"].items()}}
+            start_metrics = {"eval_reward": ev.reward, **{f"eval_reward/{e}": r for e, r in ev.reward_by_env.items()}}
             storage.write_metrics(0, start_metrics)
             sinks.log(0, start_metrics)
-            say(f"step 0: held-out reward {_fmt_env(ev['eval_reward'], ev['eval_reward_by_env'])}")
+            say(f"step 0: held-out reward {_fmt_env(ev.reward, ev.reward_by_env)}")
         reused = reused_steps(ctx, resumed_from)
         if reused:
             say(f"reusing the committed rollouts of steps {reused} (within the staleness bound)")
         host = ProducerHost(cfg, build_envs(cfg),
                             partial(make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature),
-                            services.inference.url, services.trainer, resumed_from, reused)
+                            services.inference.url, resumed_from, reused)
+        end = TrainingEnd(services.trainer, host)
         try:
             def report(step: int, metrics: dict) -> None:
                 say(progress_line(step, cfg.run.num_steps, metrics))
                 sinks.log(step, metrics)
                 progress.update(step)
 
-            run_steps(ctx, services, host, resumed_from, report)
+            with StepOrder(cfg.run.name, resumed_from) as order:
+                run_steps(ctx, services, host, order, resumed_from, report)
             # The end is the trainer's to say; the producer has stopped on it already.
-            finished = host.wait_training_finished(TRAINING_FINISHED_DEADLINE_S)
+            finished = end.wait(TRAINING_FINISHED_DEADLINE_S)
         except BaseException as exc:
+            end.close()
             host.close(exc)
             raise
         publish(storage, "training_finished", source="trainer", **finished)
@@ -96,7 +102,45 @@ def rl_run(config: dict) -> dict:
     return summarize(storage, say)
 
 
-def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resumed_from: int,
+class TrainingEnd:
+    """The explicit end of training, heard from the trainer: a thread long-polls its
+    ``training_finished`` and, when it comes (after the run's last optimizer step), finishes the
+    producer at once: it stops admitting and cancels what is in flight.
+
+    Invariant: the producer finishes only on the trainer's word, never on a count of groups.
+    """
+
+    def __init__(self, trainer: TrainerClient, host: ProducerHost):
+        self.trainer, self.host = trainer, host
+        self.info: dict = {}
+        self._done, self._stop = threading.Event(), threading.Event()
+        threading.Thread(target=self._watch, name="training-end", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                info = self.trainer.training_finished(wait_s=10)
+            except ServiceError:  # the run's health check fails the run if the trainer is dead
+                self._stop.wait(1.0)
+                continue
+            if info["finished"]:
+                self.info = {**info, **self.host.finish()}
+                self._done.set()
+                return
+
+    def wait(self, timeout_s: float) -> dict:
+        """The trainer's ``training_finished`` (step, optimizer step, groups still in flight)."""
+        if not self._done.wait(timeout_s):
+            self.close()
+            raise TimeoutError(f"the trainer did not publish training_finished within {timeout_s:.0f}s "
+                               f"after the run's last step; see its log")
+        return dict(self.info)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, order: StepOrder, resumed_from: int,
               report: Callable[[int, dict], None]) -> None:
     """Run the step flows in step order, ``step_flows_in_flight`` at once (each its own flow run).
 
@@ -127,9 +171,10 @@ def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, resume
         except BaseException as exc:
             for _, future in running:
                 future.cancel()
-            host.close(exc)  # ends the step flows still waiting, before the pool joins them
+            order.close(exc)  # ends the step flows still waiting, before the pool joins them
+            host.close(exc)
             if isinstance(exc, Exception) and (dead := services.dead_service(grace_s=5.0)):
-                raise ServiceCallError(f"{dead}; the run stops (rerun to resume)") from exc
+                raise ServiceError(f"{dead}; the run stops (rerun to resume)") from exc
             raise
 
 

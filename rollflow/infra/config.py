@@ -7,18 +7,18 @@ names it (and suggests the closest known key). Cross-field checks live in one va
 
 from __future__ import annotations
 
+import copy
 import difflib
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rollflow.infra.errors import ConfigError
 
 DEFAULT_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=:,>() "
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message says which key and what to do."""
 
 
 class _Section(BaseModel):
@@ -101,6 +101,30 @@ class SamplingSection(_Section):
     num_eval_prompts: int = Field(256, ge=1, description="Held-out prompts per environment per evaluation.")
 
 
+class LossConfig(_Section):
+    """The policy loss, one model for the config, the trainer's API and its ranks (``losses.py``).
+
+    The ratio is clipped to [1 - eps_low, 1 + eps_high]: per token for PPO (0.2 / 0.28 are
+    usual), per sequence for GSPO, whose ratio stays much closer to 1 (its paper: 3e-4 / 4e-4).
+    """
+
+    kind: Literal["ppo", "gspo"] = Field(
+        "ppo", description="Token-level PPO clip, or GSPO (the sequence's geometric-mean ratio)."
+    )
+    eps_low: float = Field(0.2, ge=0, lt=1, description="Clip: lower epsilon.")
+    eps_high: float = Field(0.2, ge=0, description="Clip: upper epsilon.")
+    tis_cap: float | None = Field(
+        None,
+        ge=1,
+        description="Truncated importance sampling cap C: min(exp(old - inference), C); unset = off. "
+        "At least 1, so that on-policy tokens (weight 1) are never scaled down.",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="k3 KL penalty to the initial policy (the trainer loads a reference model)."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+
+
 class TrainSection(_Section):
     """The algorithm: GRPO advantages, the policy loss (PPO clip or GSPO), mini-batches and epochs."""
 
@@ -116,25 +140,24 @@ class TrainSection(_Section):
     max_in_flight_groups: int | None = Field(
         None, ge=1, description="Groups generating at once (K); default train_batch_size * (max_staleness + 1)."
     )
-    clip_eps_low: float = Field(0.2, gt=0, description="PPO clip: lower epsilon.")
-    clip_eps_high: float = Field(0.2, gt=0, description="PPO clip: upper epsilon.")
     normalize_std: bool = Field(False, description="Divide group advantages by the group's reward std.")
     filter_zero_advantage: bool = Field(True, description="Drop groups whose advantages are all zero.")
-    loss: Literal["ppo", "gspo"] = Field(
-        "ppo", description="Policy loss: token-level PPO clip, or GSPO (sequence-level geometric-mean ratio)."
+    loss: LossConfig = Field(
+        default_factory=LossConfig,
+        description='The policy loss ([train.loss]); a string is its kind: train.loss = "gspo".',
     )
     old_logprobs: Literal["inference", "trainer"] = Field(
         "inference",
         description="Log-probs the ratio is taken against: the sampler's (no extra pass), or the trainer's own, "
         "computed by a forward pass over the step's batch before its first optimizer step.",
     )
-    tis_cap: float | None = Field(
-        None, ge=1, description="Truncated importance sampling cap C: min(exp(old - inference), C); unset = off."
-    )
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy (loads a reference model).")
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     num_epochs: int = Field(1, ge=1, description="Passes over each step's batch (each mini-batch one optimizer step).")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _loss_kind(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value
 
     def in_flight_groups(self) -> int:
         """K: groups the rollout producer keeps generating at once."""
@@ -250,11 +273,11 @@ class RunConfig(_Section):
                 f"({t.train_batch_size}) and train_batch_size * (max_staleness + 1) ({high}): fewer "
                 "cannot fill a step, more can never be admitted under the staleness bound"
             )
-        if t.tis_cap is not None and t.old_logprobs == "inference":
+        if t.loss.tis_cap is not None and t.old_logprobs == "inference":
             raise ValueError(
-                "train.tis_cap has no effect with train.old_logprobs = 'inference' (the ratio's old "
+                "train.loss.tis_cap has no effect with train.old_logprobs = 'inference' (the ratio's old "
                 "log-probs are then the sampler's own, so every TIS weight is 1): set "
-                "train.old_logprobs = 'trainer', or leave tis_cap unset"
+                "train.old_logprobs = 'trainer', or leave train.loss.tis_cap unset"
             )
         tr = self.trainer
         if tr.zero_stage is not None and tr.backend != "deepspeed":
@@ -287,6 +310,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     for item in overrides:
         apply_override(data, item)
     return validate_config(data, source)
+
+
+def resolve_config(config: str | Path | dict, overrides: Sequence[str] = ()) -> RunConfig:
+    """A config path or dict (a deployment's parameter), with overrides applied, validated."""
+    if isinstance(config, dict):
+        data = copy.deepcopy(config)
+        for item in overrides:
+            apply_override(data, item)
+        return validate_config(data, "config parameter")
+    return load_config(config, list(overrides))
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -323,12 +356,19 @@ def _explain(exc: ValidationError) -> str:
         if err["type"] == "extra_forbidden":
             *parent, leaf = [str(p) for p in err["loc"]]
             known = _known_keys(parent)
-            hint = difflib.get_close_matches(leaf, known, n=1)
-            suggestion = f"; did you mean {'.'.join([*parent, hint[0]])!r}?" if hint else ""
+            suggestion = _suggest(parent, leaf, known)
             lines.append(f"  unknown key {loc!r}{suggestion} (known: {', '.join(sorted(known))})")
         else:
             lines.append(f"  {loc or '<root>'}: {err['msg']}")
     return "\n".join(lines)
+
+
+def _suggest(parent: list[str], leaf: str, known: list[str]) -> str:
+    """The closest known key, also one section down (``train.kl_coef`` -> ``train.loss.kl_coef``)."""
+    nested = {f"{key}.{sub}": sub for key in known for sub in _known_keys([*parent, key])}
+    by_leaf = {key: key for key in known} | {sub: path for path, sub in nested.items()}
+    hint = difflib.get_close_matches(leaf, list(by_leaf), n=1)
+    return f"; did you mean {'.'.join([*parent, by_leaf[hint[0]]])!r}?" if hint else ""
 
 
 def _known_keys(parent: list[str]) -> list[str]:

@@ -12,14 +12,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rollflow.infra.errors import InputError
 from rollflow.infra.storage import SUCCESS, RunStorage
 
 TRAINER_STATE = "trainer"
 CHUNK_BYTES = 8 << 20
-
-
-class ExportError(RuntimeError):
-    """An export that cannot be done; the message says what exists and what to do."""
 
 
 def export_checkpoint(storage: RunStorage, step: int, out: str | Path, show_progress: bool = True) -> Path:
@@ -27,11 +24,11 @@ def export_checkpoint(storage: RunStorage, step: int, out: str | Path, show_prog
     committed = storage.committed_steps("checkpoints")
     if step not in committed:
         listed = _ranges(committed) if committed else "none yet"
-        raise ExportError(f"run {storage.run!r} has no committed checkpoint of step {step} in "
+        raise InputError(f"run {storage.run!r} has no committed checkpoint of step {step} in "
                           f"{storage.uri}/checkpoints; committed steps: {listed}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out} already exists and is not an empty folder; pass another --out or remove it")
+        raise InputError(f"{out} already exists and is not an empty folder; pass another --out or remove it")
     source = storage.step_dir("checkpoints", step)
     files = {path[len(source) + 1:]: info["size"]
              for path, info in storage.fs.find(source, detail=True).items()}

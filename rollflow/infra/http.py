@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from rollflow.infra.errors import ServiceError
+
 _LOCK = threading.Lock()
 _TLS: ssl.SSLContext | None = None
 _CLIENT: httpx.Client | None = None
@@ -46,17 +48,6 @@ def async_client(**kwargs: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(verify=tls_context(), limits=_NO_KEEPALIVE, **kwargs)
 
 
-class ServiceCallError(RuntimeError):
-    """A control call that failed; the message names the service, the path and the cause.
-
-    ``status`` is the HTTP status of the answer, None when there was none (unreachable, no
-    answer within the deadline)."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
 @dataclass(frozen=True)
 class Endpoint:
     """Where a service listens and the token it requires (JSON-able: tasks receive it)."""
@@ -71,13 +62,13 @@ class Endpoint:
 
 def call(ep: Endpoint, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float,
          method: str = "POST") -> Any:
-    """One blocking call; raises ``ServiceCallError`` on transport errors, timeouts and non-2xx."""
+    """One blocking call; raises ``ServiceError`` on transport errors, timeouts and non-2xx."""
     try:
         resp = client().request(method, ep.url + path, json=payload, headers=ep.headers(), timeout=timeout_s)
     except httpx.TimeoutException:
-        raise ServiceCallError(f"{ep.name} {path}: no answer within {timeout_s:.0f}s") from None
+        raise ServiceError(f"{ep.name} {path}: no answer within {timeout_s:.0f}s") from None
     except httpx.TransportError as exc:
-        raise ServiceCallError(f"{ep.name} {path}: cannot reach {ep.url}: {exc}") from None
+        raise ServiceError(f"{ep.name} {path}: cannot reach {ep.url}: {exc}") from None
     return _result(ep, path, resp)
 
 
@@ -87,9 +78,9 @@ async def acall(client: httpx.AsyncClient, ep: Endpoint, path: str, payload: dic
     try:
         resp = await client.request(method, ep.url + path, json=payload, headers=ep.headers(), timeout=timeout_s)
     except httpx.TimeoutException:
-        raise ServiceCallError(f"{ep.name} {path}: no answer within {timeout_s:.0f}s") from None
+        raise ServiceError(f"{ep.name} {path}: no answer within {timeout_s:.0f}s") from None
     except httpx.TransportError as exc:
-        raise ServiceCallError(f"{ep.name} {path}: cannot reach {ep.url}: {exc}") from None
+        raise ServiceError(f"{ep.name} {path}: cannot reach {ep.url}: {exc}") from None
     return _result(ep, path, resp)
 
 
@@ -103,5 +94,5 @@ def error_detail(resp: httpx.Response) -> str:
 
 def _result(ep: Endpoint, path: str, resp: httpx.Response) -> Any:
     if resp.status_code >= 400:
-        raise ServiceCallError(f"{ep.name} {path}: HTTP {resp.status_code}: {error_detail(resp)}", resp.status_code)
+        raise ServiceError(f"{ep.name} {path}: HTTP {resp.status_code}: {error_detail(resp)}", resp.status_code)
     return resp.json() if resp.content else None

@@ -38,16 +38,12 @@ PACKAGES = {
 }
 
 
-class MetricSinkUnavailable(ConfigError):
-    """A configured sink whose package is not installed; the message says what to install."""
-
-
 def check_sinks_available(sinks: list[str]) -> None:
     """Fail before the run starts if a configured sink cannot be imported (no import happens)."""
     for sink in sinks:
         module, install = PACKAGES[sink]
         if importlib.util.find_spec(module) is None:
-            raise MetricSinkUnavailable(
+            raise ConfigError(
                 f"metrics.sinks has {sink!r} but the {module} package is not installed: {install}, "
                 f"or remove {sink!r} from metrics.sinks"
             )

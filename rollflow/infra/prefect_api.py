@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
+from rollflow.infra.errors import ServiceError
 from rollflow.infra.service import ManagedProcess, free_port
 
 START_SERVER_HINT = ("start one with `prefect server start` (in another terminal), then "
@@ -33,16 +34,12 @@ PRIVATE_API_SERVICES_OFF = ("event_persister", "triggers", "scheduler", "late_ru
                             "repossessor", "foreman", "cancellation_cleanup", "cleanup_reconciler")
 
 
-class PrefectServerUnavailable(RuntimeError):
-    """No Prefect server is configured, or the configured one does not answer."""
-
-
 def require_prefect_server(timeout_s: float = 5.0) -> str:
     """The configured PREFECT_API_URL once its server answers ``/health``; else a clear error."""
     settings = get_current_settings()
     url = settings.api.url
     if not url:
-        raise PrefectServerUnavailable(
+        raise ServiceError(
             f"PREFECT_API_URL is not set, so there is no Prefect server to register deployments on; "
             f"{START_SERVER_HINT}")
     key = settings.api.key.get_secret_value() if settings.api.key else None
@@ -53,7 +50,7 @@ def require_prefect_server(timeout_s: float = 5.0) -> str:
     except httpx.HTTPError as exc:
         problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if problem:
-        raise PrefectServerUnavailable(
+        raise ServiceError(
             f"no Prefect server answers at PREFECT_API_URL={url} ({problem}); {START_SERVER_HINT}, "
             "or set PREFECT_API_URL to the server you use")
     return url

@@ -26,15 +26,13 @@ from pathlib import Path
 
 import psutil
 
+from rollflow.infra.errors import ServiceError
+
 _PR_SET_PDEATHSIG = 1
 _GUARD = (
     "trap 'trap \"\" TERM; kill -TERM -- -$$; sleep 5; kill -KILL -- -$$' USR1; "
     '"$@" & child=$!; wait $child; exit $?'
 )
-
-
-class ServiceError(RuntimeError):
-    """A service that did not start, died, or did not answer in time."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

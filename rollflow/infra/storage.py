@@ -34,14 +34,12 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollflow.infra.errors import StorageError
+
 SUCCESS = "_SUCCESS"
 _STEP_DIR = re.compile(r"step=(\d+)$")
 _STEP_FILE = re.compile(r"step=(\d+)\.parquet$")
 _EVENTS_LOCK = threading.Lock()  # overlapping step flows append from several threads
-
-
-class StorageError(RuntimeError):
-    """A storage read or write that failed; the message names the path."""
 
 
 class RunStorage:
@@ -128,11 +126,20 @@ class RunStorage:
         if not self.is_committed(kind, step):
             raise StorageError(f"{self.step_uri(kind, step)} is not committed (no {SUCCESS})")
         parts = sorted(self.fs.glob(f"{self.step_dir(kind, step)}/part-*.parquet"))
-        tables = []
-        for part in parts:
-            with self.fs.open(part, "rb") as fh:
-                tables.append(pq.read_table(fh))
+        tables = [self._read_parquet(part) for part in parts]
         return pa.concat_tables(tables) if tables else pa.table({})
+
+    def _read_parquet(self, path: str) -> pa.Table:
+        """One Parquet file, copied whole into memory that Arrow owns, then decoded on this thread.
+
+        Handed a Python object (a file, or bytes), Arrow's reader threads hold Python buffers, and
+        one still releasing its buffer at interpreter exit aborts the process ("terminate called
+        without an active exception": 1 in ~20 runs of ``rollflow status``, measured)."""
+        data = self.fs.cat_file(path)
+        owned = pa.allocate_buffer(len(data))
+        memoryview(owned).cast("B")[:] = data
+        with pq.ParquetFile(pa.BufferReader(owned)) as parquet:
+            return parquet.read(use_threads=False)
 
     # ----------------------------------------------------------------- metrics
 
@@ -147,8 +154,7 @@ class RunStorage:
             return []
         rows = []
         for f in sorted(files, key=lambda p: int(_STEP_FILE.search(p).group(1))):
-            with self.fs.open(f, "rb") as fh:
-                rows.extend(pq.read_table(fh).to_pylist())
+            rows.extend(self._read_parquet(f).to_pylist())
         return rows
 
     # ---------------------------------------------------------- json, events

@@ -12,11 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rollflow.infra.errors import InputError
+
 REQUIRED_KEYS = ("name", "type", "base_job_template")
-
-
-class WorkPoolError(ValueError):
-    """A pool definition or template that cannot be used; the message names the file or key."""
 
 
 def load_base_job_template(path: Path) -> dict[str, Any]:
@@ -25,12 +23,12 @@ def load_base_job_template(path: Path) -> dict[str, Any]:
     try:
         template = json.loads(path.read_text())
     except FileNotFoundError:
-        raise WorkPoolError(f"base job template not found: {path}") from None
+        raise InputError(f"base job template not found: {path}") from None
     except json.JSONDecodeError as exc:
-        raise WorkPoolError(f"{path}: not valid JSON: {exc}") from None
+        raise InputError(f"{path}: not valid JSON: {exc}") from None
     missing = [k for k in ("job_configuration", "variables") if k not in template]
     if missing:
-        raise WorkPoolError(f"{path}: a base job template needs {' and '.join(missing)}")
+        raise InputError(f"{path}: a base job template needs {' and '.join(missing)}")
     return template
 
 
@@ -47,7 +45,7 @@ def ensure_work_pool(client, pool: dict[str, Any], base_dir: Path) -> str:
         pass
     missing = [k for k in REQUIRED_KEYS if not pool.get(k)]
     if missing:
-        raise WorkPoolError(f"work pool {pool.get('name')!r} does not exist on the server and its definition "
+        raise InputError(f"work pool {pool.get('name')!r} does not exist on the server and its definition "
                             f"lacks {', '.join(missing)}; define it under definitions.work_pools in prefect.yaml")
     path = base_dir / pool["base_job_template"]
     template = load_base_job_template(path)

@@ -25,6 +25,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Literal
 
+from rollflow.testing.loop_server import LoopServer
+
 Fault = Literal["ok", "abort", "disconnect"]
 FaultPlan = Callable[[tuple[int, ...], int], Fault]  # (prompt token ids, attempt: 0, 1, ...) -> fault
 
@@ -35,66 +37,21 @@ def no_faults(prompt: tuple[int, ...], attempt: int) -> Fault:
     return "ok"
 
 
-class FakeOpenAI:
+class FakeOpenAI(LoopServer):
     """The server; ``start()`` runs it on its own loop thread and returns its base URL."""
+
+    name, backlog = "fake-openai", 4096
 
     def __init__(self, *, latency_s: float = 0.0, faults: FaultPlan = no_faults,
                  host: str = "127.0.0.1", port: int = 0, eos_token_id: int = 2,
                  latency_jitter_s: float = 0.0):
-        self.latency_s, self.faults, self.host, self.port = latency_s, faults, host, port
+        super().__init__(host, port)
+        self.latency_s, self.faults = latency_s, faults
         self.latency_jitter_s = latency_jitter_s
         self.eos_token_id = eos_token_id
         self.attempts: Counter[tuple[int, ...]] = Counter()  # requests seen per prompt
         self.injected: Counter[str] = Counter()  # faults served, by kind
         self.in_flight = self.max_in_flight = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.base_events.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    # ------------------------------------------------------------------ lifecycle
-
-    def start(self) -> str:
-        ready = threading.Event()
-
-        def run() -> None:
-            self._loop = asyncio.new_event_loop()
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._connection, self.host, self.port, backlog=4096))
-            self.port = self._server.sockets[0].getsockname()[1]
-            ready.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=run, name="fake-openai", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("fake OpenAI server did not start within 10 s")
-        return self.url
-
-    def stop(self) -> None:
-        if self._loop is None:
-            return
-
-        async def close() -> None:
-            self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop = None
-
-    def __enter__(self) -> FakeOpenAI:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # ------------------------------------------------------------------ HTTP
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Literal
 from urllib.parse import unquote, urlsplit
+
+from rollflow.testing.loop_server import LoopServer
 
 Fault = Literal["ok", "500", "503", "drop_request", "drop_response"]
 FaultPlan = Callable[[str, str, int], Fault]  # (method, decoded path, attempt 0, 1, ...) -> fault
@@ -52,68 +53,23 @@ def random_faults(rate: float, seed: int, methods: tuple[str, ...] = ("GET", "PU
     return plan
 
 
-class FaultProxy:
+class FaultProxy(LoopServer):
     """The proxy; ``start()`` runs it on its own loop thread and returns its base URL.
 
     ``attempts`` counts requests per (method, path); ``injected`` counts faults by kind;
     ``log`` holds (method, path, fault) of every request in arrival order.
     """
 
+    name = "fault-proxy"
+
     def __init__(self, upstream: str, faults: FaultPlan = no_faults, host: str = "127.0.0.1", port: int = 0):
         parts = urlsplit(upstream)
         self.upstream_host, self.upstream_port = parts.hostname, parts.port or 80
-        self.faults, self.host, self.port = faults, host, port
+        super().__init__(host, port)
+        self.faults = faults
         self.attempts: Counter[tuple[str, str]] = Counter()
         self.injected: Counter[str] = Counter()
         self.log: list[tuple[str, str, Fault]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.base_events.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    # ------------------------------------------------------------------ lifecycle
-
-    def start(self) -> str:
-        ready = threading.Event()
-
-        def run() -> None:
-            self._loop = asyncio.new_event_loop()
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._connection, self.host, self.port))
-            self.port = self._server.sockets[0].getsockname()[1]
-            ready.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=run, name="fault-proxy", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("fault proxy did not start within 10 s")
-        return self.url
-
-    def stop(self) -> None:
-        if self._loop is None:
-            return
-
-        async def close() -> None:
-            self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop = None
-
-    def __enter__(self) -> FaultProxy:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # ------------------------------------------------------------------ HTTP
 

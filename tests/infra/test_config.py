@@ -84,10 +84,11 @@ def test_cli_dry_run_prints_resolved_config():
 
 def test_trainer_backend_and_loss_choices():
     cfg = load_config(QUICKSTART)
-    assert (cfg.trainer.backend, cfg.trainer.num_ranks, cfg.train.loss) == ("fsdp2", 1, "ppo")  # the fast default
+    assert (cfg.trainer.backend, cfg.trainer.num_ranks, cfg.train.loss.kind) == ("fsdp2", 1, "ppo")  # the fast default
     cfg = load_config(QUICKSTART, ["trainer.backend=deepspeed", "trainer.zero_stage=3", "trainer.num_ranks=2",
-                                   "train.loss=gspo", "train.old_logprobs=trainer", "train.tis_cap=2.0"])
-    assert (cfg.trainer.zero_stage, cfg.train.tis_cap) == (3, 2.0)
+                                   "train.loss.kind=gspo", "train.old_logprobs=trainer", "train.loss.tis_cap=2.0"])
+    assert (cfg.trainer.zero_stage, cfg.train.loss.kind, cfg.train.loss.tis_cap) == (3, "gspo", 2.0)
+    assert load_config(QUICKSTART, ["train.loss=gspo"]).train.loss.kind == "gspo"  # a string is the kind
     with pytest.raises(ConfigError, match="trainer.backend"):
         load_config(QUICKSTART, ["trainer.backend=megatron"])
     with pytest.raises(ConfigError, match="trainer.zero_stage"):
@@ -95,6 +96,11 @@ def test_trainer_backend_and_loss_choices():
     with pytest.raises(ConfigError, match="zero_stage applies to trainer.backend = 'deepspeed' only"):
         load_config(QUICKSTART, ["trainer.zero_stage=2"])
     with pytest.raises(ConfigError, match="tis_cap has no effect with train.old_logprobs = 'inference'"):
-        load_config(QUICKSTART, ["train.tis_cap=2.0"])
+        load_config(QUICKSTART, ["train.loss.tis_cap=2.0"])
     with pytest.raises(ConfigError, match="train.loss"):
         load_config(QUICKSTART, ["train.loss=grpo"])
+    with pytest.raises(ConfigError, match="train.loss.eps_low"):
+        load_config(QUICKSTART, ["train.loss.eps_low=1.5"])
+    # A key that moved into a section is found there.
+    with pytest.raises(ConfigError, match="did you mean 'train.loss.kl_coef'"):
+        load_config(QUICKSTART, ["train.kl_coef=0.1"])

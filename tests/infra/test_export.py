@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollflow.cli import main
-from rollflow.infra.export import ExportError, export_checkpoint
+from rollflow.infra.export import InputError, export_checkpoint
 from rollflow.infra.storage import RunStorage
 
 
@@ -44,7 +44,7 @@ def test_export_is_a_hf_folder_without_trainer_state(run_with_checkpoints, tmp_p
 
 def test_a_step_without_committed_checkpoint_names_the_steps_there_are(run_with_checkpoints, tmp_path):
     for step in (4, 6):  # never written / half-written
-        with pytest.raises(ExportError, match=f"no committed checkpoint of step {step} .*committed steps: 1-3, 5"):
+        with pytest.raises(InputError, match=f"no committed checkpoint of step {step} .*committed steps: 1-3, 5"):
             export_checkpoint(run_with_checkpoints, step, tmp_path / "x", show_progress=False)
     assert not (tmp_path / "x").exists()
 
@@ -53,7 +53,7 @@ def test_export_never_writes_into_a_folder_that_holds_something(run_with_checkpo
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="already exists and is not an empty folder; pass another --out"):
+    with pytest.raises(InputError, match="already exists and is not an empty folder; pass another --out"):
         export_checkpoint(run_with_checkpoints, 1, out, show_progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 

@@ -23,41 +23,12 @@ from typing import Any
 
 import aiohttp
 
-# vLLM's uvicorn closes a keep-alive connection after 5 s idle (--timeout-keep-alive); the client
-# drops its own a little earlier, so that it rarely sends on a connection the server is closing.
+from rollflow.infra.errors import InferenceError, InferenceUnavailable, RequestAborted
 from rollflow.infra.inference.gate import serving_gate
 
+# vLLM's uvicorn closes a keep-alive connection after 5 s idle (--timeout-keep-alive); the client
+# drops its own a little earlier, so that it rarely sends on a connection the server is closing.
 _KEEPALIVE_S = 4.0
-
-
-class InferenceClientError(RuntimeError):
-    """Base class of the errors raised by ``InferenceClient``."""
-
-
-class InferenceUnavailable(InferenceClientError):
-    """The server could not be reached, or dropped the connection (retry later)."""
-
-
-class InferenceBadRequest(InferenceClientError):
-    """The server rejected the request (HTTP 4xx); ``message`` is the server's reason."""
-
-    def __init__(self, status_code: int, message: str) -> None:
-        super().__init__(f"HTTP {status_code}: {message}")
-        self.status_code = status_code
-        self.message = message
-
-
-class InferenceServerError(InferenceClientError):
-    """The server failed while handling the request (HTTP 5xx)."""
-
-    def __init__(self, status_code: int, message: str) -> None:
-        super().__init__(f"HTTP {status_code}: {message}")
-        self.status_code = status_code
-        self.message = message
-
-
-class RequestAborted(InferenceClientError):
-    """The server aborted a generation (``finish_reason == "abort"``, e.g. pause(mode="abort"))."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +44,8 @@ class InferenceClient:
     """Talks to one vLLM server started with ``VLLM_SERVER_DEV_MODE=1``.
 
     Invariant: every call returns or raises within its timeout; failures are typed
-    (``InferenceUnavailable``, ``InferenceBadRequest``, ``InferenceServerError``,
-    ``RequestAborted``), never a bare ``aiohttp`` error. Create and use it on one event loop.
+    (``InferenceUnavailable``, ``RequestAborted``, or ``InferenceError`` with the HTTP status of
+    a 4xx or 5xx answer), never a bare ``aiohttp`` error. Create and use it on one event loop.
     """
 
     def __init__(
@@ -112,7 +83,7 @@ class InferenceClient:
     ) -> list[Completion]:
         """Sample ``n`` completions of a token-id prompt (after waiting out a restart, if any).
 
-        Raises ``gate.InferenceGone`` when the server's supervisor gave up on it.
+        Raises ``InferenceGone`` when the server's supervisor gave up on it.
         """
         gate = serving_gate(self.base_url)
         if gate is not None and not gate.is_open:
@@ -221,10 +192,8 @@ class InferenceClient:
             raise InferenceUnavailable(f"POST {path} timed out after {timeout_s:.0f} s") from err
         except aiohttp.ClientError as err:
             raise InferenceUnavailable(f"POST {path} to {self.base_url} failed: {err!r}") from err
-        if 400 <= status < 500:
-            raise InferenceBadRequest(status, _error_message(data))
-        if status >= 500:
-            raise InferenceServerError(status, _error_message(data))
+        if status >= 400:
+            raise InferenceError(f"HTTP {status}: {_error_message(data)}", status)
         if not data:
             return None
         return json.loads(data)
@@ -248,7 +217,7 @@ def _completion(choice: dict[str, Any]) -> Completion:
     raw = (choice.get("logprobs") or {}).get("token_logprobs") or []
     logprobs = [float(x) if x is not None else math.nan for x in raw]
     if len(logprobs) != len(token_ids):
-        raise InferenceClientError(
+        raise InferenceError(
             f"server returned {len(token_ids)} tokens but {len(logprobs)} logprobs"
         )
     return Completion(token_ids, logprobs, choice["finish_reason"])

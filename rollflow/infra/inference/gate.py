@@ -20,11 +20,9 @@ import threading
 import time
 from collections.abc import Iterator
 
+from rollflow.infra.errors import InferenceGone
+
 _GATES: dict[str, ServingGate] = {}
-
-
-class InferenceGone(RuntimeError):
-    """The inference server is down for good (its supervisor gave up or the run is stopping)."""
 
 
 class ServingGate:

@@ -14,14 +14,11 @@ from types import TracebackType
 
 import httpx
 
+from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference.vllm_plugin import SPIN_ENV
-from rollflow.infra.service import ManagedProcess, ServiceError, cpu_split, free_port
+from rollflow.infra.service import ManagedProcess, cpu_split, free_port
 
 WORKER_EXTENSION_CLS = "rollflow.infra.inference.worker_extension.WeightReceiver"
-
-
-class InferenceError(ServiceError):
-    """The inference server failed to start, or died."""
 
 
 class InferenceServer:

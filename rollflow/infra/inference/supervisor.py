@@ -5,9 +5,12 @@ and, when ``check()`` finds the server dead or failing its health probe twice in
 restarts it:
 
     close the serving gate → stop what is left of the old server (EngineCore, workers)
-    → start it again on the same port → the trainer and the new workers form the weight group
-    anew → wait until the trainer is between steps → broadcast its weights, tagged with the
-    step that made them → open the gate
+    → start it again on the same port → ``link.rejoin()``: the trainer and the new workers form
+    the weight group anew, and the server gets the weights of the trainer's last finished step
+    → open the gate
+
+It knows nothing of the trainer: the run flow passes a ``WeightLink`` whose callbacks do the
+weight plane's part (``tasks/sync/weights.py``).
 
 Sampling requests that were in flight on the dead server fail and are retried by the Sampler;
 new and retried requests wait at the gate (``gate.py``), so none is served by the weights the
@@ -20,38 +23,51 @@ with the thread that spawned them (``service.py``), so a restart must happen the
 Invariants: sampling resumes only on a server holding a policy version the trainer made, at
 least the one it held before; at most ``inference.max_restarts`` restarts, each reported once
 through ``on_restart``; a restart that fails fails the gate (every waiter ends at once) and
-raises ``ServiceCallError`` naming the server.
+raises ``ServiceError`` naming the server.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from rollflow.infra.config import RunConfig
-from rollflow.infra.http import Endpoint, ServiceCallError, acall, async_client, call, client
-from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.errors import ServiceError
+from rollflow.infra.http import client
 from rollflow.infra.inference.gate import ServingGate, register_gate, unregister_gate
 from rollflow.infra.inference.server import InferenceServer
-from rollflow.infra.inference.sync import init_weight_group, sync_weights
-from rollflow.infra.service import free_port
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 UNHEALTHY_PROBES_BEFORE_RESTART = 2  # one slow answer is not a death
 
 
+@dataclass(frozen=True)
+class WeightLink:
+    """The weight plane's part of a server's life, given by the run flow.
+
+    ``join()`` forms the weight group with the running server; ``rejoin()`` does it again for a
+    restarted one and loads the trainer's published weights, returning their version;
+    ``leave(timeout_s)`` closes the group on both sides.
+    """
+
+    join: Callable[[], object]
+    rejoin: Callable[[], int]
+    leave: Callable[[float], None]
+
+
 class InferenceSupervisor:
     """One vLLM server, restarted when it dies; see the module docstring."""
 
-    def __init__(self, cfg: RunConfig, policy_dir: str | Path, log_dir: Path, trainer: Endpoint, *,
+    def __init__(self, cfg: RunConfig, policy_dir: str | Path, log_dir: Path, *,
                  on_restart: Callable[[dict], None] = lambda info: None, progress=print):
-        self.cfg, self.trainer = cfg, trainer
+        self.cfg = cfg
+        self.link: WeightLink | None = None
         self.on_restart, self.progress = on_restart, progress
         self.server = InferenceServer(
             policy_dir, host=cfg.inference.host, port=cfg.inference.port,
@@ -75,30 +91,12 @@ class InferenceSupervisor:
         self._owner = threading.current_thread()
         self.server.start()
 
-    def join_weight_group(self) -> None:
-        """Form the weight group with the trainer, then let sampling in (open the gate)."""
-        self._join_weight_group()
-        self.gate = register_gate(self.server.url)
-
-    def _join_weight_group(self) -> None:
-        timeout_s = self.cfg.trainer.weight_sync_timeout_s
-        metadata = call(self.trainer, "/weights/metadata", timeout_s=timeout_s, method="GET")
-        port = free_port()
-
-        async def join() -> None:
-            client = InferenceClient(self.server.url, timeout_s=timeout_s)
-            async with async_client() as http:
-                try:
-                    connect = lambda: acall(  # noqa: E731
-                        http, self.trainer, "/weights/connect",
-                        {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": timeout_s},
-                        timeout_s=timeout_s)
-                    await init_weight_group(client, connect, "127.0.0.1", port, 2, timeout_s, metadata)
-                finally:
-                    await client.aclose()
-
-        asyncio.run(join())
+    def join_weight_group(self, link: WeightLink) -> None:
+        """Form the weight group through ``link``, then let sampling in (open the gate)."""
+        self.link = link
+        link.join()
         self.group_open = True
+        self.gate = register_gate(self.server.url)
 
     # ------------------------------------------------------------------- check
 
@@ -133,7 +131,7 @@ class InferenceSupervisor:
             message = (f"{reason}; not restarted: {self.restarts} of "
                        f"inference.max_restarts = {self.cfg.inference.max_restarts} used; {logs}")
             self.gate.fail(message)
-            raise ServiceCallError(message)
+            raise ServiceError(message)
         if threading.current_thread() is not self._owner:
             raise RuntimeError("the inference supervisor must restart the server from the thread "
                                "that started it (the run's main thread)")
@@ -146,47 +144,20 @@ class InferenceSupervisor:
             self.server.stop(timeout_s=10)
             self.server.start()
             with self.gate.weights_turn(self.cfg.trainer.weight_sync_timeout_s, when_open=False):
-                self._join_weight_group()
-                synced = self._resync()
+                self.group_open = True  # (partly) formed from here on: teardown closes it
+                version = self.link.rejoin()
         except Exception as exc:
             message = f"{reason} and could not be restarted: {exc}; {logs}"
             self.gate.fail(message)
-            raise ServiceCallError(message) from exc
+            raise ServiceError(message) from exc
         self.restarts += 1
         self._unhealthy_probes = 0
         self.gate.open()
         info = {"restart": self.restarts, "reason": reason, "detected_at": detected_at,
-                "restart_s": time.monotonic() - start, "version": synced["version"]}
+                "restart_s": time.monotonic() - start, "version": version}
         self.on_restart(info)
         self.progress(f"inference: restarted in {info['restart_s']:.0f}s, serving policy version "
-                      f"{synced['version']} again")
-
-    def _resync(self) -> dict:
-        """Broadcast the trainer's weights as of its last finished step (it may be mid-step: wait).
-
-        No new step can start training meanwhile: it would first need the previous step's
-        sync, which waits for the gate this restart holds closed.
-        """
-        deadline = time.monotonic() + self.cfg.trainer.request_timeout_s
-        while call(self.trainer, "/health", timeout_s=HEALTH_PROBE_TIMEOUT_S,
-                   method="GET").get("weights_version") is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the trainer was still mid-step after "
-                                   f"{self.cfg.trainer.request_timeout_s:.0f}s")
-            time.sleep(0.2)
-        timeout_s = self.cfg.trainer.weight_sync_timeout_s
-
-        async def sync() -> dict:
-            client = InferenceClient(self.server.url, timeout_s=timeout_s)
-            async with async_client() as http:
-                try:
-                    send = lambda: acall(http, self.trainer, "/weights/broadcast", {},  # noqa: E731
-                                         timeout_s=timeout_s)
-                    return await sync_weights(client, send, None, timeout_s)
-                finally:
-                    await client.aclose()
-
-        return asyncio.run(sync())
+                      f"{version} again")
 
     # -------------------------------------------------------------------- stop
 
@@ -198,25 +169,11 @@ class InferenceSupervisor:
             unregister_gate(self.gate)
         if self.group_open:
             self.group_open = False
-            for close in (self._close_trainer_group, self._close_inference_group):
-                try:
-                    close(max(1.0, min(5.0, deadline - time.monotonic())))
-                except Exception as exc:  # a dead peer must not block teardown
-                    self.progress(f"teardown: {exc}")
-        self.server.stop(timeout_s=max(1.0, deadline - time.monotonic()))
-
-    def _close_trainer_group(self, timeout_s: float) -> None:
-        call(self.trainer, "/weights/close", timeout_s=timeout_s)
-
-    def _close_inference_group(self, timeout_s: float) -> None:
-        async def run():
-            client = InferenceClient(self.server.url, timeout_s=timeout_s)
             try:
-                await client.collective_rpc("close_weight_group", [])
-            finally:
-                await client.aclose()
-
-        asyncio.run(run())
+                self.link.leave(max(1.0, min(5.0, deadline - time.monotonic())))
+            except Exception as exc:  # a dead peer must not block teardown
+                self.progress(f"teardown: {exc}")
+        self.server.stop(timeout_s=max(1.0, deadline - time.monotonic()))
 
 
 def _max_model_len(policy_dir: str | Path) -> int | None:

@@ -28,14 +28,12 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroup, TCPStore
 
+from rollflow.infra.errors import WeightSyncError
+
 logger = logging.getLogger(__name__)
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 _STORE_PREFIX = "rollflow/weights"
-
-
-class WeightGroupError(RuntimeError):
-    """The weight group could not be formed, or a broadcast failed or timed out."""
 
 
 def weight_metadata(named_tensors: NamedTensors) -> list[dict[str, Any]]:
@@ -113,7 +111,7 @@ class _WeightGroupMember:
             self._broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
         except Exception as err:
             self.close()
-            raise WeightGroupError(
+            raise WeightSyncError(
                 f"rank {self.rank}/{self.world_size} could not join the weight group at "
                 f"{self.host}:{self.port} within {self.timeout.total_seconds():.0f} s: {err}"
             ) from err
@@ -135,7 +133,7 @@ class _WeightGroupMember:
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         if self._group is None:
-            raise WeightGroupError("weight group is not connected; call connect() first")
+            raise WeightSyncError("weight group is not connected; call connect() first")
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
@@ -144,7 +142,7 @@ class _WeightGroupMember:
         try:
             work.wait(self.timeout)
         except Exception as err:
-            raise WeightGroupError(
+            raise WeightSyncError(
                 f"weight broadcast failed on rank {self.rank} "
                 f"(timeout {self.timeout.total_seconds():.0f} s): {err}"
             ) from err
@@ -229,7 +227,7 @@ class WeightReceiverGroup(_WeightGroupMember):
         version, total_numel = (int(x) for x in header.tolist())
         layout = _bucket_layout(metadata)
         if total_numel != sum(layout.values()):
-            raise WeightGroupError(
+            raise WeightSyncError(
                 f"sender announced {total_numel} elements, metadata describes "
                 f"{sum(layout.values())}: trainer and inference disagree on the model"
             )

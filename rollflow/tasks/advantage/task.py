@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -15,31 +15,41 @@ from rollflow.tasks.advantage.advantages import build_batch, grpo_advantages
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Batch:
+    """The step's committed training batch: the groups it kept and what the filters dropped
+    (None when a committed batch was reused, whose filter counts are not recorded)."""
+
+    group_indices: list[int]
+    num_samples_kept: int
+    num_failed_samples: int | None = None
+    num_zero_advantage_groups: int | None = None
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_groups_kept(self) -> int:
+        return len(self.group_indices)
+
+
 @task(name="advantage", cache_policy=NO_CACHE, persist_result=False)
-def advantage(ctx: RunContext, step: int, reuse: bool = False, group_scored_envs: list[str] = ()) -> dict:
-    """Build the step's training batch; returns its groups split into mini-batches.
+def advantage(ctx: RunContext, step: int, reuse: bool = False, group_scored_envs: list[str] = ()) -> Batch:
+    """Build the step's training batch (or, with ``reuse``, take its committed one).
 
     A failed sample of an individually scored env is dropped and its group kept (the advantage
     is computed over the survivors); in a group-scored env (``group_scored_envs``) it drops the
     whole group. Failures are counted by reason and logged.
     """
     storage, cfg = ctx.storage, ctx.config
-    if not (reuse and storage.is_committed("batches", step)):
-        storage.remove_step("batches", step)
-        rollouts = storage.read_step_table("rollouts", step)
-        batch, stats = build_batch(rollouts, partial(grpo_advantages, normalize_std=cfg.train.normalize_std),
-                                   set(group_scored_envs), cfg.train.filter_zero_advantage)
-        if stats.num_failed_samples:
-            log.warning("step %d: %d failed samples left out of the batch, by reason: %s", step,
-                        stats.num_failed_samples, dict(stats.failure_reasons))
-        storage.write_step_table("batches", step, batch)
-        summary = {"num_groups": stats.num_groups, "num_failed_samples": stats.num_failed_samples,
-                   "num_zero_advantage_groups": stats.num_zero_advantage_groups,
-                   "failure_reasons": dict(stats.failure_reasons)}
-    else:
-        batch, summary = storage.read_step_table("batches", step), {"reused": True}
-    groups = sorted(set(batch.column("group_index").to_pylist()))
-    num_minibatches = cfg.train.train_batch_size // cfg.train.mini_batch_size
-    minibatches = [m.tolist() for m in np.array_split(np.array(groups, dtype=int), num_minibatches) if len(m)]
-    return {**summary, "num_groups_kept": len(groups), "num_samples_kept": batch.num_rows,
-            "minibatches": minibatches}
+    if reuse and storage.is_committed("batches", step):
+        batch = storage.read_step_table("batches", step)
+        return Batch(sorted(set(batch.column("group_index").to_pylist())), batch.num_rows)
+    storage.remove_step("batches", step)
+    rollouts = storage.read_step_table("rollouts", step)
+    batch, stats = build_batch(rollouts, partial(grpo_advantages, normalize_std=cfg.train.normalize_std),
+                               set(group_scored_envs), cfg.train.filter_zero_advantage)
+    if stats.num_failed_samples:
+        log.warning("step %d: %d failed samples left out of the batch, by reason: %s", step,
+                    stats.num_failed_samples, dict(stats.failure_reasons))
+    storage.write_step_table("batches", step, batch)
+    return Batch(sorted(set(batch.column("group_index").to_pylist())), batch.num_rows,
+                 stats.num_failed_samples, stats.num_zero_advantage_groups, dict(stats.failure_reasons))

@@ -22,15 +22,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
+from rollflow.infra.errors import InputError
+
 log = logging.getLogger(__name__)
 
 Format = Literal["auto", "jsonl", "parquet", "hf"]
 FORMATS = ("jsonl", "parquet", "hf")
 MAX_REPORTED = 5  # skipped rows named in the warning
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be used; the message names the file and what to do."""
 
 
 @dataclass(frozen=True)
@@ -63,11 +61,11 @@ def load_prompts(path: str | Path, *, prompt_column: str = "prompt", answer_colu
     """
     p = Path(path).expanduser().resolve()
     if not p.exists():
-        raise DatasetError(f"dataset {path}: no such file or folder (datasets are read from local "
+        raise InputError(f"dataset {path}: no such file or folder (datasets are read from local "
                            "paths only; save a hub dataset with datasets' save_to_disk first)")
     fmt = detect_format(p) if format == "auto" else format
     if fmt not in FORMATS:
-        raise DatasetError(f"dataset {path}: unknown format {format!r}; use one of auto, {', '.join(FORMATS)}")
+        raise InputError(f"dataset {path}: unknown format {format!r}; use one of auto, {', '.join(FORMATS)}")
     stat = p.stat()
     return _load_cached(str(p), (stat.st_mtime_ns, stat.st_size), fmt, prompt_column, answer_column, split)
 
@@ -78,14 +76,14 @@ def detect_format(p: Path) -> str:
             return "hf"
         if any(p.glob("*.parquet")):
             return "parquet"
-        raise DatasetError(f"dataset {p}: a folder that is neither a datasets save_to_disk folder "
+        raise InputError(f"dataset {p}: a folder that is neither a datasets save_to_disk folder "
                            "(dataset_dict.json or state.json) nor a folder of *.parquet files")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         return "jsonl"
     if suffix in (".parquet", ".pq"):
         return "parquet"
-    raise DatasetError(f"dataset {p}: cannot tell the format from the suffix {suffix!r}; "
+    raise InputError(f"dataset {p}: cannot tell the format from the suffix {suffix!r}; "
                        f"use .jsonl or .parquet, or set format to one of {', '.join(FORMATS)}")
 
 
@@ -112,7 +110,7 @@ def _load_cached(path: str, _version: tuple[int, int], fmt: str, prompt_column: 
     loaded = LoadedDataset(source, tuple(rows), len(skipped), tuple(skipped[:MAX_REPORTED]))
     if not rows:
         detail = f"; first problems: {'; '.join(loaded.first_skipped)}" if skipped else " (it is empty)"
-        raise DatasetError(f"dataset {source}: no usable rows out of {len(skipped)}{detail}")
+        raise InputError(f"dataset {source}: no usable rows out of {len(skipped)}{detail}")
     if skipped:
         log.warning("dataset %s: skipped %d malformed of %d rows (%s%s)", source, len(skipped),
                     len(skipped) + len(rows), "; ".join(loaded.first_skipped),
@@ -173,7 +171,7 @@ def _require_columns(source: str, have: list[str], want: list[str]) -> None:
     """A column absent from a whole table is every row malformed: say which and what exists."""
     missing = [c for c in want if c not in have]
     if missing:
-        raise DatasetError(f"dataset {source}: no usable rows: column {missing[0]!r} is missing "
+        raise InputError(f"dataset {source}: no usable rows: column {missing[0]!r} is missing "
                            f"(columns: {', '.join(have)}); set prompt_column / answer_column")
 
 
@@ -184,28 +182,28 @@ def _read_parquet(p: Path, columns: list[str]):
         schema = pq.read_schema(p) if p.is_file() else pq.ParquetDataset(p).schema
         _require_columns(str(p), schema.names, columns)
         return pq.read_table(p, columns=columns)
-    except DatasetError:
+    except InputError:
         raise
     except Exception as exc:  # pyarrow raises several types for unreadable files
-        raise DatasetError(f"dataset {p}: not a readable Parquet file: {exc}") from exc
+        raise InputError(f"dataset {p}: not a readable Parquet file: {exc}") from exc
 
 
 def _read_hf(p: Path, split: str | None):
     try:
         import datasets
     except ImportError as exc:
-        raise DatasetError(f"dataset {p}: reading a save_to_disk folder needs the datasets package: "
+        raise InputError(f"dataset {p}: reading a save_to_disk folder needs the datasets package: "
                            "pip install datasets") from exc
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as exc:
-        raise DatasetError(f"dataset {p}: not a readable datasets save_to_disk folder: {exc}") from exc
+        raise InputError(f"dataset {p}: not a readable datasets save_to_disk folder: {exc}") from exc
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             what = "names no split" if split is None else f"has no split {split!r}"
-            raise DatasetError(f"dataset {p}: a DatasetDict whose splits are {sorted(ds)}; the env "
+            raise InputError(f"dataset {p}: a DatasetDict whose splits are {sorted(ds)}; the env "
                                f"{what}: set split (and eval_split) to one of them")
         ds = ds[split]
     elif split is not None:
-        raise DatasetError(f"dataset {p}: a single Dataset has no splits, but split={split!r} was set")
+        raise InputError(f"dataset {p}: a single Dataset has no splits, but split={split!r} was set")
     return ds.with_format("arrow")[:]

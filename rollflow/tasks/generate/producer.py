@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from statistics import fmean
 
+from rollflow.infra.errors import ProducerFailed, TrainingFinished
 from rollflow.tasks.generate.environments import Environment, Prompt
 from rollflow.tasks.generate.rollouts import (
     GroupResult,
@@ -25,14 +26,6 @@ from rollflow.tasks.generate.rollouts import (
 )
 
 log = logging.getLogger(__name__)
-
-class TrainingFinished(RuntimeError):
-    """The producer was finished by the explicit ``training_finished`` event: no more groups."""
-
-
-class ProducerFailed(RuntimeError):
-    """``run_group`` raised (e.g. ``InferenceDead``): the producer stopped; the cause is chained."""
-
 
 @dataclass(frozen=True)
 class FinishedGroup:

@@ -15,20 +15,16 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rollflow.infra.inference.client import (
-    InferenceClient,
-    InferenceServerError,
+from rollflow.infra.errors import (
+    InferenceError,
+    InferenceGone,
     InferenceUnavailable,
     RequestAborted,
 )
-from rollflow.infra.inference.gate import InferenceGone
+from rollflow.infra.inference.client import InferenceClient
 from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
 
 log = logging.getLogger(__name__)
-
-
-class InferenceDead(RuntimeError):
-    """The inference deployment stopped answering its health check: fatal for the step."""
 
 
 @dataclass
@@ -36,7 +32,7 @@ class RetryPolicy:
     """Exponential backoff for aborted or disconnected requests (no cap when ``max_tries`` is 0).
 
     ``unhealthy_grace_s`` covers only the time before the run's inference supervisor notices a
-    dead server (at most ``infra.deployment.DETECTION_BOUND_S``); once it has, the server's gate
+    dead server (at most ``flows.services.DETECTION_BOUND_S``); once it has, the server's gate
     is closed and requests wait there through the restart, which the grace does not count.
     """
 
@@ -74,9 +70,9 @@ class Sampler:
         while True:
             try:
                 return await self.client.complete(prompt_ids, n=n, **params)
-            except InferenceGone as exc:
-                raise InferenceDead(f"vLLM is gone: {exc}") from exc
-            except (RequestAborted, InferenceUnavailable, InferenceServerError) as exc:
+            except InferenceError as exc:
+                if not _retryable(exc):
+                    raise
                 unhealthy_since = await self._down_since(exc, unhealthy_since)
                 reason = type(exc).__name__
                 self.stats.retries += 1
@@ -93,21 +89,30 @@ class Sampler:
     async def _down_since(self, exc: Exception, since: float | None) -> float | None:
         """Since when the server has been down with no restart under way (None: it is up, or its
         supervisor is restarting it, so the request waits at the gate); raises when the failure
-        is final: ``InferenceDead``, or the HTTP 5xx of a healthy server (the group's error)."""
+        is final: ``InferenceGone``, or the HTTP 5xx of a healthy server (the group's error)."""
         if self.client.restarting or isinstance(exc, RequestAborted):
             return None
         healthy = await self.client.health()
-        if isinstance(exc, InferenceServerError):
+        if _server_failed(exc):
             if healthy:
                 raise exc
-            raise InferenceDead(f"vLLM failed a request and is unhealthy: {exc}") from exc
+            raise InferenceGone(f"vLLM failed a request and is unhealthy: {exc}") from exc
         if healthy:
             return None
         since = since or time.monotonic()
         if time.monotonic() - since > self.retry.unhealthy_grace_s:
-            raise InferenceDead(f"vLLM unreachable for {self.retry.unhealthy_grace_s:.0f}s "
+            raise InferenceGone(f"vLLM unreachable for {self.retry.unhealthy_grace_s:.0f}s "
                                 f"and not being restarted: {exc}") from exc
         return since
+
+
+def _server_failed(exc: InferenceError) -> bool:
+    return exc.status is not None and exc.status >= 500
+
+
+def _retryable(exc: InferenceError) -> bool:
+    """Aborted, unreachable, or an HTTP 5xx: worth another try (a 4xx or ``InferenceGone`` is not)."""
+    return isinstance(exc, RequestAborted | InferenceUnavailable) or _server_failed(exc)
 
 
 def train_prompt_seed(run_seed: int, step: int) -> int:
@@ -133,12 +138,12 @@ RunGroup = Callable[[Prompt, int], Awaitable[GroupResult]]  # (prompt, version_s
 
 
 def group_runner(envs: dict[str, Environment], ctx: RolloutContext, group_size: int) -> RunGroup:
-    """One group of a prompt: a failed group becomes its error string; ``InferenceDead`` propagates."""
+    """One group of a prompt: a failed group becomes its error string; ``InferenceGone`` propagates."""
 
     async def run_group(prompt: Prompt, version_started: int = 0) -> GroupResult:
         try:
             return await envs[prompt.env].rollout_group(prompt, group_size, ctx)
-        except InferenceDead:
+        except InferenceGone:
             raise
         except Exception as exc:
             log.warning("group %s failed: %s", prompt.prompt_id, exc)

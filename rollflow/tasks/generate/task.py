@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from functools import lru_cache
 from statistics import fmean
 
@@ -37,6 +38,32 @@ from rollflow.tasks.generate.rollouts import (
     select_prompts,
     to_rows,
 )
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """What the generate task committed for a step (the rows themselves are in storage).
+
+    ``producer`` holds the rollout producer's numbers at the take (staleness, groups in flight,
+    loop lag, retries, restarts; empty for reused rollouts)."""
+
+    num_rollouts: int
+    num_errors: int
+    reward_mean: float
+    reward_by_env: dict[str, float]
+    completion_tokens: int
+    reused: bool
+    num_skipped_rows: int
+    group_scored_envs: list[str]
+    producer: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Held-out reward: the mean over environments, and each environment's."""
+
+    reward: float
+    reward_by_env: dict[str, float]
 
 
 @lru_cache(maxsize=4)
@@ -107,25 +134,25 @@ def reused_steps(ctx: RunContext, resumed_from: int) -> list[int]:
 
 
 @task(name="generate", cache_policy=NO_CACHE, persist_result=False)
-def generate(ctx: RunContext, step: int) -> dict:
+def generate(ctx: RunContext, step: int) -> Rollouts:
     """Take ``train_batch_size`` finished groups for ``step`` from the run's producer; commit them."""
     storage, cfg = ctx.storage, ctx.config
     host = host_for(cfg.run.name)
     # Malformed dataset rows are skipped when an env loads; the count travels with every step.
-    skipped = {"num_skipped_rows": sum(env.num_skipped_rows for env in host.envs.values()),
-               "group_scored_envs": sorted(n for n, env in host.envs.items() if env.scoring == "group")}
+    envs = {"num_skipped_rows": sum(env.num_skipped_rows for env in host.envs.values()),
+            "group_scored_envs": sorted(n for n, env in host.envs.items() if env.scoring == "group")}
     if host.reuses(step):
-        return {**_summary(storage.read_step_table("rollouts", step).to_pylist()), "reused": True, **skipped}
+        return Rollouts(**_summary(storage.read_step_table("rollouts", step).to_pylist()), reused=True, **envs)
     storage.remove_step("rollouts", step)
     start = time.perf_counter()
     groups, producer = host.take(step, take_timeout_s(cfg))
-    waited_s = time.perf_counter() - start
+    producer["take_wait_s"] = time.perf_counter() - start
     if all(g.error is not None for g in groups):
         raise RuntimeError(f"every group of step {step} failed; first error: {groups[0].error}")
     rows = to_rows(cfg.run.name, step, [g.prompt for g in groups], [g.result for g in groups],
                    cfg.sampling.group_size, [(g.version_started, g.version_finished) for g in groups])
     storage.write_step_table("rollouts", step, rows_to_table(rows))
-    return {**_summary(rows), "reused": False, "take_wait_s": waited_s, **producer, **skipped}
+    return Rollouts(**_summary(rows), reused=False, producer=producer, **envs)
 
 
 def take_timeout_s(cfg: RunConfig) -> float:
@@ -151,7 +178,7 @@ def _summary(rows: list[dict]) -> dict:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
-def evaluate(ctx: RunContext) -> dict:
+def evaluate(ctx: RunContext) -> Evaluation:
     """Held-out reward per environment: a fixed prompt set, sampled at the eval temperature."""
     cfg = ctx.config
     envs = build_envs(cfg)
@@ -166,4 +193,4 @@ def evaluate(ctx: RunContext) -> dict:
         ok = isinstance(samples, list) and samples and samples[0].error is None
         by_env[prompt.env].append(samples[0].reward if ok else 0.0)
     per_env = {k: fmean(v) for k, v in sorted(by_env.items())}
-    return {"eval_reward": fmean(per_env.values()), "eval_reward_by_env": per_env}
+    return Evaluation(fmean(per_env.values()), per_env)

@@ -2,7 +2,8 @@
 
 Every route but ``/health`` and ``/weights/metadata`` becomes one JSON command for the main
 thread, which runs it on every rank (``service.serve``). A route answers 400 for bad input found
-before any collective (``ops.CommandError``), 503 once a rank died or a command failed
+before any collective (``InputError``), 409 for a call out of turn, 502 when the weight plane
+failed (``WeightSyncError``), 503 once a rank died or a command failed
 mid-collective, 504 past the call's deadline.
 """
 
@@ -12,87 +13,38 @@ import contextlib
 import logging
 import os
 import queue
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException
-from pydantic import BaseModel, Field
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
+from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
 from rollflow.tasks.train.control import PeerWatch
-from rollflow.tasks.train.losses import LossConfig
-from rollflow.tasks.train.ops import CommandError, RankOps, WeightPlaneError
+from rollflow.tasks.train.ops import RankOps
+from rollflow.tasks.train.protocol import (
+    BatchRef,
+    Broadcast,
+    ExportHF,
+    ForwardBackward,
+    Gradients,
+    StepRef,
+    WeightConnect,
+)
 from rollflow.tasks.train.trainer import Trainer
 
 log = logging.getLogger("rollflow.trainer")
 
-# --------------------------------------------------------------------------- HTTP requests
-
-
-class LossSpec(BaseModel):
-    kind: Literal["ppo", "gspo"] = "ppo"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    tis_cap: float | None = None
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-
-
-class BatchRef(BaseModel):
-    step: int
-    group_indices: list[int] | None = None
-
-
-class ForwardBackward(BatchRef):
-    loss: LossSpec | None = None
-    eps_low: float = 0.2  # used when `loss` is absent (the request before losses were selectable)
-    eps_high: float = 0.2
-    old_logprobs: Literal["inference", "trainer"] = "inference"
-    num_loss_tokens: int | None = Field(None, gt=0, description="Denominator of the whole optimizer step")
-
-
-class StepRef(BaseModel):
-    step: int
-
-
-class EndStep(BaseModel):
-    step: int  # the outer step whose optimizer steps are all done
-
-
-class ExportHF(BaseModel):
-    uri: str
-
-
-class Gradients(BaseModel):
-    path: str
-
-
-class WeightConnect(BaseModel):
-    host: str
-    port: int
-    world_size: int
-    timeout_s: float
-
-
-class Broadcast(BaseModel):
-    # None: the weights of the last finished step, tagged with that step (``weights_version``);
-    # refused while a step is training (a restarted vLLM's re-sync waits for a step boundary).
-    version: int | None = None
-
-
 # ------------------------------------------------------------------------------ dispatcher
-
-
-class ServiceFailed(RuntimeError):
-    """A rank died or a command failed mid-collective: the service cannot continue."""
 
 
 class _Pending:
     def __init__(self, cmd: dict[str, Any]):
-        self.cmd, self.done = cmd, threading.Event()
+        self.cmd, self.done = cmd, threading.Event()  # {"op": name, "args": the request's JSON}
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -114,7 +66,7 @@ class Dispatcher:
 
     def enqueue(self, cmd: dict[str, Any]) -> _Pending:
         if self.watch.failure:
-            raise ServiceFailed(self.watch.failure)
+            raise ServiceError(self.watch.failure, 503)
         pending = _Pending(cmd)
         self._queue.put(pending)
         return pending
@@ -124,7 +76,7 @@ class Dispatcher:
         deadline = time.monotonic() + timeout_s
         while not pending.done.wait(0.05):
             if self.watch.failure:
-                raise ServiceFailed(self.watch.failure)
+                raise ServiceError(self.watch.failure, 503)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainer {cmd['op']}: no result within {timeout_s:.0f}s")
         if pending.error is not None:
@@ -139,8 +91,7 @@ class Dispatcher:
 
 
 def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher, ranks: list[dict], *,
-              backend: str, timeout_s: float, storage_options: dict[str, Any], num_steps: int | None = None,
-              weights_version: int = 0) -> FastAPI:
+              backend: str, timeout_s: float, num_steps: int | None = None, weights_version: int = 0) -> FastAPI:
     """The HTTP API on rank 0; every route but the metadata, health and end-of-step ones runs a command.
 
     Rank 0 alone keeps the step state: ``weights_version`` is the outer step whose optimizer steps
@@ -156,20 +107,27 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
 
     app = FastAPI(title="rollflow trainer", dependencies=[Depends(auth)])
 
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A malformed body is bad input like any other: 400, naming each field and what is wrong."""
+        problems = [f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse({"detail": f"{request.url.path}: " + "; ".join(problems)}, status_code=400)
+
     # Taken around reading or changing the step state and queueing the command that goes with it,
     # so that a broadcast's version tag and an optimizer step are queued in the order they were read.
     order = threading.Lock()
 
-    def queue(op: str, fields: dict[str, Any] | None = None) -> _Pending:
+    def queue(op: str, request: BaseModel | None = None) -> _Pending:
+        args = request.model_dump(mode="json") if request is not None else {}
         with _as_http_errors():
-            return dispatcher.enqueue({"op": op, **(fields or {})})
+            return dispatcher.enqueue({"op": op, "args": args})
 
     def result(pending: _Pending, deadline_s: float = timeout_s) -> Any:
         with _as_http_errors():
             return dispatcher.wait(pending, deadline_s)
 
-    def run(op: str, fields: dict[str, Any] | None = None, deadline_s: float = timeout_s) -> Any:
-        return result(queue(op, fields), deadline_s)
+    def run(op: str, request: BaseModel | None = None, deadline_s: float = timeout_s) -> Any:
+        return result(queue(op, request), deadline_s)
 
     @app.get("/health")
     def health() -> dict:
@@ -180,20 +138,14 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
 
     @app.post("/forward")
     def forward(req: BatchRef) -> dict:
-        return run("forward", {"step": req.step, "group_indices": req.group_indices})
+        return run("forward", req)
 
     @app.post("/forward_backward")
     def forward_backward(req: ForwardBackward) -> dict:
-        loss = req.loss or LossSpec(eps_low=req.eps_low, eps_high=req.eps_high)
-        try:
-            LossConfig(**loss.model_dump(exclude={"kind"}))
-        except ValueError as err:
-            raise HTTPException(400, str(err)) from None
-        if loss.kl_coef > 0 and trainer.reference is None:
+        if req.loss.kl_coef > 0 and trainer.reference is None:
             raise HTTPException(400, "loss.kl_coef > 0 needs the reference model, and this trainer was "
-                                     "started without one: set train.kl_coef > 0 in the run's config")
-        return run("forward_backward", {"step": req.step, "group_indices": req.group_indices, "loss": loss.model_dump(),
-                                        "old_logprobs": req.old_logprobs, "num_loss_tokens": req.num_loss_tokens})
+                                     "started without one: set train.loss.kl_coef > 0 in the run's config")
+        return run("forward_backward", req)
 
     @app.post("/optim_step")
     def optim_step() -> dict:
@@ -205,7 +157,7 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
         return result(pending)
 
     @app.post("/end_step")
-    def end_step(req: EndStep) -> dict:
+    def end_step(req: StepRef) -> dict:
         """Step ``req.step`` made all its optimizer steps; after the run's last, training ends."""
         with order:  # queued after the step's optimizer steps (the train task calls in order)
             state["weights_version"] = req.step
@@ -222,23 +174,20 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
         return {"finished": finished.is_set(), **(state["finished"] or {})}
 
     @app.post("/save_checkpoint")
-    @app.post("/checkpoint")  # the route's earlier name
     def save_checkpoint(req: StepRef) -> dict:
-        folder = tempfile.mkdtemp(prefix=f"rollflow-ckpt-{req.step}-")
-        return run("save_checkpoint", {"step": req.step, "dir": folder})
+        return run("save_checkpoint", req)
 
     @app.post("/load_checkpoint")
     def load_checkpoint(req: StepRef) -> dict:
-        cache = str(Path("~/.cache/rollflow/checkpoints").expanduser())
-        return run("load_checkpoint", {"step": req.step, "cache": cache})
+        return run("load_checkpoint", req)
 
     @app.post("/export_hf")
     def export_hf(req: ExportHF) -> dict:
-        return run("export_hf", {"uri": req.uri, "storage_options": storage_options})
+        return run("export_hf", req)
 
     @app.post("/gradients")
     def gradients(req: Gradients) -> dict:
-        return run("gradients", {"path": req.path})
+        return run("gradients", req)
 
     @app.get("/weights/metadata")
     def metadata() -> list[dict]:
@@ -246,7 +195,7 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
 
     @app.post("/weights/connect")
     def connect(req: WeightConnect) -> dict:
-        return run("weights_connect", req.model_dump())
+        return run("weights_connect", req)
 
     @app.post("/weights/broadcast")
     def broadcast(req: Broadcast) -> dict:
@@ -256,7 +205,7 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
             version = state["weights_version"] if req.version is None else req.version
             if version is None:
                 raise HTTPException(409, "a step is training: its weights are no policy version yet")
-            pending = queue("weights_broadcast", {"version": version})
+            pending = queue("weights_broadcast", Broadcast(version=version))
         return {"version": version, **result(pending)}
 
     @app.post("/weights/close")
@@ -275,11 +224,11 @@ def _as_http_errors() -> Iterator[None]:
     """A command's failure as the HTTP answer of its route."""
     try:
         yield
-    except CommandError as err:
+    except InputError as err:
         raise HTTPException(400, str(err)) from None
-    except WeightPlaneError as err:  # the inference side of the weight group: 502, still usable
+    except WeightSyncError as err:  # the inference side of the weight group: 502, still usable
         raise HTTPException(502, str(err)) from None
-    except ServiceFailed as err:
+    except ServiceError as err:  # a rank died or a command failed mid-collective: 503 from now on
         raise HTTPException(503, str(err)) from None
     except TimeoutError as err:
         raise HTTPException(504, str(err)) from None

@@ -17,11 +17,10 @@ Three logprobs per token may be in play:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-LossKind = Literal["ppo", "gspo"]
+from rollflow.infra.config import LossConfig
 
 
 @dataclass
@@ -44,41 +43,6 @@ class LossOutput:
     tis_weight_sum: float = 0.0
     tis_capped_tokens: float = 0.0
     sums_B: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Coefficients of the loss; the same fields serve both kinds.
-
-    eps_low / eps_high: the ratio is clipped to [1 - eps_low, 1 + eps_high]. The ratio is per
-        token for PPO (0.2 / 0.28 are usual) and per sequence for GSPO, whose ratio stays much
-        closer to 1 (the GSPO paper uses 3e-4 / 4e-4).
-    tis_cap: C of truncated importance sampling, min(exp(old - inference), C); None turns it
-        off. At least 1, so that on-policy tokens (weight 1) are never scaled down.
-    kl_coef: beta of the k3 KL penalty to the reference model; 0 turns it off.
-    entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 turns it off.
-    """
-
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    tis_cap: float | None = 2.0
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not 0.0 <= self.eps_low < 1.0:
-            problems.append(f"eps_low={self.eps_low} must be in [0, 1)")
-        if self.eps_high < 0.0:
-            problems.append(f"eps_high={self.eps_high} must be >= 0")
-        if self.tis_cap is not None and self.tis_cap < 1.0:
-            problems.append(f"tis_cap={self.tis_cap} must be >= 1 (or None to turn TIS off)")
-        if self.kl_coef < 0.0:
-            problems.append(f"kl_coef={self.kl_coef} must be >= 0")
-        if self.entropy_coef < 0.0:
-            problems.append(f"entropy_coef={self.entropy_coef} must be >= 0")
-        if problems:
-            raise ValueError("invalid LossConfig: " + "; ".join(problems))
 
 
 @dataclass
@@ -155,7 +119,7 @@ def k3_B_T(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.
 # ------------------------------------------------------------------------------ the loss
 
 
-def compute_loss(kind: LossKind, inputs: LossInputs, cfg: LossConfig) -> LossOutput:
+def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     """Summed loss of one micro-batch: policy gradient (PPO or GSPO) · TIS + β·k3 - c·entropy.
 
     ``ppo``: token ratio exp(logp - old), clipped per token.
@@ -168,13 +132,11 @@ def compute_loss(kind: LossKind, inputs: LossInputs, cfg: LossConfig) -> LossOut
     and entropy terms are unweighted. ``mismatch_kl`` is k3 of KL(sampler || trainer) between the
     current logprobs and the inference logprobs (``old`` when no inference logprobs are given).
     """
-    if kind not in ("ppo", "gspo"):
-        raise ValueError(f"unknown loss kind {kind!r}; expected 'ppo' or 'gspo'")
     _check_inputs(inputs, cfg)
     logp_B_T, old_B_T = inputs.logprobs_B_T, inputs.old_logprobs_B_T
     mask_b = inputs.mask_B_T.bool()
 
-    if kind == "ppo":
+    if cfg.kind == "ppo":
         ratio_B_T = torch.exp(torch.where(mask_b, logp_B_T - old_B_T, 0.0))
     else:
         ratio_B_T = gspo_token_ratio_B_T(logp_B_T, old_B_T, mask_b)
@@ -231,19 +193,6 @@ def compute_loss(kind: LossKind, inputs: LossInputs, cfg: LossConfig) -> LossOut
     )
 
 
-def ppo_clip_loss(
-    logprobs_B_T: torch.Tensor,
-    old_logprobs_B_T: torch.Tensor,
-    advantages_B: torch.Tensor,
-    mask_B_T: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> LossOutput:
-    """Token-level PPO clip against old_logprobs_B_T alone: no TIS, KL or entropy term."""
-    inputs = LossInputs(logprobs_B_T, old_logprobs_B_T, advantages_B, mask_B_T)
-    return compute_loss("ppo", inputs, LossConfig(eps_low=eps_low, eps_high=eps_high, tis_cap=None))
-
-
 def _masked_sum_B(x_B_T: torch.Tensor, mask_b_B_T: torch.Tensor) -> torch.Tensor:
     """Detached per-sequence sum over loss tokens, in float64 so that counts stay exact."""
     return torch.where(mask_b_B_T, x_B_T.detach().to(torch.float64), 0.0).sum(-1)
@@ -270,16 +219,3 @@ def _check_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
         raise ValueError("kl_coef > 0 needs ref_logprobs_B_T (or set kl_coef=0)")
     if cfg.entropy_coef > 0 and inputs.entropy_B_T is None:
         raise ValueError("entropy_coef > 0 needs entropy_B_T (or set entropy_coef=0)")
-
-
-def sequence_logprobs(
-    model: torch.nn.Module, input_ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor
-) -> torch.Tensor:
-    """Log-prob of each token given its prefix; position t holds log p(x_t | x_<t), t=0 is 0."""
-    logits_B_T_V = model(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T).logits.float()
-    logp_B_T = (
-        torch.log_softmax(logits_B_T_V[:, :-1], dim=-1)
-        .gather(-1, input_ids_B_T[:, 1:, None])
-        .squeeze(-1)
-    )
-    return torch.nn.functional.pad(logp_B_T, (1, 0))

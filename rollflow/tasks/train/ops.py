@@ -5,7 +5,7 @@ with it. A command runs in two phases:
 
 1. prepare (local): read the batch's Parquet from storage, check it, plan and pack this rank's
    micro-batches. The ranks then exchange a status; if any rank found bad input, every rank
-   raises ``CommandError`` together, before any model collective, and the service stays usable.
+   raises ``InputError`` together, before any model collective, and the service stays usable.
 2. compute (collective): forward / backward / step / gather, identical on every rank.
 
 An exception in phase 2 leaves the ranks out of step: the service treats it as fatal.
@@ -24,31 +24,31 @@ import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollflow.infra.storage import RunStorage, StorageError
+from rollflow.infra.errors import InputError, StorageError, WeightSyncError
+from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightSender
 from rollflow.tasks.train.control import ControlGroup
-from rollflow.tasks.train.losses import LossConfig
 from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size
 from rollflow.tasks.train.packing import PackedBatch, Sequence, pack, plan_micro_batches
+from rollflow.tasks.train.protocol import (
+    BatchRef,
+    Broadcast,
+    ExportHF,
+    ForwardBackward,
+    Gradients,
+    StepRef,
+    WeightConnect,
+)
 from rollflow.tasks.train.trainer import SUM_KEYS, Trainer
 
+LOCAL_CHECKPOINTS = Path("~/.cache/rollflow/checkpoints").expanduser()
 BATCH_COLUMNS = ["env", "group_index", "sample_index", "prompt_ids", "completion_ids", "completion_logprobs",
                  "advantage"]
 
 
-class CommandError(ValueError):
-    """Bad input to a command, found before any model collective: the service stays usable."""
-
-
-class WeightPlaneError(RuntimeError):
-    """The weight group to the inference server failed (its peer died, never joined, timed out).
-
-    Only rank 0 talks to that group, after every rank finished its part of the command, so the
-    ranks are still in step: the service stays usable, and a restarted server can join again."""
-
-
 class RankOps:
-    """One rank's side of every command."""
+    """One rank's side of every command: ``run(op, args)`` parses ``args`` into the op's request
+    model (``protocol.py``, the same the HTTP route parsed) and runs it."""
 
     def __init__(self, trainer: Trainer, control: ControlGroup, storage: RunStorage, *,
                  micro_batch_tokens: int, row_tokens: int | None):
@@ -57,22 +57,36 @@ class RankOps:
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self.sender: WeightSender | None = None  # rank 0 only
         self._cache: dict[tuple[str, int], pa.Table] = {}
+        self._commands: dict[str, tuple[Any, type | None]] = {
+            "ping": (lambda _: {}, None),
+            "forward": (self.forward, BatchRef),
+            "forward_backward": (self.forward_backward, ForwardBackward),
+            "optim_step": (lambda _: self.optim_step(), None),
+            "save_checkpoint": (self.save_checkpoint, StepRef),
+            "load_checkpoint": (self.load_checkpoint, StepRef),
+            "export_hf": (self.export_hf, ExportHF),
+            "gradients": (self.gradients, Gradients),
+            "weights_connect": (self.weights_connect, WeightConnect),
+            "weights_broadcast": (self.weights_broadcast, Broadcast),
+            "weights_close": (lambda _: self.weights_close(), None),
+        }
 
-    def run(self, cmd: dict[str, Any]) -> Any:
-        return getattr(self, f"op_{cmd['op']}")(cmd)
+    def run(self, op: str, args: dict[str, Any]) -> Any:
+        handler, request = self._commands[op]
+        return handler(request.model_validate(args) if request is not None else None)
 
     # ---------------------------------------------------------------------------- prepare
 
     def _agree(self, prepare) -> list[Any]:
-        """Run ``prepare`` here, exchange outcomes; raise ``CommandError`` on every rank if any failed."""
+        """Run ``prepare`` here, exchange outcomes; raise ``InputError`` on every rank if any failed."""
         try:
             mine = {"ok": prepare()}
-        except (CommandError, StorageError, ValueError, KeyError, OSError) as err:
+        except (InputError, StorageError, ValueError, KeyError, OSError) as err:
             mine = {"error": f"rank {self.rank}: {err}"}
         everyone = self.control.all_gather(mine)
         errors = [o["error"] for o in everyone if "error" in o]
         if errors:
-            raise CommandError(errors[0])
+            raise InputError(errors[0])
         return [o["ok"] for o in everyone]
 
     def _table(self, kind: str, step: int) -> pa.Table:
@@ -80,7 +94,7 @@ class RankOps:
         if key not in self._cache:
             if not self.storage.is_committed(kind, step):
                 hint = " (call forward first)" if kind == "logprobs" else ""
-                raise CommandError(f"{self.storage.step_uri(kind, step)} is not committed{hint}")
+                raise InputError(f"{self.storage.step_uri(kind, step)} is not committed{hint}")
             self._cache = {k: v for k, v in self._cache.items() if k[1] == step}  # keep one step
             self._cache[key] = self.storage.read_step_table(kind, step)
         return self._cache[key]
@@ -90,15 +104,15 @@ class RankOps:
         table = self._table("batches", step)
         missing = [c for c in BATCH_COLUMNS if c not in table.column_names]
         if missing:
-            raise CommandError(f"batch step={step} lacks columns {missing}")
+            raise InputError(f"batch step={step} lacks columns {missing}")
         if groups is not None:
             table = table.filter(pc.is_in(table["group_index"], value_set=pa.array(groups, type=pa.int32())))
             absent = sorted(set(groups) - set(table["group_index"].to_pylist()))
             if absent:
-                raise CommandError(f"batch step={step} has no rows for groups {absent}")
+                raise InputError(f"batch step={step} has no rows for groups {absent}")
         rows = table.select(BATCH_COLUMNS).to_pylist()
         if not rows:
-            raise CommandError(f"batch step={step} has no rows for groups {groups}")
+            raise InputError(f"batch step={step} has no rows for groups {groups}")
         old = self._old_logprobs(step) if old_logprobs else {}
         seqs = []
         for i, r in enumerate(rows):
@@ -119,15 +133,12 @@ class RankOps:
 
     # ---------------------------------------------------------------------------- commands
 
-    def op_ping(self, cmd: dict) -> dict:
-        return {}
-
-    def op_forward(self, cmd: dict) -> dict:
+    def forward(self, req: BatchRef) -> dict:
         """Trainer log-probs of the batch's completions, written to ``logprobs/step=N`` (rank 0)."""
         start = time.perf_counter()
         mbs: list[PackedBatch] = []
         self._agree(lambda: mbs.extend(self.my_micro_batches(
-            self.sequences(cmd["step"], cmd.get("group_indices"), old_logprobs=False))))
+            self.sequences(req.step, req.group_indices, old_logprobs=False))))
         mine = self.trainer.forward(mbs)
         everyone = self.control.all_gather([[list(k), lp] for k, lp in mine])
         if self.rank != 0:
@@ -136,63 +147,62 @@ class RankOps:
         table = pa.table({"group_index": pa.array([k[0] for k, _ in rows], pa.int32()),
                           "sample_index": pa.array([k[1] for k, _ in rows], pa.int32()),
                           "logprobs": pa.array([lp for _, lp in rows], pa.list_(pa.float32()))})
-        self.storage.remove_step("logprobs", cmd["step"])
-        self._cache.pop(("logprobs", cmd["step"]), None)
-        uri = self.storage.write_step_table("logprobs", cmd["step"], table)
+        self.storage.remove_step("logprobs", req.step)
+        self._cache.pop(("logprobs", req.step), None)
+        uri = self.storage.write_step_table("logprobs", req.step, table)
         return {"uri": uri, "num_sequences": len(rows), "forward_s": time.perf_counter() - start}
 
-    def op_forward_backward(self, cmd: dict) -> dict:
+    def forward_backward(self, req: ForwardBackward) -> dict:
         start = time.perf_counter()
-        loss = cmd["loss"]
-        cfg = LossConfig(**{k: v for k, v in loss.items() if k != "kind"})
         mbs: list[PackedBatch] = []
 
         def prepare() -> int:
-            seqs = self.sequences(cmd["step"], cmd.get("group_indices"), cmd.get("old_logprobs") == "trainer")
+            seqs = self.sequences(req.step, req.group_indices, req.old_logprobs == "trainer")
             mbs.extend(self.my_micro_batches(seqs))
             return sum(len(s.completion_ids) for mb in mbs for s in mb.sequences)
 
         # The global loss-token count: each rank's count, summed over ranks (the all-gather above
         # is the all-reduce).
         tokens = sum(self._agree(prepare))
-        denominator = cmd.get("num_loss_tokens") or tokens
-        mine = self.trainer.forward_backward(mbs, loss["kind"], cfg, denominator)
+        denominator = req.num_loss_tokens or tokens
+        mine = self.trainer.forward_backward(mbs, req.loss, denominator)
         everyone = self.control.all_gather(mine)
         if self.rank != 0:
             return {}
         return _merge_forward_backward(everyone, denominator, time.perf_counter() - start)
 
-    def op_optim_step(self, cmd: dict) -> dict:
+    def optim_step(self) -> dict:
         try:
             return self.trainer.optim_step()
         except RuntimeError as err:  # the same on every rank: no gradients anywhere
             if "without forward_backward" in str(err):
-                raise CommandError(str(err)) from None
+                raise InputError(str(err)) from None
             raise
 
-    def op_save_checkpoint(self, cmd: dict) -> dict:
+    def save_checkpoint(self, req: StepRef) -> dict:
         """Every rank writes its part into rank 0's temporary folder; rank 0 uploads and commits."""
         start = time.perf_counter()
-        folder = Path(cmd["dir"])
+        made = tempfile.mkdtemp(prefix=f"rollflow-ckpt-{req.step}-") if self.rank == 0 else None
+        folder = Path(self.control.broadcast(made))
         self.trainer.save_checkpoint(folder)
         if self.rank != 0:
             return {}
         try:
-            uri = self.storage.upload_dir(folder, "checkpoints", cmd["step"])
+            uri = self.storage.upload_dir(folder, "checkpoints", req.step)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return {"uri": uri, "checkpoint_s": time.perf_counter() - start}
 
-    def op_load_checkpoint(self, cmd: dict) -> dict:
-        folder = self.control.broadcast(str(self.storage.local_copy("checkpoints", cmd["step"], cmd["cache"]))
-                                        if self.rank == 0 else None)
+    def load_checkpoint(self, req: StepRef) -> dict:
+        local = self.storage.local_copy("checkpoints", req.step, LOCAL_CHECKPOINTS) if self.rank == 0 else None
+        folder = self.control.broadcast(str(local) if local is not None else None)
         self.trainer.load_checkpoint(folder)
         return {"optim_step": self.trainer.step, "path": folder}
 
-    def op_export_hf(self, cmd: dict) -> dict:
+    def export_hf(self, req: ExportHF) -> dict:
         """Weights, config and tokenizer as an HF directory at ``uri`` (a local path or fsspec URI)."""
-        uri = cmd["uri"]
-        fs, path = fsspec.core.url_to_fs(uri, **cmd.get("storage_options", {}))
+        uri = req.uri
+        fs, path = fsspec.core.url_to_fs(uri, **self.storage.options)
         local = "file" in fs.protocol
         tmp = Path(path) if local else Path(tempfile.mkdtemp(prefix="rollflow-export-"))
         try:
@@ -204,42 +214,42 @@ class RankOps:
                 shutil.rmtree(tmp, ignore_errors=True)
         return {"uri": uri}
 
-    def op_gradients(self, cmd: dict) -> dict:
+    def gradients(self, req: Gradients) -> dict:
         """Save the accumulated full gradient (HF names) as safetensors at ``path`` (rank 0)."""
         from safetensors.torch import save_file
 
         grads = self.trainer.full_gradients()
         if self.rank == 0:
-            save_file({k: v.contiguous() for k, v in grads.items()}, cmd["path"])
-        return {"path": cmd["path"], "num_tensors": len(grads)}
+            save_file({k: v.contiguous() for k, v in grads.items()}, req.path)
+        return {"path": req.path, "num_tensors": len(grads)}
 
-    def op_weights_connect(self, cmd: dict) -> dict:
+    def weights_connect(self, req: WeightConnect) -> dict:
         if self.rank == 0:
             if self.sender is not None:
                 self.sender.close()
             self.sender = None
-            sender = WeightSender(cmd["host"], cmd["port"], cmd["world_size"], cmd["timeout_s"])
+            sender = WeightSender(req.host, req.port, req.world_size, req.timeout_s)
             try:
                 sender.connect()
             except Exception as err:
-                raise WeightPlaneError(str(err)) from err
+                raise WeightSyncError(str(err)) from err
             self.sender = sender
         return {"ok": True}
 
-    def op_weights_broadcast(self, cmd: dict) -> dict:
+    def weights_broadcast(self, req: Broadcast) -> dict:
         start = time.perf_counter()
         named = self.trainer.named_weights()  # a collective: every rank helps gather
         if self.rank != 0:
             return {}
         try:
-            num_bytes = self.sender.broadcast(named, cmd["version"])
+            num_bytes = self.sender.broadcast(named, req.version)
         except Exception as err:  # the group is broken now: a restarted server connects anew
             self.sender.close()
             self.sender = None
-            raise WeightPlaneError(f"weight broadcast v{cmd['version']} failed: {err}") from err
+            raise WeightSyncError(f"weight broadcast v{req.version} failed: {err}") from err
         return {"bytes": num_bytes, "broadcast_s": time.perf_counter() - start}
 
-    def op_weights_close(self, cmd: dict) -> dict:
+    def weights_close(self) -> dict:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
@@ -249,16 +259,16 @@ class RankOps:
 def _check_row(step: int, i: int, r: dict, old: list[float] | None, want_old: bool) -> None:
     where = f"batch step={step} row {i} (group {r['group_index']}, sample {r['sample_index']})"
     if not r["prompt_ids"]:
-        raise CommandError(f"{where}: empty prompt_ids; every sequence needs at least one prompt token")
+        raise InputError(f"{where}: empty prompt_ids; every sequence needs at least one prompt token")
     if not r["completion_ids"]:
-        raise CommandError(f"{where}: empty completion_ids; filter such rows in the advantage stage")
+        raise InputError(f"{where}: empty completion_ids; filter such rows in the advantage stage")
     if len(r["completion_logprobs"] or []) != len(r["completion_ids"]):
-        raise CommandError(f"{where}: {len(r['completion_logprobs'] or [])} completion_logprobs for "
+        raise InputError(f"{where}: {len(r['completion_logprobs'] or [])} completion_logprobs for "
                            f"{len(r['completion_ids'])} completion_ids")
     if r["advantage"] is None or not math.isfinite(r["advantage"]):
-        raise CommandError(f"{where}: advantage is {r['advantage']}; it must be a finite number")
+        raise InputError(f"{where}: advantage is {r['advantage']}; it must be a finite number")
     if want_old and (old is None or len(old) != len(r["completion_ids"])):
-        raise CommandError(f"{where}: no trainer log-probs of matching length in logprobs/step={step}; "
+        raise InputError(f"{where}: no trainer log-probs of matching length in logprobs/step={step}; "
                            "call forward on this batch first")
 
 

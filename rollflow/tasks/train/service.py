@@ -1,7 +1,7 @@
 """The trainer service: N ranks under torchrun or the deepspeed launcher; rank 0 serves HTTP.
 
 Every rank runs ``python -m rollflow.tasks.train.service ARGS.json`` (started by a launcher, see
-``infra/launch.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
+``launch.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
 small JSON command that rank 0's main thread broadcasts over the control group, and that every
 rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training data never
 rides the control channel: a command names a committed batch step, and each rank reads the
@@ -28,17 +28,17 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import uvicorn
-from pydantic import BaseModel
 
+from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.train.api import Dispatcher, ServiceFailed, build_app
+from rollflow.tasks.train.api import Dispatcher, build_app
 from rollflow.tasks.train.control import ControlGroup, PeerWatch, rank_identity
-from rollflow.tasks.train.ops import CommandError, RankOps, WeightPlaneError
+from rollflow.tasks.train.ops import RankOps
+from rollflow.tasks.train.protocol import ServiceArgs
 from rollflow.tasks.train.trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
@@ -48,33 +48,6 @@ HEARTBEAT_S = 2.0
 # row_tokens^2 (measured on the quickstart's shapes: 32-64 matched padded batches, 256 was ~15%
 # slower). None on GPU: one row per micro-batch, flash-attention's varlen kernels.
 CPU_ROW_TOKENS = 64
-
-
-class ServiceArgs(BaseModel):
-    """Everything the ranks need at start (one JSON file, read by every rank)."""
-
-    model_path: str
-    checkpoint_step: int | None = None  # model_path is that checkpoint: load its trainer state too
-    storage_root: str
-    storage_options: dict[str, Any] = {}
-    run: str
-    lr: float
-    weight_decay: float
-    max_grad_norm: float
-    warmup_steps: int = 0
-    micro_batch_tokens: int
-    seed: int = 0
-    num_steps: int | None = None  # the run's last outer step: training_finished follows it
-    host: str = "127.0.0.1"
-    port: int
-    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
-    zero_stage: int = 1
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    reference_model: bool = False  # load a frozen reference policy for the KL term
-    reference_model_path: str | None = None  # default: the checkpoint's record, else model_path
-    timeout_s: float = 600.0  # deadline of every collective and of one call
-    dead_rank_grace_s: float = 10.0  # after a rank died: how long rank 0 keeps answering 503 naming it
-    log_path: str = ""
 
 
 # ------------------------------------------------------------------------------- main loop
@@ -89,14 +62,14 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
             if dispatcher.watch.failure:
                 return
             pending = dispatcher.next(HEARTBEAT_S)
-            cmd = pending.cmd if pending else {"op": "ping"}
+            cmd = pending.cmd if pending else {"op": "ping", "args": {}}
             try:
                 ops.control.broadcast(cmd)
             except Exception as err:
                 fail = dispatcher.watch.poll() or f"trainer rank 0 could not reach the other ranks: {err}"
                 dispatcher.watch.fail(fail)
                 if pending:
-                    pending.resolve(error=ServiceFailed(fail))
+                    pending.resolve(error=ServiceError(fail, 503))
                 return
         else:
             cmd = ops.control.broadcast()
@@ -105,8 +78,8 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
                 pending.resolve({"ok": True})
             return
         try:
-            result, error = ops.run(cmd), None
-        except (CommandError, WeightPlaneError) as err:  # the ranks are in step: go on
+            result, error = ops.run(cmd["op"], cmd["args"]), None
+        except (InputError, WeightSyncError) as err:  # the ranks are in step: go on
             result, error = None, err
         except Exception as err:
             log.error("command %s failed on rank %d:\n%s", cmd["op"], rank, traceback.format_exc())
@@ -114,7 +87,7 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
                 raise
             fail = dispatcher.watch.poll() or f"trainer rank 0: {cmd['op']} failed: {err!r}"
             dispatcher.watch.fail(fail)
-            result, error = None, ServiceFailed(fail)
+            result, error = None, ServiceError(fail, 503)
         if pending:
             pending.resolve(result, error)
         if rank == 0 and dispatcher.watch.failure:
@@ -123,8 +96,9 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
 
 def _init_distributed(args: ServiceArgs) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    timeout = timedelta(seconds=args.timeout_s)
+    device = args.trainer.device
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    timeout = timedelta(seconds=args.trainer.request_timeout_s)
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -142,7 +116,7 @@ def _threads() -> int:
 
 
 def _reference_path(args: ServiceArgs) -> str | None:
-    if not args.reference_model:
+    if not args.needs_reference:
         return None
     if args.reference_model_path:
         return args.reference_model_path
@@ -167,18 +141,17 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
     device = _init_distributed(args)
-    control = ControlGroup(args.timeout_s)
+    control = ControlGroup(args.trainer.request_timeout_s)
     ranks = control.all_gather(rank_identity())
-    spec = TrainerSpec(model_path=args.model_path, backend=args.backend, zero_stage=args.zero_stage, lr=args.lr,
-                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                       warmup_steps=args.warmup_steps, seed=args.seed, reference_model_path=_reference_path(args))
+    spec = TrainerSpec(model_path=args.model_path, train=args.train, trainer=args.trainer, seed=args.seed,
+                       reference_model_path=_reference_path(args))
     trainer = Trainer(spec, device)
     if args.checkpoint_step is not None:
         trainer.load_checkpoint(args.model_path)
     storage = RunStorage(args.storage_root, args.run, args.storage_options)
-    ops = RankOps(trainer, control, storage, micro_batch_tokens=args.micro_batch_tokens,
+    ops = RankOps(trainer, control, storage, micro_batch_tokens=args.trainer.micro_batch_tokens,
                   row_tokens=None if device.type == "cuda" else CPU_ROW_TOKENS)
-    log.info("rank %d/%d ready: %s on %s, %d threads", rank, len(ranks), args.backend, device,
+    log.info("rank %d/%d ready: %s on %s, %d threads", rank, len(ranks), args.trainer.backend, device,
              torch.get_num_threads())
     if rank != 0:
         serve(ops, None)
@@ -201,8 +174,8 @@ def _serve_rank0(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, 
             os._exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    app = build_app(token, ops, trainer, dispatcher, ranks, backend=args.backend, timeout_s=args.timeout_s,
-                    storage_options=args.storage_options, num_steps=args.num_steps,
+    app = build_app(token, ops, trainer, dispatcher, ranks, backend=args.trainer.backend,
+                    timeout_s=args.trainer.request_timeout_s, num_steps=args.num_steps,
                     weights_version=args.checkpoint_step or 0)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     threading.Thread(target=server.run, name="http", daemon=True).start()

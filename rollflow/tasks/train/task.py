@@ -1,48 +1,58 @@
 """The train stage: the algorithm's loop over epochs and mini-batches, on the trainer service.
 
-Mini-batches and epochs live here, never in the ranks: each mini-batch is one
-``forward_backward`` (the service splits it over ranks and micro-batches) and one ``optim_step``.
-With ``train.old_logprobs = "trainer"`` a ``forward`` pass first records the trainer's own
-log-probs of the whole batch, before any optimizer step of this outer step, as the ratio's
-denominator (and TIS then reweights by trainer / sampler).
+Mini-batches and epochs live here, never in the ranks: the step's groups are split into
+``train_batch_size / mini_batch_size`` mini-batches, and each is one ``forward_backward`` (the
+service splits it over ranks and micro-batches) and one ``optim_step``. With
+``train.old_logprobs = "trainer"`` a ``forward`` pass first records the trainer's own log-probs
+of the whole batch, before any optimizer step of this outer step, as the ratio's denominator
+(and TIS then reweights by trainer / sampler).
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.infra.config import TrainSection
 from rollflow.infra.context import RunContext
-from rollflow.infra.http import call
+from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.metrics import summarize_optimizer_steps
 
 
+def trainer_client(ctx: RunContext) -> TrainerClient:
+    """The run's trainer service, with the config's deadline on every compute call."""
+    return TrainerClient(ctx.trainer, ctx.config.trainer.request_timeout_s)
+
+
+def minibatches(group_indices: list[int], train: TrainSection) -> list[list[int]]:
+    """The step's groups in ``train_batch_size / mini_batch_size`` near-equal slices, in order
+    (fewer when filters left fewer groups than slices); each is one optimizer step."""
+    count = train.train_batch_size // train.mini_batch_size
+    return [part.tolist() for part in np.array_split(np.array(group_indices, dtype=int), count) if len(part)]
+
+
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
-def train(ctx: RunContext, step: int, minibatches: list[list[int]]) -> dict:
-    """For each epoch, for each mini-batch of groups: forward_backward then optim_step."""
+def train(ctx: RunContext, step: int, group_indices: list[int]) -> dict[str, float]:
+    """For each epoch, for each mini-batch of the step's groups: forward_backward then optim_step."""
     t = ctx.config.train
-    timeout_s = ctx.config.trainer.request_timeout_s
+    trainer = trainer_client(ctx)
     start = time.perf_counter()
-    loss = {"kind": t.loss, "eps_low": t.clip_eps_low, "eps_high": t.clip_eps_high, "tis_cap": t.tis_cap,
-            "kl_coef": t.kl_coef, "entropy_coef": t.entropy_coef}
     metrics: dict[str, float] = {}
-    if t.old_logprobs == "trainer" and minibatches:
-        groups = sorted({g for mb in minibatches for g in mb})
-        metrics["forward_s"] = call(ctx.trainer, "/forward", {"step": step, "group_indices": groups},
-                                    timeout_s=timeout_s)["forward_s"]
+    parts = minibatches(group_indices, t)
+    if t.old_logprobs == "trainer" and parts:
+        metrics["forward_s"] = trainer.forward(step, sorted(group_indices))["forward_s"]
     results = []
     for _ in range(t.num_epochs):
-        for groups in minibatches:
-            fb = call(ctx.trainer, "/forward_backward",
-                      {"step": step, "group_indices": groups, "loss": loss, "old_logprobs": t.old_logprobs},
-                      timeout_s=timeout_s)
-            fb.update(call(ctx.trainer, "/optim_step", timeout_s=timeout_s))
+        for groups in parts:
+            fb = trainer.forward_backward(step, groups, loss=t.loss, old_logprobs=t.old_logprobs)
+            fb.update(trainer.optim_step())
             results.append(fb)
     metrics.update(summarize_optimizer_steps(results))
     # The trainer publishes training_finished after the run's last step (even one with no data).
-    call(ctx.trainer, "/end_step", {"step": step}, timeout_s=timeout_s)
+    trainer.end_step(step)
     metrics["train_s"] = time.perf_counter() - start
     return metrics
 
@@ -50,4 +60,4 @@ def train(ctx: RunContext, step: int, minibatches: list[list[int]]) -> dict:
 @task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
 def checkpoint(ctx: RunContext, step: int) -> dict:
     """Save model, optimizer, schedule, RNG and step to ``checkpoints/step=N``: the step's commit point."""
-    return call(ctx.trainer, "/save_checkpoint", {"step": step}, timeout_s=ctx.config.trainer.request_timeout_s)
+    return trainer_client(ctx).save_checkpoint(step)

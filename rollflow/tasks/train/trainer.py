@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
 from rollflow.infra.weights.group import weight_metadata
 from rollflow.tasks.train.backends import Backend, make_backend
-from rollflow.tasks.train.losses import LossConfig, LossInputs, LossKind, compute_loss
+from rollflow.tasks.train.losses import LossInputs, compute_loss
 from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size
 from rollflow.tasks.train.packing import PackedBatch
 from rollflow.tasks.train.policy import PackedPolicy, load_hf_model
@@ -39,17 +40,14 @@ SUM_KEYS = ("loss_sum", "pg_loss_sum", "num_loss_tokens", "num_tokens", "clipped
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """How one rank builds its part of the trainer."""
+    """How one rank builds its part of the trainer: the run config's train and trainer sections
+    (optimizer, schedule, backend), the seed, and a frozen copy of the policy for the KL term."""
 
     model_path: str
-    backend: str = "fsdp2"
-    zero_stage: int = 1
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
+    train: TrainSection = field(default_factory=TrainSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
     seed: int = 0
-    reference_model_path: str | None = None  # a frozen copy for the KL term
+    reference_model_path: str | None = None
 
 
 class Trainer:
@@ -62,9 +60,10 @@ class Trainer:
         hf = load_hf_model(spec.model_path, device)
         self.config = hf.config
         self.metadata = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
+        t = spec.train
         self.backend: Backend = make_backend(
-            spec.backend, PackedPolicy(hf), device, zero_stage=spec.zero_stage, lr=spec.lr,
-            weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm, warmup_steps=spec.warmup_steps,
+            spec.trainer.backend, PackedPolicy(hf), device, zero_stage=spec.trainer.zero_stage or 1, lr=t.lr,
+            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, warmup_steps=t.lr_warmup_steps,
         )
         self.reference = None
         if spec.reference_model_path is not None:
@@ -92,8 +91,7 @@ class Trainer:
                 out.append((seq.key, logp_B_T[b, : len(seq.completion_ids)].tolist()))
         return out
 
-    def forward_backward(self, micro_batches: list[PackedBatch], kind: LossKind, cfg: LossConfig,
-                         denominator: float) -> dict[str, Any]:
+    def forward_backward(self, micro_batches: list[PackedBatch], cfg: LossConfig, denominator: float) -> dict[str, Any]:
         """Accumulate gradients of the loss over this rank's micro-batches; return step sums.
 
         ``denominator``: the loss tokens of the whole optimizer step on all ranks.
@@ -109,7 +107,7 @@ class Trainer:
                 self.backend.backward((logp_N.sum() + entropy_N.sum()) * 0.0)
                 continue
             inputs = self._loss_inputs(mb, logp_N, entropy_N, cfg)
-            out = compute_loss(kind, inputs, cfg)
+            out = compute_loss(inputs, cfg)
             self.backend.backward(out.loss_sum * scale)
             _accumulate(sums, per_env, mb, out, logp_N.detach(), cfg)
         return {"sums": sums, "per_env": per_env.to_json()}

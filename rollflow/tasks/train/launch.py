@@ -1,7 +1,7 @@
 """The trainer service as a process tree: the real launcher, its ranks, the HTTP endpoint of rank 0.
 
 ``TrainerProcess`` starts ``torchrun`` (FSDP2) or the ``deepspeed`` launcher with N ranks of
-``rollflow.tasks.train.service`` under one ``ManagedProcess`` (own process group, dies with the
+the service (``service.py``) under one ``ManagedProcess`` (own process group, dies with the
 run), waits until rank 0 answers ``/health``, and stops the ranks with a ``/shutdown`` command
 (every rank tears down its engine and process group) before signalling whatever is left.
 
@@ -12,18 +12,20 @@ after ``stop`` no process of the tree is left.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from rollflow.infra.http import Endpoint, ServiceCallError, call, client, error_detail
+from rollflow.infra.errors import ServiceError
+from rollflow.infra.http import Endpoint
 from rollflow.infra.service import ManagedProcess, cpu_split, free_port, log_tail
+from rollflow.tasks.train.client import TrainerClient
+from rollflow.tasks.train.protocol import ServiceArgs
 
+# The ranks' entry point (service.py), run by the launcher as a module. Named, not imported:
+# importing it would load torch's distributed stack and DeepSpeed into the run process (~7 s).
 SERVICE_MODULE = "rollflow.tasks.train.service"
 TORCH_EXTENSIONS_DIR = Path("~/.cache/rollflow/torch_extensions").expanduser()
 
@@ -64,26 +66,24 @@ def launcher_env(num_ranks: int, token: str, device: str, num_cpus: int | None =
 
 
 class TrainerProcess:
-    """One trainer service: launcher + ranks, reachable at ``endpoint``."""
+    """One trainer service: launcher + ranks, reachable through ``client``."""
 
-    def __init__(self, args: dict[str, Any], *, backend: str, num_ranks: int, token: str,
-                 log_dir: str | Path, startup_timeout_s: float, beside_inference: bool = False):
+    def __init__(self, args: ServiceArgs, *, token: str, log_dir: str | Path, beside_inference: bool = False):
         self.log_dir = Path(log_dir)
-        self.backend, self.num_ranks = backend, num_ranks
-        self.startup_timeout_s = startup_timeout_s
-        host = args.get("host", "127.0.0.1")
-        port = args.get("port") or free_port(host)
+        tr = args.trainer
+        self.startup_timeout_s = tr.startup_timeout_s
         log_path = self.log_dir / "trainer.log"
-        self.args = {**args, "host": host, "port": port, "backend": backend, "log_path": str(log_path)}
-        self.endpoint = Endpoint("trainer", f"http://{host}:{port}", token)
+        self.args = args.model_copy(update={"port": args.port or free_port(args.host), "log_path": str(log_path)})
+        self.endpoint = Endpoint("trainer", f"http://{self.args.host}:{self.args.port}", token)
+        self.client = TrainerClient(self.endpoint, tr.request_timeout_s)
         args_file = self.log_dir / "trainer-args.json"
-        device = self.args.get("device", "auto")
+        device = tr.device
         if device == "auto":
             device = "cuda" if _has_cuda() else "cpu"
         self.process = ManagedProcess(
-            "trainer", launcher_argv(backend, num_ranks, args_file, free_port()), log_path,
+            "trainer", launcher_argv(tr.backend, tr.num_ranks, args_file, free_port()), log_path,
             # Beside vLLM on a host without a GPU, the ranks keep to the trainer's share of the cores.
-            env=launcher_env(num_ranks, token, device,
+            env=launcher_env(tr.num_ranks, token, device,
                              len(cpu_split()[1]) if beside_inference and device == "cpu" else None),
         )
         self._args_file = args_file
@@ -92,7 +92,7 @@ class TrainerProcess:
     def start(self) -> TrainerProcess:
         """Launch the ranks; returns at once (they load while other services start)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._args_file.write_text(json.dumps(self.args))
+        self._args_file.write_text(self.args.model_dump_json())
         self.process.start()
         return self
 
@@ -100,31 +100,31 @@ class TrainerProcess:
         """Block until rank 0 answers; raises with the log's tail if the launcher exits first."""
 
         def probe() -> bool:
-            health = call(self.endpoint, "/health", timeout_s=2, method="GET")
+            health = self.client.health(timeout_s=2)
             self.ranks = health["ranks"]
             return health["ok"]
 
         return self.process.wait_healthy(probe, self.startup_timeout_s)
 
     def check_alive(self, timeout_s: float = 10.0) -> None:
-        """Raise ``ServiceCallError`` naming the dead rank, if one died (``timeout_s``: the probe's)."""
+        """Raise ``ServiceError`` naming the dead rank, if one died (``timeout_s``: the probe's)."""
         if not self.process.is_alive():
             cause = _failure_in_log(self.process.log_path)
-            raise ServiceCallError(f"the trainer has exited (code {self.process.proc.returncode})"
+            raise ServiceError(f"the trainer has exited (code {self.process.proc.returncode})"
                                    f"{': ' + cause if cause else ''}; last lines of {self.process.log_path}:\n"
                                    f"{log_tail(self.process.log_path, 15)}")
         try:
-            resp = client().get(f"{self.endpoint.url}/health", headers=self.endpoint.headers(), timeout=timeout_s)
-        except httpx.HTTPError as exc:
-            raise ServiceCallError(f"the trainer does not answer at {self.endpoint.url}: {exc}") from None
-        if resp.status_code != 200:
-            raise ServiceCallError(f"the trainer is unhealthy: {error_detail(resp)}")
+            self.client.health(timeout_s=timeout_s)
+        except ServiceError as exc:
+            if exc.status is None:
+                raise ServiceError(f"the trainer does not answer at {self.endpoint.url}: {exc}") from None
+            raise ServiceError(f"the trainer is unhealthy: {exc}", exc.status) from None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ask every rank to shut down cleanly, then signal whatever is left."""
         if self.process.is_alive():
             try:
-                call(self.endpoint, "/shutdown", timeout_s=min(10.0, timeout_s))
+                self.client.shutdown(timeout_s=min(10.0, timeout_s))
                 self.process.proc.wait(timeout=min(15.0, timeout_s))
             except Exception:  # a dead or hung rank: the signals below end it
                 pass

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from trainer_support import adamw_step, load, make_rows, max_abs, max_abs_diff, reference, sequences
 
-from rollflow.tasks.train.losses import LossConfig
+from rollflow.infra.config import LossConfig, TrainSection
 from rollflow.tasks.train.packing import pack, plan_micro_batches
 from rollflow.tasks.train.trainer import Trainer, TrainerSpec
 
@@ -24,8 +24,9 @@ def one_rank(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _trainer(model_dir, **kw) -> Trainer:
-    return Trainer(TrainerSpec(model_path=str(model_dir), lr=1e-3, max_grad_norm=1e9, **kw), CPU)
+def _trainer(model_dir, reference_model_path=None, **train) -> Trainer:
+    train = TrainSection(**{"lr": 1e-3, "max_grad_norm": 1e9, **train})
+    return Trainer(TrainerSpec(model_path=str(model_dir), train=train, reference_model_path=reference_model_path), CPU)
 
 
 def _micro_batches(rows, budget, row_tokens=32):
@@ -39,15 +40,15 @@ def _tokens(rows):
 
 
 @pytest.mark.parametrize(
-    ("kind", "cfg"),
-    [("ppo", LossConfig(eps_low=0.1, eps_high=0.2, tis_cap=None, entropy_coef=0.01)),
-     ("gspo", LossConfig(eps_low=0.02, eps_high=0.03, tis_cap=None))],
+    "cfg",
+    [LossConfig(eps_low=0.1, eps_high=0.2, entropy_coef=0.01), LossConfig(kind="gspo", eps_low=0.02, eps_high=0.03)],
+    ids=["ppo", "gspo"],
 )
-def test_gradients_equal_the_single_sequence_reference(tiny_model_dir, kind, cfg):
+def test_gradients_equal_the_single_sequence_reference(tiny_model_dir, cfg):
     rows = make_rows(12, seed=1)
     trainer = _trainer(tiny_model_dir)
-    out = trainer.forward_backward(_micro_batches(rows, 10_000), kind, cfg, _tokens(rows))
-    ref = reference(tiny_model_dir, rows, kind, cfg)
+    out = trainer.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
+    ref = reference(tiny_model_dir, rows, cfg)
     grads = trainer.full_gradients()
     assert max_abs_diff(grads, ref["grads"]) < 1e-6 * max(1.0, max_abs(ref["grads"]))
     assert out["sums"]["loss_sum"] / _tokens(rows) == pytest.approx(ref["loss"], abs=1e-6)
@@ -55,34 +56,34 @@ def test_gradients_equal_the_single_sequence_reference(tiny_model_dir, kind, cfg
 
 def test_micro_batch_accumulation_equals_one_big_batch(tiny_model_dir):
     rows = make_rows(16, seed=2)
-    cfg = LossConfig(tis_cap=None)
+    cfg = LossConfig()
     big, small = _trainer(tiny_model_dir), _trainer(tiny_model_dir)
     small_mbs = _micro_batches(rows, 40, row_tokens=20)
     assert len(small_mbs) >= 4
-    big.forward_backward(_micro_batches(rows, 10_000), "ppo", cfg, _tokens(rows))
-    small.forward_backward(small_mbs, "ppo", cfg, _tokens(rows))
+    big.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
+    small.forward_backward(small_mbs, cfg, _tokens(rows))
     a, b = big.full_gradients(), small.full_gradients()
     assert max_abs_diff(a, b) < 1e-6 * max_abs(a)
 
 
 def test_two_calls_with_the_step_denominator_equal_one_call(tiny_model_dir):
     rows = make_rows(10, seed=3)
-    cfg = LossConfig(tis_cap=None)
+    cfg = LossConfig()
     one, two = _trainer(tiny_model_dir), _trainer(tiny_model_dir)
-    one.forward_backward(_micro_batches(rows, 10_000), "ppo", cfg, _tokens(rows))
-    two.forward_backward(_micro_batches(rows[:4], 10_000), "ppo", cfg, _tokens(rows))
-    two.forward_backward(_micro_batches(rows[4:], 10_000), "ppo", cfg, _tokens(rows))
+    one.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
+    two.forward_backward(_micro_batches(rows[:4], 10_000), cfg, _tokens(rows))
+    two.forward_backward(_micro_batches(rows[4:], 10_000), cfg, _tokens(rows))
     a, b = one.full_gradients(), two.full_gradients()
     assert max_abs_diff(a, b) < 1e-6 * max_abs(a)
 
 
 def test_optim_step_is_clip_then_adamw(tiny_model_dir, tmp_path):
     rows = make_rows(8, seed=4)
-    cfg = LossConfig(tis_cap=None)
-    trainer = Trainer(TrainerSpec(model_path=str(tiny_model_dir), lr=1e-2, max_grad_norm=0.05), CPU)
-    trainer.forward_backward(_micro_batches(rows, 10_000), "ppo", cfg, _tokens(rows))
+    cfg = LossConfig()
+    trainer = _trainer(tiny_model_dir, lr=1e-2, max_grad_norm=0.05)
+    trainer.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
     out = trainer.optim_step()
-    ref = reference(tiny_model_dir, rows, "ppo", cfg)
+    ref = reference(tiny_model_dir, rows, cfg)
     assert out["grad_norm"] == pytest.approx(adamw_step(ref["model"], lr=1e-2, max_grad_norm=0.05), rel=1e-5)
     assert out["grad_norm"] > 0.05  # the clip was active
     trainer.export_hf(tmp_path / "hf")
@@ -97,13 +98,13 @@ def test_optim_step_is_clip_then_adamw(tiny_model_dir, tmp_path):
 def test_kl_to_the_reference_model(tiny_model_dir, tmp_path):
     """After one step the policy differs from the reference: the KL term's gradient is exact."""
     rows = make_rows(8, seed=5)
-    cfg = LossConfig(tis_cap=None, kl_coef=0.5)
+    cfg = LossConfig(kl_coef=0.5)
     trainer = _trainer(tiny_model_dir, reference_model_path=str(tiny_model_dir))
-    trainer.forward_backward(_micro_batches(rows, 10_000), "ppo", LossConfig(tis_cap=None), _tokens(rows))
+    trainer.forward_backward(_micro_batches(rows, 10_000), LossConfig(), _tokens(rows))
     trainer.optim_step()
     trainer.export_hf(tmp_path / "moved")
-    out = trainer.forward_backward(_micro_batches(rows, 10_000), "ppo", cfg, _tokens(rows))
-    ref = reference(tmp_path / "moved", rows, "ppo", cfg, ref_dir=tiny_model_dir)
+    out = trainer.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
+    ref = reference(tmp_path / "moved", rows, cfg, ref_dir=tiny_model_dir)
     assert out["sums"]["kl_sum"] > 0
     assert max_abs_diff(trainer.full_gradients(), ref["grads"]) < 1e-6 * max_abs(ref["grads"])
 
@@ -119,17 +120,17 @@ def test_forward_returns_each_sequences_logprobs(tiny_model_dir):
 
 def test_checkpoint_round_trip_continues_identically(tiny_model_dir, tmp_path):
     rows = make_rows(6, seed=7)
-    cfg = LossConfig(tis_cap=None)
-    a = _trainer(tiny_model_dir, warmup_steps=3)
-    a.forward_backward(_micro_batches(rows, 10_000), "ppo", cfg, _tokens(rows))
+    cfg = LossConfig()
+    a = _trainer(tiny_model_dir, lr_warmup_steps=3)
+    a.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
     a.optim_step()
     a.save_checkpoint(tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == ["model.safetensors"]
-    b = _trainer(tmp_path / "ckpt", warmup_steps=3)
+    b = _trainer(tmp_path / "ckpt", lr_warmup_steps=3)
     b.load_checkpoint(tmp_path / "ckpt")
     assert b.step == 1 and b.backend.current_lr() == pytest.approx(a.backend.current_lr())
     for trainer in (a, b):
-        trainer.forward_backward(_micro_batches(rows, 10_000), "ppo", cfg, _tokens(rows))
+        trainer.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
         trainer.optim_step()
     wa, wb = dict(a.named_weights()), dict(b.named_weights())
     assert max_abs_diff(wa, wb) == 0.0

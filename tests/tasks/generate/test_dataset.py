@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollflow.tasks.generate.dataset import DatasetError, load_prompts
+from rollflow.tasks.generate.dataset import InputError, load_prompts
 
 GOOD = [{"q": "1+1=", "a": "2"}, {"q": "2+2=", "a": 4}, {"q": "half?", "a": 0.5}]
 
@@ -92,29 +92,29 @@ def test_malformed_table_rows_are_skipped_counted_and_reported(tmp_path, fmt, ca
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "hf"])
 def test_a_source_with_no_usable_rows_is_an_error_naming_it(tmp_path, fmt):
     path = write(tmp_path, fmt, [{"q": 1, "a": "x"}, {"q": 2, "a": "y"}])
-    with pytest.raises(DatasetError, match=rf"dataset {path}.*no usable rows.*'q' is int"):
+    with pytest.raises(InputError, match=rf"dataset {path}.*no usable rows.*'q' is int"):
         load_prompts(path, prompt_column="q", answer_column="a")
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "hf"])
 def test_a_column_missing_from_a_table_names_the_columns_there(tmp_path, fmt):
     path = write(tmp_path, fmt, [{"question": "a", "a": "1"}])
-    with pytest.raises(DatasetError, match=r"column 'q' is missing \(columns: question, a\)"):
+    with pytest.raises(InputError, match=r"column 'q' is missing \(columns: question, a\)"):
         load_prompts(path, prompt_column="q", answer_column="a")
 
 
 def test_empty_file_missing_file_and_unknown_suffix(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(DatasetError, match="no usable rows out of 0 .it is empty"):
+    with pytest.raises(InputError, match="no usable rows out of 0 .it is empty"):
         load_prompts(empty)
-    with pytest.raises(DatasetError, match="no such file.*save_to_disk"):
+    with pytest.raises(InputError, match="no such file.*save_to_disk"):
         load_prompts(tmp_path / "nope.jsonl")
     (tmp_path / "d.csv").write_text("q,a\n")
-    with pytest.raises(DatasetError, match=r"suffix '.csv'.*set format"):
+    with pytest.raises(InputError, match=r"suffix '.csv'.*set format"):
         load_prompts(tmp_path / "d.csv")
     (tmp_path / "bad.parquet").write_text("not parquet")
-    with pytest.raises(DatasetError, match="not a readable Parquet file"):
+    with pytest.raises(InputError, match="not a readable Parquet file"):
         load_prompts(tmp_path / "bad.parquet")
 
 
@@ -139,9 +139,9 @@ def test_hf_dataset_dict_needs_a_named_split(tmp_path):
                                "test": datasets.Dataset.from_list([{"prompt": "e", "answer": "2"}])})
     dd.save_to_disk(str(tmp_path / "dd"))
     assert texts(load_prompts(tmp_path / "dd", split="test")) == [("e", "2")]
-    with pytest.raises(DatasetError, match=r"splits are \['test', 'train'\]; the env names no split"):
+    with pytest.raises(InputError, match=r"splits are \['test', 'train'\]; the env names no split"):
         load_prompts(tmp_path / "dd")
-    with pytest.raises(DatasetError, match="has no split 'dev'"):
+    with pytest.raises(InputError, match="has no split 'dev'"):
         load_prompts(tmp_path / "dd", split="dev")
 
 

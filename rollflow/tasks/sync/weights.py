@@ -1,9 +1,11 @@
-"""Weight-sync orchestration between the trainer (rank 0) and the vLLM server.
+"""The weight plane's orchestration: trainer (rank 0) → the vLLM server's workers.
 
-Both sides of each collective must run at the same time: the trainer's half is given as an
-awaitable factory (e.g. ``lambda: asyncio.to_thread(sender.broadcast, params, version)``) and
-the server's half is a ``/collective_rpc`` call; this module starts them together and bounds
-the pair by a deadline.
+Both sides of each collective must run at the same time: the trainer's half is an awaitable
+factory (e.g. ``lambda: asyncio.to_thread(sender.broadcast, params, version)``) and the server's
+half a ``/collective_rpc`` call; ``init_weight_group`` and ``sync_weights`` start them together
+and bound the pair by a deadline. ``join``, ``publish``, ``rejoin`` and ``leave`` do the same
+with the trainer service as the sender (any ``WeightSource``: the train stage's client is one),
+for the run's services, the sync task and the inference supervisor's restarts.
 """
 
 from __future__ import annotations
@@ -13,19 +15,17 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
+from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.service import free_port
 
 logger = logging.getLogger(__name__)
 
 # The workers' own collective timeout (timeout_s) must fire before vLLM's RPC timeout, so that
 # the error that reaches the caller names the real cause ("could not join", "peer closed").
 _RPC_MARGIN_S = 5.0
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync or group set-up failed or overran its deadline."""
 
 
 async def init_weight_group(
@@ -118,3 +118,81 @@ def _num_bytes(sent: Any) -> int | None:
     if isinstance(sent, dict):
         sent = sent.get("bytes")
     return sent if isinstance(sent, int) else None
+
+
+# ------------------------------------------------------------ with the trainer service
+
+
+class WeightSource(Protocol):
+    """The trainer's side of the weight plane (``tasks/train``'s ``TrainerClient`` is one)."""
+
+    def metadata(self) -> list[dict[str, Any]]: ...
+
+    def weights_connect(self, host: str, port: int, world_size: int, timeout_s: float) -> dict: ...
+
+    def weights_broadcast(self, version: int | None = None, timeout_s: float | None = None) -> dict: ...
+
+    def weights_close(self, timeout_s: float | None = None) -> dict: ...
+
+    def health(self, timeout_s: float = 5.0) -> dict: ...
+
+
+def join(source: WeightSource, url: str, timeout_s: float) -> dict[str, Any]:
+    """Form the weight group of the trainer (rank 0) and the server at ``url`` (its workers)."""
+    metadata = source.metadata()
+    port = free_port()
+
+    async def run() -> dict[str, Any]:
+        async with InferenceClient(url, timeout_s=timeout_s) as client:
+            connect = lambda: asyncio.to_thread(source.weights_connect, "127.0.0.1", port, 2, timeout_s)  # noqa: E731
+            return await init_weight_group(client, connect, "127.0.0.1", port, 2, timeout_s, metadata)
+
+    return asyncio.run(run())
+
+
+def publish(source: WeightSource, url: str, version: int | None, timeout_s: float) -> dict[str, Any]:
+    """Broadcast the trainer's weights to the server as ``version`` (None: the trainer tags them
+    with its last finished step); see ``sync_weights``."""
+
+    async def run() -> dict[str, Any]:
+        async with InferenceClient(url, timeout_s=timeout_s) as client:
+            send = lambda: asyncio.to_thread(source.weights_broadcast, version, timeout_s)  # noqa: E731
+            return await sync_weights(client, send, version, timeout_s)
+
+    return asyncio.run(run())
+
+
+def rejoin(source: WeightSource, url: str, timeout_s: float, step_timeout_s: float) -> int:
+    """A restarted server joins again and gets the weights of the trainer's last finished step
+    (if the trainer is mid-step, after it: within ``step_timeout_s``). Returns that version.
+
+    No new step can start training meanwhile: it would first need the previous step's sync,
+    which waits for the serving gate the restart holds closed.
+    """
+    join(source, url, timeout_s)
+    deadline = time.monotonic() + step_timeout_s
+    while source.health().get("weights_version") is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer was still mid-step after {step_timeout_s:.0f}s")
+        time.sleep(0.2)
+    return publish(source, url, None, timeout_s)["version"]
+
+
+def leave(source: WeightSource, url: str, timeout_s: float) -> None:
+    """Close the weight group on both sides; a dead peer does not stop the other's close."""
+    errors = []
+    try:
+        source.weights_close(timeout_s)
+    except Exception as exc:  # noqa: BLE001 - teardown goes on
+        errors.append(f"trainer: {exc}")
+
+    async def close_workers() -> None:
+        async with InferenceClient(url, timeout_s=timeout_s) as client:
+            await client.collective_rpc("close_weight_group", [], timeout_s=timeout_s)
+
+    try:
+        asyncio.run(close_workers())
+    except Exception as exc:  # noqa: BLE001
+        errors.append(f"vLLM: {exc}")
+    if errors:
+        raise WeightSyncError("closing the weight group: " + "; ".join(errors))

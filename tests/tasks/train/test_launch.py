@@ -5,8 +5,10 @@ import os
 
 import pytest
 
-from rollflow.infra.launch import TrainerProcess, _failure_in_log
+from rollflow.infra.config import TrainerSection
 from rollflow.infra.service import cpu_split
+from rollflow.tasks.train.launch import TrainerProcess, _failure_in_log
+from rollflow.tasks.train.protocol import ServiceArgs
 
 TORCHRUN_ROOT_CAUSE = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -54,8 +56,10 @@ def test_ranks_beside_vllm_on_a_cpu_host_keep_to_the_trainers_cores(monkeypatch,
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
 
-    def threads(**kw):
-        proc = TrainerProcess({"device": "cpu"}, backend="fsdp2", token="t", log_dir=tmp_path, startup_timeout_s=1, **kw)
+    def threads(num_ranks: int, beside_inference: bool = False) -> str:
+        args = ServiceArgs(model_path="m", storage_root="runs", run="t",
+                           trainer=TrainerSection(device="cpu", num_ranks=num_ranks))
+        proc = TrainerProcess(args, token="t", log_dir=tmp_path, beside_inference=beside_inference)
         return proc.process.env["OMP_NUM_THREADS"]
 
     assert threads(num_ranks=1) == "8"                          # alone: every core

@@ -164,10 +164,10 @@ def test_generate_task_reports_the_skipped_rows(tmp_path):
     ctx.storage.write_step_table("rollouts", 1, rows_to_table(to_rows("quickstart", 1, prompts, samples, 2,
                                                                       [(0, 0)] * 2)))
     # Step 1 reuses its committed rollouts, so the producer admits nothing (the bound is 0).
-    host = ProducerHost(cfg, build_envs(cfg), lambda client, stats: None, nowhere.url, nowhere,
+    host = ProducerHost(cfg, build_envs(cfg), lambda client, stats: None, nowhere.url,
                         resumed_from=0, reused_steps=[1])
     try:
         result = generate.fn(ctx, 1)
     finally:
         host.close()
-    assert result["reused"] and result["num_skipped_rows"] == 3 and result["num_rollouts"] == 4
+    assert result.reused and result.num_skipped_rows == 3 and result.num_rollouts == 4

@@ -14,32 +14,14 @@ from typing import Any
 
 import yaml
 
-from rollflow.infra.config import (
-    ConfigError,
-    RunConfig,
-    apply_override,
-    load_config,
-    validate_config,
-)
+from rollflow.infra.config import resolve_config
+from rollflow.infra.errors import ConfigError, InputError
 
-FLOW_NAME = "rl-run"  # the run flow's name: deployments are rl-run/<config name>
+FLOW_NAME = "rl-run"  # the run flow's name (rl_run.py): deployments are rl-run/<config name>
+# The deployments' flow (deployments.py), named as Prefect loads it. Not imported here: `rollflow
+# deploy` reads its parameter schema from the source, without importing torch (test_deploy checks it).
 ENTRYPOINT = "rollflow/flows/deployments.py:rl_run_config"
 DEFAULT_POOL = "rollflow-cpu"
-
-
-def resolve_config(config: str | dict, overrides: Sequence[str] = ()) -> RunConfig:
-    """A config path or dict, with overrides applied, validated (errors name the key)."""
-    if isinstance(config, dict):
-        data = copy.deepcopy(config)
-        for item in overrides:
-            apply_override(data, item)
-        return validate_config(data, "config parameter")
-    return load_config(config, list(overrides))
-
-
-
-class DeployError(RuntimeError):
-    """A deployment that cannot be registered; the message says which and what to do."""
 
 
 def plan_deployments(prefect_file: Path, configs: Sequence[str] = (), pool: str | None = None) -> list[dict]:
@@ -54,7 +36,7 @@ def plan_deployments(prefect_file: Path, configs: Sequence[str] = (), pool: str 
     pools = {p["name"]: p for p in ((doc.get("definitions") or {}).get("work_pools") or {}).values()}
     listed = doc.get("deployments") or []
     if pool is not None and pool not in pools:
-        raise DeployError(f"unknown work pool {pool!r}; {prefect_file} defines {', '.join(sorted(pools))}")
+        raise InputError(f"unknown work pool {pool!r}; {prefect_file} defines {', '.join(sorted(pools))}")
     chosen = [copy.deepcopy(d) for d in listed] if not configs else []
     for path in configs:
         rel = _config_parameter(Path(path), root)
@@ -73,7 +55,7 @@ def plan_deployments(prefect_file: Path, configs: Sequence[str] = (), pool: str 
                 "directory": entry["work_pool"].get("working_dir") or str(root)}}]
         _check_config(entry, root)
     if not chosen:
-        raise DeployError(f"{prefect_file} lists no deployments; name a config: rollflow deploy configs/quickstart.toml")
+        raise InputError(f"{prefect_file} lists no deployments; name a config: rollflow deploy configs/quickstart.toml")
     return chosen
 
 
@@ -124,12 +106,12 @@ def _read_prefect_file(path: Path) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise DeployError(f"{path} not found; run rollflow deploy from the repository root, "
+        raise InputError(f"{path} not found; run rollflow deploy from the repository root, "
                           "or pass --prefect-file PATH") from None
     except yaml.YAMLError as exc:
-        raise DeployError(f"{path}: not valid YAML: {exc}") from None
+        raise InputError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(doc, dict):
-        raise DeployError(f"{path}: expected a mapping with a `deployments` list")
+        raise InputError(f"{path}: expected a mapping with a `deployments` list")
     return doc
 
 
@@ -137,7 +119,7 @@ def _config_parameter(path: Path, root: Path) -> str:
     """The config as a deployment parameter: relative to the repository root when inside it."""
     resolved = path.resolve()
     if not resolved.is_file():
-        raise DeployError(f"config file not found: {path}")
+        raise InputError(f"config file not found: {path}")
     try:
         return resolved.relative_to(root.resolve()).as_posix()
     except ValueError:
@@ -153,4 +135,4 @@ def _check_config(entry: dict, root: Path) -> None:
     try:
         resolve_config(config, params.get("overrides") or [])
     except ConfigError as exc:
-        raise DeployError(f"deployment {FLOW_NAME}/{entry.get('name')}: {exc}") from None
+        raise InputError(f"deployment {FLOW_NAME}/{entry.get('name')}: {exc}") from None

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.train.losses import LossConfig, LossInputs, compute_loss
+from rollflow.infra.config import LossConfig
+from rollflow.tasks.train.losses import LossInputs, compute_loss
 from rollflow.tasks.train.packing import Sequence
 
 
@@ -59,10 +60,10 @@ def token_logprobs(model: torch.nn.Module, row: dict) -> tuple[torch.Tensor, tor
     return logp_T, entropy_T
 
 
-def reference(model_dir: str | Path, rows: list[dict], kind: str = "ppo", cfg: LossConfig | None = None,
+def reference(model_dir: str | Path, rows: list[dict], cfg: LossConfig | None = None,
               old: dict | None = None, ref_dir: str | Path | None = None) -> dict:
     """Loss, gradients (HF names) and per-row log-probs of one process on the whole batch."""
-    cfg = cfg or LossConfig(tis_cap=None)
+    cfg = cfg or LossConfig()
     model = load(model_dir)
     ref_model = load(ref_dir) if ref_dir is not None else None
     total = sum(len(r["completion_ids"]) for r in rows)
@@ -78,7 +79,7 @@ def reference(model_dir: str | Path, rows: list[dict], kind: str = "ppo", cfg: L
         inputs = LossInputs(logp[None], old_t, torch.tensor([r["advantage"]], dtype=torch.float32),
                             torch.ones_like(logp)[None], inference_logprobs_B_T=inference, ref_logprobs_B_T=ref,
                             entropy_B_T=entropy[None] if cfg.entropy_coef > 0 else entropy[None].detach())
-        out = compute_loss(kind, inputs, cfg)
+        out = compute_loss(inputs, cfg)
         (out.loss_sum / total).backward()
         loss += float(out.loss_sum.detach()) / total
         logprobs.append(logp.detach())

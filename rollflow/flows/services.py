@@ -17,12 +17,20 @@ import time
 from pathlib import Path
 
 from rollflow.infra.config import RunConfig
+from rollflow.infra.errors import ServiceError
 from rollflow.infra.events import publish
-from rollflow.infra.http import Endpoint, ServiceCallError
+from rollflow.infra.http import Endpoint
 from rollflow.infra.inference.server import InferenceServer
-from rollflow.infra.inference.supervisor import HEALTH_PROBE_TIMEOUT_S, InferenceSupervisor
-from rollflow.infra.launch import TrainerProcess
+from rollflow.infra.inference.supervisor import (
+    HEALTH_PROBE_TIMEOUT_S,
+    InferenceSupervisor,
+    WeightLink,
+)
 from rollflow.infra.storage import RunStorage
+from rollflow.tasks.sync import weights
+from rollflow.tasks.train.client import TrainerClient
+from rollflow.tasks.train.launch import TrainerProcess
+from rollflow.tasks.train.protocol import ServiceArgs
 
 TEARDOWN_DEADLINE_S = 30.0
 HEALTH_CHECK_INTERVAL_S = 5.0
@@ -42,7 +50,7 @@ class RunServices:
         self.token = secrets.token_urlsafe(24)
         self.trainer_proc: TrainerProcess | None = None
         self.supervisor: InferenceSupervisor | None = None
-        self.trainer: Endpoint | None = None
+        self.trainer: TrainerClient | None = None
         self.inference_ep: Endpoint | None = None
 
     @property
@@ -54,16 +62,13 @@ class RunServices:
     def start(self) -> RunServices:
         cfg = self.cfg
         start = time.perf_counter()
-        self.trainer_proc = TrainerProcess(
-            trainer_args(cfg, self.policy_dir, self.checkpoint_step), backend=cfg.trainer.backend,
-            num_ranks=cfg.trainer.num_ranks, token=self.token, log_dir=self.log_dir,
-            startup_timeout_s=cfg.trainer.startup_timeout_s, beside_inference=True,
-        )
-        self.trainer = self.trainer_proc.endpoint
+        self.trainer_proc = TrainerProcess(trainer_args(cfg, self.policy_dir, self.checkpoint_step),
+                                           token=self.token, log_dir=self.log_dir, beside_inference=True)
+        self.trainer = self.trainer_proc.client
         self.trainer_proc.start()  # loads while vLLM starts
         storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
         self.supervisor = InferenceSupervisor(
-            cfg, self.policy_dir, self.log_dir, self.trainer, progress=self.progress,
+            cfg, self.policy_dir, self.log_dir, progress=self.progress,
             on_restart=lambda info: publish(storage, "inference_restarted", **info))
         try:
             self.supervisor.start()
@@ -72,11 +77,20 @@ class RunServices:
             self.progress(f"services: vLLM at {self.supervisor.url}, trainer at {self.trainer.url} "
                           f"({cfg.trainer.backend}, {cfg.trainer.num_ranks} rank(s); "
                           f"{time.perf_counter() - start:.0f}s); logs in {self.log_dir}")
-            self.supervisor.join_weight_group()
+            self.supervisor.join_weight_group(self._weight_link())
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _weight_link(self) -> WeightLink:
+        """The weight plane between this trainer and the server, for the supervisor's restarts."""
+        url, t = self.supervisor.url, self.cfg.trainer
+        return WeightLink(
+            join=lambda: weights.join(self.trainer, url, t.weight_sync_timeout_s),
+            rejoin=lambda: weights.rejoin(self.trainer, url, t.weight_sync_timeout_s, t.request_timeout_s),
+            leave=lambda timeout_s: weights.leave(self.trainer, url, timeout_s),
+        )
 
     # ------------------------------------------------------------------- check
 
@@ -87,7 +101,7 @@ class RunServices:
         self.supervisor.check()
 
     def _check_trainer(self) -> None:
-        """Raise ``ServiceCallError`` naming the trainer (and its dead rank) if it died or does not answer."""
+        """Raise ``ServiceError`` naming the trainer (and its dead rank) if it died or does not answer."""
         self.trainer_proc.check_alive(timeout_s=HEALTH_PROBE_TIMEOUT_S)
 
     def dead_service(self, grace_s: float = 0.0) -> str | None:
@@ -101,7 +115,7 @@ class RunServices:
             try:
                 if self.trainer_proc is not None:
                     self._check_trainer()
-            except ServiceCallError as exc:
+            except ServiceError as exc:
                 trainer_error = str(exc)
                 if not self.trainer_proc.process.is_alive():
                     return trainer_error
@@ -128,14 +142,8 @@ class RunServices:
         self.stop()
 
 
-def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -> dict:
-    """The trainer service's start arguments (``ServiceArgs`` of ``tasks/train/service.py``)."""
-    t, tr = cfg.train, cfg.trainer
-    return {
-        "model_path": str(policy_dir), "checkpoint_step": checkpoint_step,
-        "storage_root": cfg.run.storage, "storage_options": cfg.run.storage_options, "run": cfg.run.name,
-        "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
-        "warmup_steps": t.lr_warmup_steps, "micro_batch_tokens": tr.micro_batch_tokens, "seed": cfg.run.seed,
-        "zero_stage": tr.zero_stage or 1, "device": tr.device, "reference_model": t.kl_coef > 0,
-        "timeout_s": tr.request_timeout_s, "num_steps": cfg.run.num_steps,
-    }
+def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -> ServiceArgs:
+    """The trainer service's start arguments: the run's train and trainer sections, as they are."""
+    return ServiceArgs(model_path=str(policy_dir), checkpoint_step=checkpoint_step, storage_root=cfg.run.storage,
+                       storage_options=cfg.run.storage_options, run=cfg.run.name, seed=cfg.run.seed,
+                       num_steps=cfg.run.num_steps, train=cfg.train, trainer=cfg.trainer)

@@ -31,37 +31,37 @@ from trainer_support import (
     write_batch,
 )
 
-from rollflow.infra.http import Endpoint, ServiceCallError, call
-from rollflow.infra.launch import TrainerProcess
+from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
+from rollflow.infra.errors import ServiceError
+from rollflow.infra.http import Endpoint
 from rollflow.infra.service import free_port
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightReceiverGroup
-from rollflow.tasks.train.losses import LossConfig
+from rollflow.tasks.train.client import TrainerClient
+from rollflow.tasks.train.launch import TrainerProcess
+from rollflow.tasks.train.protocol import ServiceArgs
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = {"fsdp2": ("fsdp2", 1), "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2), "zero3": ("deepspeed", 3)}
+CONFIGS = {"fsdp2": ("fsdp2", None), "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2), "zero3": ("deepspeed", 3)}
 WHOLE_SUITE = ("fsdp2", "zero3")
 LR, MAX_GRAD_NORM = 1e-2, 0.05
-PPO = {"kind": "ppo", "eps_low": 0.1, "eps_high": 0.2, "entropy_coef": 0.01}
+PPO = LossConfig(eps_low=0.1, eps_high=0.2, entropy_coef=0.01)
 
 
 class Service:
     def __init__(self, name, proc: TrainerProcess, storage: RunStorage, root):
         self.name, self.proc, self.storage, self.root = name, proc, storage, root
-        self.ep = proc.endpoint
-
-    def call(self, path, payload=None, **kw):
-        return call(self.ep, path, payload, timeout_s=120, **kw)
+        self.ep, self.client = proc.endpoint, proc.client
 
     def export(self, name: str):
         path = self.root / name
-        self.call("/export_hf", {"uri": str(path)})
+        self.client.export_hf(str(path))
         return path
 
     def gradients(self, name: str) -> dict[str, torch.Tensor]:
         path = self.root / f"{name}.safetensors"
-        self.call("/gradients", {"path": str(path)})
+        self.client.gradients(str(path))
         return load_file(path)
 
 
@@ -72,11 +72,12 @@ def service(request, tiny_model_dir, tmp_path_factory):
     storage = RunStorage(str(root / "runs"), "t")
     write_batch(storage, 1, make_rows(22, seed=11))
     write_batch(storage, 2, make_rows(9, seed=12, step=2))
-    args = dict(model_path=str(tiny_model_dir), storage_root=str(root / "runs"), run="t", lr=LR,
-                weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, micro_batch_tokens=48, zero_stage=stage,
-                device="cpu", timeout_s=120, dead_rank_grace_s=3)
-    proc = TrainerProcess(args, backend=backend, num_ranks=2, token=secrets.token_hex(8), log_dir=root / "logs",
-                          startup_timeout_s=600)
+    args = ServiceArgs(model_path=str(tiny_model_dir), storage_root=str(root / "runs"), run="t",
+                       train=TrainSection(lr=LR, max_grad_norm=MAX_GRAD_NORM),
+                       trainer=TrainerSection(backend=backend, num_ranks=2, zero_stage=stage, micro_batch_tokens=48,
+                                              device="cpu", request_timeout_s=120, startup_timeout_s=600),
+                       dead_rank_grace_s=3)
+    proc = TrainerProcess(args, token=secrets.token_hex(8), log_dir=root / "logs")
     start = time.monotonic()
     proc.start()
     proc.wait_healthy()
@@ -95,12 +96,12 @@ def _whole_suite(service):
 def test_two_ranks_match_one_process_on_the_whole_batch(service):
     rows = service.storage.read_step_table("batches", 1).to_pylist()
     before = service.export("before-ppo")
-    fb = service.call("/forward_backward", {"step": 1, "loss": PPO})
+    fb = service.client.forward_backward(1, loss=PPO)
     grads = service.gradients("ppo")
-    ref = reference(before, rows, "ppo", LossConfig(**{k: v for k, v in PPO.items() if k != "kind"}, tis_cap=None))
+    ref = reference(before, rows, PPO)
     assert fb["loss"] == pytest.approx(ref["loss"], abs=1e-6)
     assert max_abs_diff(grads, ref["grads"]) < 1e-6 * max_abs(ref["grads"])
-    step = service.call("/optim_step")
+    step = service.client.optim_step()
     assert step["grad_norm"] == pytest.approx(adamw_step(ref["model"], LR, MAX_GRAD_NORM), rel=1e-5)
     after = dict(load(service.export("after-ppo")).named_parameters())
     expected = dict(ref["model"].named_parameters())
@@ -117,47 +118,49 @@ def test_two_ranks_match_one_process_on_the_whole_batch(service):
 def test_forward_then_gspo_with_truncated_importance_sampling(service):
     rows = service.storage.read_step_table("batches", 1).to_pylist()
     weights = service.export("before-gspo")
-    out = service.call("/forward", {"step": 1})
+    out = service.client.forward(1)
     logprobs = service.storage.read_step_table("logprobs", 1).to_pylist()
     assert out["num_sequences"] == len(rows) == len(logprobs)
     old = {(r["group_index"], r["sample_index"]): r["logprobs"] for r in logprobs}
-    gspo = {"kind": "gspo", "eps_low": 3e-3, "eps_high": 4e-3, "tis_cap": 1.5}
-    ref = reference(weights, rows, "gspo", LossConfig(**{k: v for k, v in gspo.items() if k != "kind"}), old=old)
+    gspo = LossConfig(kind="gspo", eps_low=3e-3, eps_high=4e-3, tis_cap=1.5)
+    ref = reference(weights, rows, gspo, old=old)
     for r, expected in zip(rows, ref["logprobs"], strict=True):
         got = torch.tensor(old[(r["group_index"], r["sample_index"])])
         assert torch.allclose(got, expected, atol=1e-5)
-    fb = service.call("/forward_backward", {"step": 1, "loss": gspo, "old_logprobs": "trainer"})
+    fb = service.client.forward_backward(1, loss=gspo, old_logprobs="trainer")
     assert fb["tis_weight"] < 1.5  # TIS is active: trainer and the batch's sampler log-probs differ
     grads = service.gradients("gspo")
     assert max_abs_diff(grads, ref["grads"]) < 1e-6 * max_abs(ref["grads"])
-    service.call("/optim_step")
+    service.client.optim_step()
 
 
 def test_bad_requests_are_named_and_leave_the_service_usable(service):
     _whole_suite(service)
+    # A loss the config would refuse: sent as the raw body a client of another version could send.
+    bad_loss = PPO.model_construct(**{**PPO.model_dump(), "eps_low": 1.5})
     bad = [
-        ({"step": 1, "group_indices": [0, 99], "loss": PPO}, "groups [99]"),
-        ({"step": 7, "loss": PPO}, "batches/step=7 is not committed"),
-        ({"step": 2, "loss": PPO, "old_logprobs": "trainer"}, "call forward first"),
-        ({"step": 1, "loss": {**PPO, "kl_coef": 0.1}}, "reference model"),
-        ({"step": 1, "loss": {**PPO, "eps_low": 1.5}}, "eps_low"),
+        (dict(step=1, group_indices=[0, 99], loss=PPO), "groups [99]"),
+        (dict(step=7, loss=PPO), "batches/step=7 is not committed"),
+        (dict(step=2, loss=PPO, old_logprobs="trainer"), "call forward first"),
+        (dict(step=1, loss=PPO.model_copy(update={"kl_coef": 0.1})), "reference model"),
+        (dict(step=1, loss=bad_loss), "loss.eps_low"),
     ]
-    for payload, message in bad:
-        with pytest.raises(ServiceCallError, match="HTTP 400") as err:
-            service.call("/forward_backward", payload)
-        assert message in str(err.value)
-    with pytest.raises(ServiceCallError, match="no gradients"):
-        service.call("/optim_step")
-    with pytest.raises(ServiceCallError, match="HTTP 401"):
-        call(Endpoint("trainer", service.ep.url, "wrong"), "/optim_step", timeout_s=10)
-    assert service.call("/health", method="GET")["ok"]
-    service.call("/forward_backward", {"step": 2, "loss": PPO})
-    assert service.call("/optim_step")["optim_step"] >= 1
+    for kwargs, message in bad:
+        with pytest.raises(ServiceError, match="HTTP 400") as err:
+            service.client.forward_backward(**kwargs)
+        assert message in str(err.value) and err.value.status == 400
+    with pytest.raises(ServiceError, match="no gradients"):
+        service.client.optim_step()
+    with pytest.raises(ServiceError, match="HTTP 401"):
+        TrainerClient(Endpoint("trainer", service.ep.url, "wrong"), timeout_s=10).optim_step()
+    assert service.client.health()["ok"]
+    service.client.forward_backward(2, loss=PPO)
+    assert service.client.optim_step()["optim_step"] >= 1
 
 
 def test_checkpoint_round_trip_is_sharding_aware_and_exact(service):
     _whole_suite(service)
-    saved = service.call("/save_checkpoint", {"step": 5})
+    saved = service.client.save_checkpoint(5)
     folder = service.storage.local_copy("checkpoints", 5, service.root / "cache")
     assert saved["uri"].endswith("checkpoints/step=5")
     assert [p.name for p in folder.glob("*.safetensors")] == ["model.safetensors"]  # vLLM loads the top
@@ -165,12 +168,12 @@ def test_checkpoint_round_trip_is_sharding_aware_and_exact(service):
     load(folder)  # transformers loads the HF export as it is
 
     def one_step(tag: str) -> dict:
-        service.call("/forward_backward", {"step": 2, "loss": PPO})
-        service.call("/optim_step")
+        service.client.forward_backward(2, loss=PPO)
+        service.client.optim_step()
         return {k: v.detach() for k, v in load(service.export(tag)).named_parameters()}
 
     first = one_step("after-save")
-    assert service.call("/load_checkpoint", {"step": 5})["optim_step"] == saved_step(folder)
+    assert service.client.load_checkpoint(5)["optim_step"] == saved_step(folder)
     second = one_step("after-load")
     assert max_abs_diff(first, second) == 0.0
 
@@ -212,7 +215,7 @@ def test_exported_model_is_served_by_vllm(service):
 def test_weights_broadcast_gathers_the_shards(service):
     """The weight group's sender is rank 0; every rank helps gather the full weights it sends."""
     _whole_suite(service)
-    metadata = service.call("/weights/metadata", method="GET")
+    metadata = service.client.metadata()
     receiver = _join_weight_group(service, timeout_s=30)
     got: dict = {}
 
@@ -222,9 +225,9 @@ def test_weights_broadcast_gathers_the_shards(service):
 
     thread = threading.Thread(target=receive)
     thread.start()
-    sent = service.call("/weights/broadcast", {"version": 7})
+    sent = service.client.weights_broadcast(7)
     thread.join(30)
-    service.call("/weights/close")
+    service.client.weights_close()
     receiver.close()
     assert got.pop("version") == 7 and sent["bytes"] > 0
     assert max_abs_diff(got, load_file(service.export("sent") / "model.safetensors")) == 0.0
@@ -234,29 +237,29 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     """vLLM gone mid-sync, or never joining, is the weight plane's failure (502), not the ranks':
     the service answers, and a restarted server joins again and gets the last step's weights."""
     _whole_suite(service)
-    with pytest.raises(ServiceCallError, match="HTTP 502") as err:  # nobody joins
-        service.call("/weights/connect", {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 2})
-    assert err.value.status == 502 and service.call("/health", method="GET")["ok"]
+    with pytest.raises(ServiceError, match="HTTP 502") as err:  # nobody joins
+        service.client.weights_connect("127.0.0.1", free_port(), 2, timeout_s=2)
+    assert err.value.status == 502 and service.client.health()["ok"]
 
     _join_weight_group(service, timeout_s=5).close()  # the receiver dies before the broadcast
-    with pytest.raises(ServiceCallError, match="HTTP 502"):
-        service.call("/weights/broadcast", {"version": 1})
-    with pytest.raises(ServiceCallError, match="HTTP 409"):  # the broken group was dropped
-        service.call("/weights/broadcast", {"version": 1})
-    assert service.call("/health", method="GET")["ok"]
+    with pytest.raises(ServiceError, match="HTTP 502"):
+        service.client.weights_broadcast(1)
+    with pytest.raises(ServiceError, match="HTTP 409"):  # the broken group was dropped
+        service.client.weights_broadcast(1)
+    assert service.client.health()["ok"]
 
     receiver = _join_weight_group(service, timeout_s=30)
-    service.call("/end_step", {"step": 3})  # the last finished step: the version-less tag
-    metadata = service.call("/weights/metadata", method="GET")
+    service.client.end_step(3)  # the last finished step: the version-less tag
+    metadata = service.client.metadata()
     got: dict = {}
     thread = threading.Thread(target=lambda: got.update(version=receiver.receive(metadata)[0]))
     thread.start()
-    sent = service.call("/weights/broadcast", {})
+    sent = service.client.weights_broadcast()
     thread.join(30)
-    service.call("/weights/close")
+    service.client.weights_close()
     receiver.close()
     assert sent["version"] == got["version"] == 3
-    assert service.call("/health", method="GET")["weights_version"] == 3
+    assert service.client.health()["weights_version"] == 3
 
 
 def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
@@ -265,7 +268,7 @@ def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
     receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=timeout_s)
     joiner = threading.Thread(target=receiver.connect)
     joiner.start()
-    service.call("/weights/connect", {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": timeout_s})
+    service.client.weights_connect("127.0.0.1", port, 2, timeout_s=timeout_s)
     joiner.join(30)
     return receiver
 
@@ -273,7 +276,7 @@ def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
 def test_a_dead_rank_is_named_within_seconds(service):
     """Kill rank 1: health and the next call fail within seconds naming it; then the tree exits."""
     _whole_suite(service)
-    ranks = service.call("/health", method="GET")["ranks"]
+    ranks = service.client.health()["ranks"]
     victim = next(r for r in ranks if r["rank"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.monotonic()
@@ -284,11 +287,11 @@ def test_a_dead_rank_is_named_within_seconds(service):
         assert time.monotonic() - killed < 5, "health still OK 5 s after a rank died"
         time.sleep(0.1)
     assert f"rank 1 (pid {victim['pid']}) died" in resp.json()["detail"]
-    with pytest.raises(ServiceCallError, match="rank 1") as err:
-        service.call("/forward_backward", {"step": 2, "loss": PPO})
+    with pytest.raises(ServiceError, match="rank 1") as err:
+        service.client.forward_backward(2, loss=PPO)
     assert "HTTP 503" in str(err.value)
-    with pytest.raises(ServiceCallError, match="rank 1"):
+    with pytest.raises(ServiceError, match="rank 1"):
         service.proc.check_alive()
     service.proc.process.proc.wait(timeout=60)  # the launcher tears the rest down
-    with pytest.raises(ServiceCallError, match="rank 1"):
+    with pytest.raises(ServiceError, match="rank 1"):
         service.proc.check_alive()  # named by the log once nobody answers

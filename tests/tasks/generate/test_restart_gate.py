@@ -14,11 +14,12 @@ import time
 
 import pytest
 
-from rollflow.infra.deployment import DETECTION_BOUND_S
+from rollflow.flows.services import DETECTION_BOUND_S
+from rollflow.infra.errors import InferenceGone
 from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.gate import InferenceGone, register_gate, unregister_gate
+from rollflow.infra.inference.gate import register_gate, unregister_gate
 from rollflow.infra.service import free_port
-from rollflow.tasks.generate.rollouts import InferenceDead, RetryPolicy, Sampler, SamplingStats
+from rollflow.tasks.generate.rollouts import RetryPolicy, Sampler, SamplingStats
 from rollflow.testing.fake_openai import FakeOpenAI
 
 pytestmark = pytest.mark.chaos
@@ -90,7 +91,7 @@ def test_a_failed_restart_ends_the_requests_waiting_at_the_gate_at_once(url_and_
     async def main():
         async with InferenceClient(url, timeout_s=10) as client:
             start = time.monotonic()
-            with pytest.raises(InferenceDead, match="could not be restarted"):
+            with pytest.raises(InferenceGone, match="could not be restarted"):
                 await sampler(client, SamplingStats())([10])
             return time.monotonic() - start
 
@@ -103,7 +104,7 @@ def test_an_unsupervised_dead_server_is_dead_after_the_grace():
     async def main():
         async with InferenceClient(url, timeout_s=5) as client:
             start = time.monotonic()
-            with pytest.raises(InferenceDead, match="not being restarted"):
+            with pytest.raises(InferenceGone, match="not being restarted"):
                 await sampler(client, SamplingStats())([10])
             return time.monotonic() - start
 

@@ -3,18 +3,22 @@ import math
 import pytest
 import torch
 
+from rollflow.infra.config import LossConfig
 from rollflow.tasks.train.losses import (
-    LossConfig,
     LossInputs,
     LossOutput,
     compute_loss,
     gspo_token_ratio_B_T,
     k3_B_T,
-    ppo_clip_loss,
     tis_weights_B_T,
 )
 
 F64 = torch.float64
+
+
+def loss(kind: str, inputs: LossInputs, cfg: LossConfig) -> LossOutput:
+    """``compute_loss`` with ``cfg``'s coefficients and the given kind."""
+    return compute_loss(inputs, cfg.model_copy(update={"kind": kind}))
 
 
 def _t(values) -> torch.Tensor:
@@ -28,7 +32,7 @@ def _logp(values) -> torch.Tensor:
 def _one_token(ratio: float, advantage: float, cfg: LossConfig, kind: str = "ppo"):
     """Loss and d loss / d logp for a single token with old logprob 0."""
     logp = _logp([[math.log(ratio)]])
-    out = compute_loss(kind, LossInputs(logp, _t([[0.0]]), _t([advantage]), _t([[1.0]])), cfg)
+    out = loss(kind, LossInputs(logp, _t([[0.0]]), _t([advantage]), _t([[1.0]])), cfg)
     out.loss_sum.backward()
     return out, float(logp.grad[0, 0])
 
@@ -71,7 +75,7 @@ def test_ppo_clip_boundaries(ratio, advantage):
 
 def test_masked_tokens_contribute_nothing():
     logp = _logp([[-1.0, 50.0, -2.0]])
-    out = compute_loss(
+    out = loss(
         "ppo",
         LossInputs(logp, _t([[-1.2, -3.0, -2.0]]), _t([1.0]), _t([[1.0, 0.0, 1.0]])),
         LossConfig(tis_cap=None),
@@ -101,7 +105,7 @@ def test_gspo_token_gradient_is_sequence_ratio_times_advantage():
     # Two tokens with different token ratios get the same gradient -A·s.
     logp = _logp([[math.log(1.02), math.log(0.99)]])
     cfg = LossConfig(eps_low=0.05, eps_high=0.05, tis_cap=None)
-    out = compute_loss("gspo", LossInputs(logp, _t([[0.0, 0.0]]), _t([2.0]), _t([[1.0, 1.0]])), cfg)
+    out = loss("gspo", LossInputs(logp, _t([[0.0, 0.0]]), _t([2.0]), _t([[1.0, 1.0]])), cfg)
     out.loss_sum.backward()
     s = math.sqrt(1.02 * 0.99)
     assert out.loss_sum.item() == pytest.approx(-2 * 2.0 * s)
@@ -114,7 +118,7 @@ def test_gspo_equals_length_times_the_sequence_level_objective():
     logp = (torch.randn(1, 5, dtype=F64) * 0.01 - 1).requires_grad_(True)
     old = logp.detach() + torch.randn(1, 5, dtype=F64) * 0.01
     cfg = LossConfig(eps_low=0.2, eps_high=0.2, tis_cap=None)
-    out = compute_loss("gspo", LossInputs(logp, old, _t([0.7]), torch.ones(1, 5, dtype=F64)), cfg)
+    out = loss("gspo", LossInputs(logp, old, _t([0.7]), torch.ones(1, 5, dtype=F64)), cfg)
     (grad_token,) = torch.autograd.grad(out.loss_sum, logp)
     s = torch.exp((logp - old).mean())
     seq_loss = -torch.minimum(s * 0.7, s.clamp(0.8, 1.2) * 0.7)
@@ -127,7 +131,7 @@ def test_gspo_clips_the_whole_sequence():
     # Paper-sized epsilons: a sequence ratio of 1.001 > 1 + 4e-4 is clipped at every token.
     cfg = LossConfig(eps_low=3e-4, eps_high=4e-4, tis_cap=None)
     logp = _logp([[math.log(1.003), math.log(0.999)]])  # geometric mean ≈ 1.001
-    out = compute_loss("gspo", LossInputs(logp, _t([[0.0, 0.0]]), _t([1.0]), _t([[1.0, 1.0]])), cfg)
+    out = loss("gspo", LossInputs(logp, _t([[0.0, 0.0]]), _t([1.0]), _t([[1.0, 1.0]])), cfg)
     out.loss_sum.backward()
     assert out.clipped_tokens == 2.0
     assert torch.all(logp.grad == 0)
@@ -152,7 +156,7 @@ def test_tis_scales_the_policy_gradient(cap, weight, capped):
     inputs = LossInputs(
         logp, _t([[0.0]]), _t([1.0]), _t([[1.0]]), inference_logprobs_B_T=_t([[math.log(0.5)]])
     )
-    out = compute_loss("ppo", inputs, LossConfig(tis_cap=cap))
+    out = loss("ppo", inputs, LossConfig(tis_cap=cap))
     out.loss_sum.backward()
     assert out.loss_sum.item() == pytest.approx(-weight)
     assert float(logp.grad[0, 0]) == pytest.approx(-weight)
@@ -162,10 +166,10 @@ def test_tis_scales_the_policy_gradient(cap, weight, capped):
 
 def test_mismatch_kl_is_against_inference_logprobs_when_given():
     logp = _logp([[-1.0]])
-    without = compute_loss(
+    without = loss(
         "ppo", LossInputs(logp, _t([[-1.0]]), _t([1.0]), _t([[1.0]])), LossConfig()
     )
-    with_inf = compute_loss(
+    with_inf = loss(
         "ppo",
         LossInputs(logp, _t([[-1.0]]), _t([1.0]), _t([[1.0]]), inference_logprobs_B_T=_t([[-1.5]])),
         LossConfig(),
@@ -190,7 +194,7 @@ def test_kl_term_hand_computed():
     inputs = LossInputs(
         logp, _t([[0.0]]), _t([0.0]), _t([[1.0]]), ref_logprobs_B_T=_t([[math.log(2.0)]])
     )
-    out = compute_loss("ppo", inputs, LossConfig(kl_coef=0.1))
+    out = loss("ppo", inputs, LossConfig(kl_coef=0.1))
     out.loss_sum.backward()
     k3 = 1 - math.log(2.0)
     assert out.kl_sum == pytest.approx(k3)
@@ -203,7 +207,7 @@ def test_kl_metric_without_penalty():
     inputs = LossInputs(
         logp, _t([[0.0]]), _t([0.0]), _t([[1.0]]), ref_logprobs_B_T=_t([[math.log(2.0)]])
     )
-    out = compute_loss("ppo", inputs, LossConfig(kl_coef=0.0))
+    out = loss("ppo", inputs, LossConfig(kl_coef=0.0))
     assert out.kl_sum == pytest.approx(1 - math.log(2.0))
     assert out.loss_sum.item() == 0.0
 
@@ -220,7 +224,7 @@ def test_entropy_bonus_hand_computed():
         _t([[1.0, 1.0, 0.0]]),
         entropy_B_T=entropy,
     )
-    out = compute_loss("gspo", inputs, LossConfig(entropy_coef=0.01))
+    out = loss("gspo", inputs, LossConfig(entropy_coef=0.01))
     out.loss_sum.backward()
     assert out.loss_sum.item() == pytest.approx(-0.01 * 2.0)
     assert out.entropy_sum == pytest.approx(2.0)
@@ -250,7 +254,7 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
 def _run(kind, batch, rows, cfg) -> tuple[LossOutput, torch.Tensor]:
     leaf = batch["logprobs_B_T"][rows].clone().requires_grad_(True)
     parts = {k: v[rows] for k, v in batch.items()} | {"logprobs_B_T": leaf}
-    out = compute_loss(kind, LossInputs(**parts), cfg)
+    out = loss(kind, LossInputs(**parts), cfg)
     out.loss_sum.backward()
     return out, leaf.grad
 
@@ -296,52 +300,7 @@ def test_two_halves_sum_to_the_whole(kind):
         assert sums_B.sum().item() == pytest.approx(getattr(whole, field[name])), name
 
 
-# ------------------------------------------------------------------- compatibility, errors
-
-
-def _old_ppo_clip_loss(logprobs_B_T, old_logprobs_B_T, advantages_B, mask_B_T, eps_low, eps_high):
-    """The implementation before GSPO/TIS/KL/entropy were added, kept verbatim as the reference."""
-    log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T) * mask_B_T
-    ratio_B_T = torch.exp(log_ratio_B_T)
-    adv_B_T = advantages_B[:, None].expand_as(ratio_B_T)
-    unclipped = ratio_B_T * adv_B_T
-    clipped = torch.clamp(ratio_B_T, 1 - eps_low, 1 + eps_high) * adv_B_T
-    per_token = -torch.minimum(unclipped, clipped)
-    with torch.no_grad():
-        was_clipped = (clipped < unclipped).float() * mask_B_T
-        mismatch_kl = (ratio_B_T - 1 - log_ratio_B_T) * mask_B_T
-    return LossOutput(
-        loss_sum=(per_token * mask_B_T).sum(),
-        num_tokens=int(mask_B_T.sum().item()),
-        clipped_tokens=float(was_clipped.sum()),
-        ratio_sum=float((ratio_B_T.detach() * mask_B_T).sum()),
-        mismatch_kl_sum=float(mismatch_kl.sum()),
-    )
-
-
-def _num(x) -> float:
-    return x.item() if isinstance(x, torch.Tensor) else float(x)
-
-
-def test_ppo_clip_loss_matches_its_previous_behaviour():
-    batch = {k: v.float() for k, v in _batch(seed=5).items()}  # the trainer runs in float32
-    outs, grads = [], []
-    for fn in (_old_ppo_clip_loss, ppo_clip_loss):
-        logp = batch["logprobs_B_T"].clone().requires_grad_(True)
-        out = fn(
-            logp, batch["old_logprobs_B_T"], batch["advantages_B"], batch["mask_B_T"], 0.1, 0.15
-        )
-        out.loss_sum.backward()
-        outs.append(out)
-        grads.append(logp.grad)
-    old, new = outs
-    assert new.num_tokens == old.num_tokens
-    assert old.clipped_tokens > 0
-    for name in ("loss_sum", "clipped_tokens", "ratio_sum", "mismatch_kl_sum"):
-        assert _num(getattr(new, name)) == pytest.approx(
-            _num(getattr(old, name)), rel=1e-6, abs=1e-6
-        ), name
-    assert torch.allclose(grads[0], grads[1])
+# -------------------------------------------------------------------------------- errors
 
 
 def test_invalid_config_and_missing_inputs_are_named():
@@ -351,12 +310,12 @@ def test_invalid_config_and_missing_inputs_are_named():
         LossConfig(eps_low=1.0)
     inputs = LossInputs(_t([[0.0]]), _t([[0.0]]), _t([1.0]), _t([[1.0]]))
     with pytest.raises(ValueError, match="ref_logprobs_B_T"):
-        compute_loss("ppo", inputs, LossConfig(kl_coef=0.1))
+        loss("ppo", inputs, LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy_B_T"):
-        compute_loss("ppo", inputs, LossConfig(entropy_coef=0.1))
-    with pytest.raises(ValueError, match="unknown loss kind"):
-        compute_loss("grpo", inputs, LossConfig())  # type: ignore[arg-type]
+        loss("ppo", inputs, LossConfig(entropy_coef=0.1))
+    with pytest.raises(ValueError, match="kind"):
+        LossConfig(kind="grpo")
     with pytest.raises(ValueError, match="old_logprobs_B_T"):
-        compute_loss(
+        loss(
             "ppo", LossInputs(_t([[0.0]]), _t([[0.0, 0.0]]), _t([1.0]), _t([[1.0]])), LossConfig()
         )

@@ -11,9 +11,11 @@ from prefect.client.orchestration import PrefectClient
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from rollflow.cli import main
-from rollflow.infra.deploy import DeployError, plan_deployments, resolve_config
+from rollflow.flows.deploy import plan_deployments
+from rollflow.infra.config import resolve_config
+from rollflow.infra.errors import InputError
 from rollflow.infra.service import free_port
-from rollflow.infra.work_pools import WorkPoolError, load_base_job_template
+from rollflow.infra.work_pools import load_base_job_template
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT_YAML = ROOT / "prefect.yaml"
@@ -48,7 +50,7 @@ def test_a_listed_config_keeps_its_entry_and_moves_to_another_pool():
 
 
 def test_unknown_pool_names_the_pools_there_are():
-    with pytest.raises(DeployError, match="unknown work pool 'gpu'.*rollflow-cpu, rollflow-gpu, "
+    with pytest.raises(InputError, match="unknown work pool 'gpu'.*rollflow-cpu, rollflow-gpu, "
                                           "rollflow-gpu-docker, rollflow-gpu-kubernetes"):
         plan_deployments(PREFECT_YAML, pool="gpu")
 
@@ -57,14 +59,14 @@ def test_a_bad_config_fails_at_deploy_time_naming_the_deployment_and_key(tmp_pat
     text = PREFECT_YAML.read_text().replace("overrides: []", "overrides: [train.lrr=1e-4]")
     bad = tmp_path / "prefect.yaml"
     bad.write_text(text.replace("configs/quickstart.toml", str(ROOT / "configs/quickstart.toml")))
-    with pytest.raises(DeployError, match=r"(?s)rl-run/quickstart: .*unknown key 'train.lrr'; did you mean 'train.lr'"):
+    with pytest.raises(InputError, match=r"(?s)rl-run/quickstart: .*unknown key 'train.lrr'; did you mean 'train.lr'"):
         plan_deployments(bad)
 
 
 def test_missing_files_say_what_to_do(tmp_path):
-    with pytest.raises(DeployError, match="run rollflow deploy from the repository root, or pass --prefect-file"):
+    with pytest.raises(InputError, match="run rollflow deploy from the repository root, or pass --prefect-file"):
         plan_deployments(tmp_path / "prefect.yaml")
-    with pytest.raises(DeployError, match="config file not found: configs/nope.toml"):
+    with pytest.raises(InputError, match="config file not found: configs/nope.toml"):
         plan_deployments(PREFECT_YAML, ["configs/nope.toml"])
 
 
@@ -131,7 +133,7 @@ def test_process_pools_pass_gpus_and_keep_deployment_env():
 
 def test_a_broken_template_names_the_file(tmp_path):
     (tmp_path / "bad.json").write_text('{"variables": {}}')
-    with pytest.raises(WorkPoolError, match="bad.json: a base job template needs job_configuration"):
+    with pytest.raises(InputError, match="bad.json: a base job template needs job_configuration"):
         load_base_job_template(tmp_path / "bad.json")
 
 

@@ -7,14 +7,10 @@ import time
 
 import pytest
 
+from rollflow.infra.errors import InferenceGone, ProducerFailed, TrainingFinished
 from rollflow.tasks.generate.environments import AddEnv, Prompt, Sample
-from rollflow.tasks.generate.producer import (
-    ProducerFailed,
-    RolloutProducer,
-    TrainingFinished,
-    prompt_stream,
-)
-from rollflow.tasks.generate.rollouts import InferenceDead, group_runner, select_prompts
+from rollflow.tasks.generate.producer import RolloutProducer, prompt_stream
+from rollflow.tasks.generate.rollouts import group_runner, select_prompts
 
 
 def numbered_prompts():
@@ -205,14 +201,14 @@ def test_finish_before_a_task_starts_still_counts_it():
 
 def test_a_raise_from_run_group_fails_takes_with_the_cause():
     async def dead(prompt, version):
-        raise InferenceDead("vLLM unreachable for 20s")
+        raise InferenceGone("vLLM unreachable for 20s")
 
     async def main():
         async with RolloutProducer(dead, numbered_prompts(), train_batch_size=2, max_staleness=0,
                                    max_in_flight=2) as p:
-            with pytest.raises(ProducerFailed, match="InferenceDead") as err:
+            with pytest.raises(ProducerFailed, match="InferenceGone") as err:
                 await p.take(1, timeout_s=5)
-            assert isinstance(err.value.__cause__, InferenceDead)
+            assert isinstance(err.value.__cause__, InferenceGone)
 
     asyncio.run(main())
 
@@ -281,8 +277,8 @@ def test_group_runner_turns_errors_into_strings_but_not_inference_death():
     prompt = Prompt("e", "0", "q", "a")
     ok = group_runner({"e": Env(ValueError("bad"))}, ctx=None, group_size=2)
     assert asyncio.run(ok(prompt, 0)) == "rollout: ValueError: bad"
-    dead = group_runner({"e": Env(InferenceDead("gone"))}, ctx=None, group_size=2)
-    with pytest.raises(InferenceDead):
+    dead = group_runner({"e": Env(InferenceGone("gone"))}, ctx=None, group_size=2)
+    with pytest.raises(InferenceGone):
         asyncio.run(dead(prompt, 0))
 
 

@@ -1,0 +1,122 @@
+"""The trainer service's one client: outside the service, the only code that names its routes.
+
+Owns: the route of every trainer call, and the request body it sends (``protocol.py``). Each
+call is one blocking JSON request with the run's token and a deadline (``infra/http.py``), and
+raises ``ServiceError`` (with the HTTP status, None when nothing answered) on failure: 400 bad
+input (the service stays usable), 409 a call out of turn, 502 the weight plane failed, 503 a rank
+died or the service failed, 504 past the call's deadline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from rollflow.infra.config import LossConfig
+from rollflow.infra.http import Endpoint, call
+from rollflow.tasks.train.protocol import (
+    BatchRef,
+    Broadcast,
+    ExportHF,
+    ForwardBackward,
+    Gradients,
+    StepRef,
+    WeightConnect,
+)
+
+HEALTH_TIMEOUT_S = 5.0
+# A call whose service side has its own deadline waits this much longer for the answer that says
+# why the deadline passed (a 502 naming the weight group, not a bare client timeout).
+ANSWER_MARGIN_S = 10.0
+
+
+class TrainerClient:
+    """Calls the trainer service at ``endpoint``; ``timeout_s`` is the deadline of a compute call."""
+
+    def __init__(self, endpoint: Endpoint, timeout_s: float = 600.0):
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def _post(self, path: str, body: BaseModel | None = None, timeout_s: float | None = None) -> Any:
+        payload = body.model_dump(mode="json") if body is not None else None
+        return call(self.endpoint, path, payload, timeout_s=timeout_s or self.timeout_s)
+
+    def _get(self, path: str, timeout_s: float) -> Any:
+        return call(self.endpoint, path, timeout_s=timeout_s, method="GET")
+
+    # ------------------------------------------------------------------- state
+
+    def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> dict[str, Any]:
+        """``ok``, ``optim_step``, ``weights_version`` (None mid-step), backend, ranks."""
+        return self._get("/health", timeout_s)
+
+    def training_finished(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """The explicit end of training (``finished``, step, optimizer step); a long poll of
+        at most ``wait_s`` (the service caps it at 30 s)."""
+        return self._get(f"/training_finished?wait_s={wait_s:g}", timeout_s=wait_s + 10.0)
+
+    # ----------------------------------------------------------------- compute
+
+    def forward(self, step: int, group_indices: list[int] | None = None) -> dict[str, Any]:
+        """The trainer's own log-probs of batch ``step``, written to ``logprobs/step=N``."""
+        return self._post("/forward", BatchRef(step=step, group_indices=group_indices))
+
+    def forward_backward(self, step: int, group_indices: list[int] | None = None, *, loss: LossConfig,
+                         old_logprobs: str = "inference", num_loss_tokens: int | None = None) -> dict[str, Any]:
+        """Accumulate the gradients of ``loss`` over batch ``step`` (restricted to the groups)."""
+        return self._post("/forward_backward", ForwardBackward(
+            step=step, group_indices=group_indices, loss=loss, old_logprobs=old_logprobs,
+            num_loss_tokens=num_loss_tokens))
+
+    def optim_step(self) -> dict[str, Any]:
+        return self._post("/optim_step")
+
+    def end_step(self, step: int) -> dict[str, Any]:
+        """Outer step ``step`` made all its optimizer steps: its weights become that version;
+        after the run's last step the service publishes ``training_finished``."""
+        return self._post("/end_step", StepRef(step=step))
+
+    # ------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, step: int) -> dict[str, Any]:
+        """Model, optimizer, schedule, RNG and step to ``checkpoints/step=N`` (its commit point)."""
+        return self._post("/save_checkpoint", StepRef(step=step))
+
+    def load_checkpoint(self, step: int) -> dict[str, Any]:
+        """Every rank restores committed checkpoint ``step`` (same backend)."""
+        return self._post("/load_checkpoint", StepRef(step=step))
+
+    def export_hf(self, uri: str) -> dict[str, Any]:
+        """The current weights as a Hugging Face folder at ``uri`` (inspection, tests)."""
+        return self._post("/export_hf", ExportHF(uri=uri))
+
+    def gradients(self, path: str) -> dict[str, Any]:
+        """The accumulated full gradient as safetensors at ``path`` (inspection, tests)."""
+        return self._post("/gradients", Gradients(path=path))
+
+    # ----------------------------------------------------------- weight plane
+
+    def metadata(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Name, shape and dtype of every tensor a weight sync carries, in wire order."""
+        return self._get("/weights/metadata", timeout_s)
+
+    def weights_connect(self, host: str, port: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+        """Rank 0 joins the weight group as its rank 0 (hosting its store), or answers 502 after
+        the group's own ``timeout_s``; the call's deadline leaves it time to say so."""
+        return self._post("/weights/connect", WeightConnect(host=host, port=port, world_size=world_size,
+                                                            timeout_s=timeout_s), timeout_s + ANSWER_MARGIN_S)
+
+    def weights_broadcast(self, version: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        """Send the weights as ``version`` (None: the last finished step's); ``bytes``, ``version``."""
+        return self._post("/weights/broadcast", Broadcast(version=version), timeout_s)
+
+    def weights_close(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._post("/weights/close", None, timeout_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Every rank tears down its engine and process group; then the service exits."""
+        return self._post("/shutdown", None, timeout_s)

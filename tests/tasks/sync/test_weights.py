@@ -1,0 +1,101 @@
+"""The weight sync's orchestration against a real vLLM server: the group forms (or fails within
+its deadline), and an in-flight sync makes vLLM serve exactly the sent weights.
+
+The trainer's side is a ``WeightSource`` over an in-process ``WeightSender``: the same wire and
+the same orchestration (``join``, ``publish``) as the trainer service, which the run tests use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from conftest import PROMPT_IDS, greedy_reference
+from transformers import AutoModelForCausalLM
+
+from rollflow.infra.errors import WeightSyncError
+from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.service import free_port
+from rollflow.infra.weights.group import WeightSender, weight_metadata
+from rollflow.tasks.sync.weights import init_weight_group, join, leave, publish
+
+pytestmark = pytest.mark.slow
+
+
+class SenderSource:
+    """The trainer's half of the weight plane, in process: its weights are set by the test."""
+
+    def __init__(self, weights):
+        self.weights, self.sender, self.version = weights, None, 0
+
+    def metadata(self):
+        return weight_metadata(self.weights)
+
+    def weights_connect(self, host, port, world_size, timeout_s):
+        self.sender = WeightSender(host, port, world_size, timeout_s)
+        self.sender.connect()
+        return {"ok": True}
+
+    def weights_broadcast(self, version=None, timeout_s=None):
+        version = self.version if version is None else version
+        return {"version": version, "bytes": self.sender.broadcast(self.weights, version)}
+
+    def weights_close(self, timeout_s=None):
+        self.sender.close()
+        return {"ok": True}
+
+    def health(self, timeout_s=5.0):
+        return {"ok": True, "weights_version": self.version}
+
+
+def greedy(url: str) -> list[int]:
+    async def go():
+        async with InferenceClient(url, timeout_s=60) as client:
+            return (await client.complete(PROMPT_IDS, max_tokens=24, temperature=0.0))[0].token_ids
+
+    return asyncio.run(go())
+
+
+def test_absent_trainer_makes_init_fail_within_timeout(vllm_server):
+    async def go():
+        async with InferenceClient(vllm_server.url, timeout_s=60) as client:
+            start = time.monotonic()
+
+            async def trainer_never_joins():
+                return None
+
+            with pytest.raises(WeightSyncError, match="could not join"):
+                await init_weight_group(client, trainer_never_joins, "127.0.0.1", free_port(), 2, 3.0, [])
+            assert time.monotonic() - start < 15
+            # The server survives, and the same client (whose pooled connection the server closed
+            # after the failed RPC) still samples.
+            assert await client.complete(PROMPT_IDS, max_tokens=2, temperature=0.0)
+            assert await client.health()
+
+    asyncio.run(go())
+
+
+def test_in_flight_sync_makes_vllm_match_transformers_on_new_weights(vllm_server, vllm_model_dirs):
+    new_model, expected = greedy_reference(vllm_model_dirs[1], PROMPT_IDS, 24)
+    old_weights = list(AutoModelForCausalLM.from_pretrained(vllm_model_dirs[0]).state_dict().items())
+    source = SenderSource(list(new_model.state_dict().items()))
+    url = vllm_server.url
+    before = greedy(url)
+    join(source, url, timeout_s=30)
+    try:
+        stats = publish(source, url, 1, timeout_s=30)
+        after = greedy(url)
+        # Back to the served weights, tagged by the trainer (version None), so that later tests
+        # see the original policy.
+        source.weights, source.version = old_weights, 2
+        restored = publish(source, url, None, timeout_s=30)
+        assert restored["version"] == 2
+    finally:
+        leave(source, url, timeout_s=10)
+    print(f"\nweight sync: {json.dumps(stats)}")
+    assert after == expected[: len(after)] and len(after) == len(expected)
+    assert before != after
+    assert greedy(url) == before
+    assert stats["bytes"] > sum(t.numel() * 4 for _, t in source.weights)
