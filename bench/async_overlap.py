@@ -31,28 +31,52 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_one(storage: Path, staleness: int, steps: int, extra: list[str]) -> dict:
     name = f"async-s{staleness}"
-    cmd = [sys.executable, "-m", "rollflow.cli", "run", "configs/quickstart.toml", f"run.name={name}",
-           f"run.storage={storage}", f"run.num_steps={steps}", f"train.max_staleness={staleness}",
-           "run.eval_every=0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollflow.cli",
+        "run",
+        "configs/quickstart.toml",
+        f"run.name={name}",
+        f"run.storage={storage}",
+        f"run.num_steps={steps}",
+        f"train.max_staleness={staleness}",
+        "run.eval_every=0",
+        *extra,
+    ]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PREFECT_HOME": str(storage / "prefect")})
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PREFECT_HOME": str(storage / "prefect")},
+    )
     wall = time.perf_counter() - start
     if proc.returncode:
         sys.exit(f"S={staleness} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    m = duckdb.sql(f"select * from read_parquet('{storage}/{name}/metrics/*.parquet', union_by_name=true) "
-                   "order by step").df()
+    m = duckdb.sql(
+        f"select * from read_parquet('{storage}/{name}/metrics/*.parquet', union_by_name=true) "
+        "order by step"
+    ).df()
     steps_m = m[m.step > 0]
-    stale = duckdb.sql(f"select avg(step - 1 - version_started), max(step - 1 - version_started) "
-                       f"from read_parquet('{storage}/{name}/rollouts/*/*.parquet')").fetchall()[0]
+    stale = duckdb.sql(
+        f"select avg(step - 1 - version_started), max(step - 1 - version_started) "
+        f"from read_parquet('{storage}/{name}/rollouts/*/*.parquet')"
+    ).fetchall()[0]
     train_wall = steps_m.step_s.sum()
     return {
-        "S": staleness, "steps": len(steps_m), "s_per_step": steps_m.step_s.mean(),
+        "S": staleness,
+        "steps": len(steps_m),
+        "s_per_step": steps_m.step_s.mean(),
         "trainer_idle": steps_m.trainer_wait_for_data_s.sum() / train_wall,
         "producer_blocked": steps_m.producer_blocked_s.iloc[-1] / train_wall,
-        "train_s": steps_m.train_phase_s.mean(), "stale_mean": stale[0], "stale_max": stale[1],
+        "train_s": steps_m.train_phase_s.mean(),
+        "stale_mean": stale[0],
+        "stale_max": stale[1],
         "dropped": int(steps_m.get("stale_dropped_total", steps_m.step * 0).max() or 0),
-        "start_reward": m.eval_reward.iloc[0], "final_reward": m.eval_reward.dropna().iloc[-1],
+        "start_reward": m.eval_reward.iloc[0],
+        "final_reward": m.eval_reward.dropna().iloc[-1],
         "wall_s": wall,
     }
 
@@ -70,13 +94,17 @@ def main() -> None:
             print(f"S={s} done in {rows[-1]['wall_s']:.0f}s", flush=True)
     base = rows[0]["s_per_step"]
     print(f"\nquickstart, {args.steps} steps, {os.cpu_count()} CPUs")
-    print("| max_staleness | s/step | vs S=0 | trainer idle | producer blocked | train s/step | "
-          "staleness mean/max | stale dropped | held-out reward start → end | run wall s |")
+    print(
+        "| max_staleness | s/step | vs S=0 | trainer idle | producer blocked | train s/step | "
+        "staleness mean/max | stale dropped | held-out reward start → end | run wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['S']} | {r['s_per_step']:.2f} | {r['s_per_step'] / base:.2f}× | {r['trainer_idle']:.0%} | "
-              f"{r['producer_blocked']:.0%} | {r['train_s']:.2f} | {r['stale_mean']:.2f} / {r['stale_max']} | "
-              f"{r['dropped']} | {r['start_reward']:.3f} → {r['final_reward']:.3f} | {r['wall_s']:.0f} |")
+        print(
+            f"| {r['S']} | {r['s_per_step']:.2f} | {r['s_per_step'] / base:.2f}× | {r['trainer_idle']:.0%} | "
+            f"{r['producer_blocked']:.0%} | {r['train_s']:.2f} | {r['stale_mean']:.2f} / {r['stale_max']} | "
+            f"{r['dropped']} | {r['start_reward']:.3f} → {r['final_reward']:.3f} | {r['wall_s']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -76,9 +76,16 @@ def child(setting: dict) -> dict:
     idle = rollouts == 0
     groups_in_flight = max(4, rollouts // group_size)
     batch = groups_in_flight // 4
-    cfg = load_config(ROOT / "configs/quickstart.toml", [
-        f"sampling.group_size={max(2, group_size)}", "sampling.max_tokens=8", "train.max_staleness=3",
-        f"train.train_batch_size={batch}", f"train.mini_batch_size={batch}"])
+    cfg = load_config(
+        ROOT / "configs/quickstart.toml",
+        [
+            f"sampling.group_size={max(2, group_size)}",
+            "sampling.max_tokens=8",
+            "train.max_staleness=3",
+            f"train.train_batch_size={batch}",
+            f"train.mini_batch_size={batch}",
+        ],
+    )
     tok_dir = tempfile.mkdtemp(prefix="rollflow-bench-tok-")
     build_char_tokenizer(cfg.model.tiny.alphabet).save_pretrained(tok_dir)
     envs = build_envs(cfg)
@@ -96,15 +103,22 @@ def child(setting: dict) -> dict:
     window_open = threading.Event()
     loop._run_once = timed_run_once
     threading.Thread(target=loop.run_forever, name="rollout-producer", daemon=True).start()
-    on_loop = lambda coro, timeout_s=120: asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)  # noqa: E731
+
+    def on_loop(coro, timeout_s: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     async def build():
         client = InferenceClient(setting["url"], timeout_s=cfg.inference.request_timeout_s)
         ctx = make_rollout_context(cfg, tok_dir, client, SamplingStats(), temperature=1.0)
         prompts = iter(()) if idle else prompt_stream(envs, {"sort_letters": 1.0}, batch, seed=0)
-        producer = RolloutProducer(group_runner(envs, ctx, group_size), prompts, train_batch_size=batch,
-                                   max_staleness=3, max_in_flight=groups_in_flight,
-                                   lag_interval_s=setting["lag_interval_s"])
+        producer = RolloutProducer(
+            group_runner(envs, ctx, group_size),
+            prompts,
+            train_batch_size=batch,
+            max_staleness=3,
+            max_in_flight=groups_in_flight,
+            lag_interval_s=setting["lag_interval_s"],
+        )
         producer.start()
         return client, producer
 
@@ -126,8 +140,14 @@ def child(setting: dict) -> dict:
                 groups = on_loop(producer.take(step, timeout_s=30), timeout_s=40)
             except Exception:  # TimeoutError or the producer finished: the window is over
                 return
-            rows = to_rows("bench", step, [g.prompt for g in groups], [g.result for g in groups],
-                           group_size, [(g.version_started, g.version_finished) for g in groups])
+            rows = to_rows(
+                "bench",
+                step,
+                [g.prompt for g in groups],
+                [g.result for g in groups],
+                group_size,
+                [(g.version_started, g.version_finished) for g in groups],
+            )
             rows_to_table(rows)
             loop.call_soon_threadsafe(producer.set_version, step)
             done["rollouts"] += len(rows)
@@ -144,7 +164,12 @@ def child(setting: dict) -> dict:
     window_open.set()
     if profiler:
         loop.call_soon_threadsafe(profiler.enable)  # profiles the thread that enables it
-    cpu0, t0, rollouts0, in_flight0 = sum(proc.cpu_times()[:2]), time.monotonic(), done["rollouts"], len(done["in_flight"])
+    cpu0, t0, rollouts0, in_flight0 = (
+        sum(proc.cpu_times()[:2]),
+        time.monotonic(),
+        done["rollouts"],
+        len(done["in_flight"]),
+    )
     loop_cpu0 = on_loop(loop_cpu_s())
     time.sleep(setting["measure_s"])
     elapsed, cpu = time.monotonic() - t0, sum(proc.cpu_times()[:2]) - cpu0
@@ -159,15 +184,22 @@ def child(setting: dict) -> dict:
     on_loop(producer.finish())
     on_loop(client.aclose())
     gc.unfreeze()
-    result = {**setting, "lag_p50_s": snap["loop_lag_p50_s"], "lag_p99_s": snap["loop_lag_p99_s"],
-              "lag_max_s": snap["loop_lag_max_s"], "num_lag_samples": len(producer._lags_s),
-              "num_lag_expected": int(setting["measure_s"] / setting["lag_interval_s"]),
-              "rollouts_per_s": rollouts_done / elapsed, "cpu_cores": cpu / elapsed,
-              "iteration_cpu_p99_s": iterations[int(0.99 * (len(iterations) - 1))] if iterations else 0.0,
-              "iteration_cpu_max_s": iterations[-1] if iterations else 0.0,
-              "loop_busy": loop_cpu / elapsed, "loop_cpu_per_rollout_s": loop_cpu / max(1, rollouts_done),
-              "groups_in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else float("nan"),
-              "groups_in_flight_target": 0 if idle else groups_in_flight}
+    result = {
+        **setting,
+        "lag_p50_s": snap["loop_lag_p50_s"],
+        "lag_p99_s": snap["loop_lag_p99_s"],
+        "lag_max_s": snap["loop_lag_max_s"],
+        "num_lag_samples": len(producer._lags_s),
+        "num_lag_expected": int(setting["measure_s"] / setting["lag_interval_s"]),
+        "rollouts_per_s": rollouts_done / elapsed,
+        "cpu_cores": cpu / elapsed,
+        "iteration_cpu_p99_s": iterations[int(0.99 * (len(iterations) - 1))] if iterations else 0.0,
+        "iteration_cpu_max_s": iterations[-1] if iterations else 0.0,
+        "loop_busy": loop_cpu / elapsed,
+        "loop_cpu_per_rollout_s": loop_cpu / max(1, rollouts_done),
+        "groups_in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else float("nan"),
+        "groups_in_flight_target": 0 if idle else groups_in_flight,
+    }
     if profiler:
         time.sleep(0.2)
         out = io.StringIO()
@@ -177,9 +209,22 @@ def child(setting: dict) -> dict:
 
 
 def start_fake_server(latency_s: float, jitter_s: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "rollflow.testing.fake_openai", "--port", "0",
-                             "--latency-s", str(latency_s), "--latency-jitter-s", str(jitter_s)],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollflow.testing.fake_openai",
+            "--port",
+            "0",
+            "--latency-s",
+            str(latency_s),
+            "--latency-jitter-s",
+            str(jitter_s),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     match = re.search(r"(http://\S+)", line)
     if not match:
@@ -190,8 +235,13 @@ def start_fake_server(latency_s: float, jitter_s: float) -> tuple[subprocess.Pop
 
 def run_setting(setting: dict) -> dict:
     deadline_s = setting["warmup_s"] + setting["measure_s"] + 120
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(setting)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=deadline_s)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(setting)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=deadline_s,
+    )
     if proc.returncode:
         sys.exit(f"setting {setting} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -216,8 +266,13 @@ def main() -> None:
     machine = Machine()
     server, url = start_fake_server(args.latency_s, args.jitter_s)
     try:
-        common = {"url": url, "warmup_s": args.warmup_s, "measure_s": args.measure_s,
-                  "lag_interval_s": args.lag_interval_s, "profile": args.profile}
+        common = {
+            "url": url,
+            "warmup_s": args.warmup_s,
+            "measure_s": args.measure_s,
+            "lag_interval_s": args.lag_interval_s,
+            "profile": args.profile,
+        }
         results = [run_setting({**common, "rollouts": 0, "group_size": 1, "profile": False})]
         for rollouts in args.rollouts:
             for g in args.group_sizes:
@@ -232,26 +287,57 @@ def main() -> None:
     rows = []
     for r in results:
         name = "idle loop (baseline)" if r["rollouts"] == 0 else f"{r['rollouts']}"
-        rows.append([name, "–" if not r["rollouts"] else r["group_size"],
-                     "–" if not r["rollouts"] else f"{r['groups_in_flight_mean']:.0f} / {r['groups_in_flight_target']}",
-                     ms(r["lag_p50_s"]), ms(r["lag_p99_s"]), ms(r["lag_max_s"]),
-                     f"{r['lag_p99_s'] / max(base['lag_p99_s'], 1e-4):.1f}×",
-                     "ok" if r["lag_p99_s"] <= 0.010 else "MISSED",
-                     f"{r['rollouts_per_s']:.0f}",
-                     "–" if not r["rollouts"] else f"{r['loop_cpu_per_rollout_s'] * 1000:.2f}",
-                     f"{r['loop_busy']:.0%}", f"{ms(r['iteration_cpu_p99_s'])} / {ms(r['iteration_cpu_max_s'])}",
-                     f"{r['cpu_cores']:.2f}",
-                     f"{r['num_lag_samples']} / {r['num_lag_expected']}"])
-    print(f"\nproducer event-loop lag; fake server latency {args.latency_s} s + U(0, {args.jitter_s}) s "
-          f"in its own process; {args.measure_s:.0f} s measured after {args.warmup_s:.0f} s warm-up")
+        rows.append(
+            [
+                name,
+                "–" if not r["rollouts"] else r["group_size"],
+                "–"
+                if not r["rollouts"]
+                else f"{r['groups_in_flight_mean']:.0f} / {r['groups_in_flight_target']}",
+                ms(r["lag_p50_s"]),
+                ms(r["lag_p99_s"]),
+                ms(r["lag_max_s"]),
+                f"{r['lag_p99_s'] / max(base['lag_p99_s'], 1e-4):.1f}×",
+                "ok" if r["lag_p99_s"] <= 0.010 else "MISSED",
+                f"{r['rollouts_per_s']:.0f}",
+                "–" if not r["rollouts"] else f"{r['loop_cpu_per_rollout_s'] * 1000:.2f}",
+                f"{r['loop_busy']:.0%}",
+                f"{ms(r['iteration_cpu_p99_s'])} / {ms(r['iteration_cpu_max_s'])}",
+                f"{r['cpu_cores']:.2f}",
+                f"{r['num_lag_samples']} / {r['num_lag_expected']}",
+            ]
+        )
+    print(
+        f"\nproducer event-loop lag; fake server latency {args.latency_s} s + U(0, {args.jitter_s}) s "
+        f"in its own process; {args.measure_s:.0f} s measured after {args.warmup_s:.0f} s warm-up"
+    )
     print(machine.line() + "\n")
-    print(table(["rollouts in flight", "group size", "groups in flight (mean / K)", "lag p50 ms",
-                 "lag p99 ms", "lag max ms", "p99 vs idle", "p99 ≤ 10 ms", "rollouts/s",
-                 "loop CPU ms/rollout", "loop thread CPU busy", "iteration CPU p99 / max ms",
-                 "process CPU cores", "lag samples (got / expected)"], rows))
+    print(
+        table(
+            [
+                "rollouts in flight",
+                "group size",
+                "groups in flight (mean / K)",
+                "lag p50 ms",
+                "lag p99 ms",
+                "lag max ms",
+                "p99 vs idle",
+                "p99 ≤ 10 ms",
+                "rollouts/s",
+                "loop CPU ms/rollout",
+                "loop thread CPU busy",
+                "iteration CPU p99 / max ms",
+                "process CPU cores",
+                "lag samples (got / expected)",
+            ],
+            rows,
+        )
+    )
     for r in results:
         if "profile_text" in r:
-            print(f"\n### profile of the loop thread: {r['rollouts']} rollouts, group size {r['group_size']}\n")
+            print(
+                f"\n### profile of the loop thread: {r['rollouts']} rollouts, group size {r['group_size']}\n"
+            )
             print(r["profile_text"])
 
 

@@ -26,10 +26,12 @@ class Machine:
 
     def line(self) -> str:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        return (f"machine: {platform.machine()} {_cpu_model()}, {os.cpu_count()} CPUs, "
-                f"{mem_gib:.0f} GiB; load average (1/5/15 min) at start {self.start_load}, "
-                f"at end {_loadavg()}; {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.start))}, "
-                f"{time.time() - self.start:.0f} s")
+        return (
+            f"machine: {platform.machine()} {_cpu_model()}, {os.cpu_count()} CPUs, "
+            f"{mem_gib:.0f} GiB; load average (1/5/15 min) at start {self.start_load}, "
+            f"at end {_loadavg()}; {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.start))}, "
+            f"{time.time() - self.start:.0f} s"
+        )
 
 
 def _cpu_model() -> str:

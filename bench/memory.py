@@ -40,7 +40,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from machine import Machine, table  # noqa: E402
 
 MB = 1e6
-TINY = ["train.train_batch_size=8", "train.mini_batch_size=8", "sampling.group_size=4", "run.eval_every=0"]
+TINY = [
+    "train.train_batch_size=8",
+    "train.mini_batch_size=8",
+    "sampling.group_size=4",
+    "run.eval_every=0",
+]
 
 
 def traced_run(out: str, warmup_step: int, cli_args: list[str]) -> int:
@@ -53,9 +58,11 @@ def traced_run(out: str, warmup_step: int, cli_args: list[str]) -> int:
 
     def watch() -> None:
         while not first:
-            if events.exists() and any(json.loads(line).get("step") == warmup_step
-                                       for line in events.read_text().splitlines()
-                                       if '"step_committed"' in line):
+            if events.exists() and any(
+                json.loads(line).get("step") == warmup_step
+                for line in events.read_text().splitlines()
+                if '"step_committed"' in line
+            ):
                 first.append(tracemalloc.take_snapshot())
                 return
             time.sleep(0.5)
@@ -98,8 +105,14 @@ def follow(proc: subprocess.Popen, events: Path, deadline_s: float) -> list[dict
             event = json.loads(line)
             if event["event"] == "step_committed":
                 try:
-                    samples.append({"step": event["step"], "time": event["time"],
-                                    "rss": run.memory_info().rss, **services_rss(run)})
+                    samples.append(
+                        {
+                            "step": event["step"],
+                            "time": event["time"],
+                            "rss": run.memory_info().rss,
+                            **services_rss(run),
+                        }
+                    )
                 except psutil.NoSuchProcess:
                     pass
         seen = len(lines)
@@ -107,7 +120,11 @@ def follow(proc: subprocess.Popen, events: Path, deadline_s: float) -> list[dict
     return samples
 
 
-SERVICES = {"trainer": "rollflow.tasks.train.service", "vLLM": "vllm", "Prefect server": "prefect.server"}
+SERVICES = {
+    "trainer": "rollflow.tasks.train.service",
+    "vLLM": "vllm",
+    "Prefect server": "prefect.server",
+}
 
 
 def services_rss(run: psutil.Process) -> dict[str, int]:
@@ -133,7 +150,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="measured steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--tracemalloc", action="store_true")
-    parser.add_argument("--traced-run", nargs=2, metavar=("OUT", "WARMUP_STEP"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--traced-run", nargs=2, metavar=("OUT", "WARMUP_STEP"), help=argparse.SUPPRESS
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides of the run")
     args = parser.parse_args()
     if args.traced_run:
@@ -142,20 +161,44 @@ def main() -> None:
     machine = Machine()
     num_steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="rollflow-bench-mem-") as tmp:
-        cli_args = ["run", "configs/quickstart.toml", "run.name=mem", f"run.storage={tmp}",
-                    f"run.num_steps={num_steps}", *TINY, *args.overrides]
+        cli_args = [
+            "run",
+            "configs/quickstart.toml",
+            "run.name=mem",
+            f"run.storage={tmp}",
+            f"run.num_steps={num_steps}",
+            *TINY,
+            *args.overrides,
+        ]
         trace_out = Path(tmp) / "tracemalloc.txt"
-        cmd = ([sys.executable, __file__, "--traced-run", str(trace_out), str(args.warmup), "--", *cli_args]
-               if args.tracemalloc else [sys.executable, "-m", "rollflow.cli", *cli_args])
+        cmd = (
+            [
+                sys.executable,
+                __file__,
+                "--traced-run",
+                str(trace_out),
+                str(args.warmup),
+                "--",
+                *cli_args,
+            ]
+            if args.tracemalloc
+            else [sys.executable, "-m", "rollflow.cli", *cli_args]
+        )
         log = open(Path(tmp) / "run.log", "w")
-        env = {**os.environ, "PREFECT_HOME": str(Path(tmp) / "prefect"),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "PREFECT_HOME": str(Path(tmp) / "prefect"),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         samples = follow(proc, Path(tmp) / "mem" / "events.jsonl", deadline_s=60 * 60)
         wall_s = time.monotonic() - start
         if proc.returncode:
-            sys.exit(f"the run failed ({proc.returncode}):\n" + (Path(tmp) / "run.log").read_text()[-4000:])
+            sys.exit(
+                f"the run failed ({proc.returncode}):\n"
+                + (Path(tmp) / "run.log").read_text()[-4000:]
+            )
         trace = trace_out.read_text() if trace_out.exists() else ""
 
     steps = np.array([s["step"] for s in samples])
@@ -166,25 +209,51 @@ def main() -> None:
     base_mb = rss_mb[~measured][-1] if (~measured).any() else rss_mb[0]
     fit = slope(m_steps, m_rss)
     times = np.array([s["time"] for s in samples])
-    step_s = (times[-1] - times[~measured][-1]) / measured.sum() if (~measured).any() else float("nan")
+    step_s = (
+        (times[-1] - times[~measured][-1]) / measured.sum() if (~measured).any() else float("nan")
+    )
     rows = [
-        ["run process RSS, slope over the measured steps", f"{fit:+.3f} MB/step",
-         f"{fit / 0.5:.2f}× the goal (0.5 MB/step)"],
-        ["… first half / second half", f"{slope(m_steps[:half], m_rss[:half]):+.3f} / "
-         f"{slope(m_steps[half:], m_rss[half:]):+.3f} MB/step", ""],
-        ["run process RSS at the end of the warm-up (baseline) → last step",
-         f"{base_mb:.0f} → {m_rss[-1]:.0f} MB", f"{(m_rss[-1] - base_mb) / base_mb:+.1%} of the baseline"],
-        *[[f"{name} processes (not the run process), slope", f"{slope(m_steps, mb[measured]):+.3f} MB/step",
-           f"{mb[measured][0]:.0f} → {mb[measured][-1]:.0f} MB"]
-          for name in SERVICES for mb in [np.array([s[name] for s in samples]) / MB]],
-        ["steps sampled (warm-up + measured)", f"{(~measured).sum()} + {measured.sum()}",
-         f"run wall clock {wall_s:.0f} s; {step_s:.2f} s/step over the measured steps"],
+        [
+            "run process RSS, slope over the measured steps",
+            f"{fit:+.3f} MB/step",
+            f"{fit / 0.5:.2f}× the goal (0.5 MB/step)",
+        ],
+        [
+            "… first half / second half",
+            f"{slope(m_steps[:half], m_rss[:half]):+.3f} / "
+            f"{slope(m_steps[half:], m_rss[half:]):+.3f} MB/step",
+            "",
+        ],
+        [
+            "run process RSS at the end of the warm-up (baseline) → last step",
+            f"{base_mb:.0f} → {m_rss[-1]:.0f} MB",
+            f"{(m_rss[-1] - base_mb) / base_mb:+.1%} of the baseline",
+        ],
+        *[
+            [
+                f"{name} processes (not the run process), slope",
+                f"{slope(m_steps, mb[measured]):+.3f} MB/step",
+                f"{mb[measured][0]:.0f} → {mb[measured][-1]:.0f} MB",
+            ]
+            for name in SERVICES
+            for mb in [np.array([s[name] for s in samples]) / MB]
+        ],
+        [
+            "steps sampled (warm-up + measured)",
+            f"{(~measured).sum()} + {measured.sum()}",
+            f"run wall clock {wall_s:.0f} s; {step_s:.2f} s/step over the measured steps",
+        ],
     ]
-    print(f"\nrun-flow process memory, quickstart model, 8 groups × 4 per step, {num_steps} steps"
-          + (" (under tracemalloc)" if args.tracemalloc else ""))
+    print(
+        f"\nrun-flow process memory, quickstart model, 8 groups × 4 per step, {num_steps} steps"
+        + (" (under tracemalloc)" if args.tracemalloc else "")
+    )
     print(machine.line() + "\n")
     print(table(["what", "figure", "vs baseline / goal"], rows))
-    print("\nRSS by step (MB): " + ", ".join(f"{s}: {r:.0f}" for s, r in zip(steps[::25], rss_mb[::25], strict=True)))
+    print(
+        "\nRSS by step (MB): "
+        + ", ".join(f"{s}: {r:.0f}" for s, r in zip(steps[::25], rss_mb[::25], strict=True))
+    )
     if trace:
         print(f"\n### tracemalloc: largest growth between step {args.warmup} and the last step\n")
         print(trace)

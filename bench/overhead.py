@@ -39,18 +39,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import duckdb  # noqa: E402
+
 from machine import Machine, table  # noqa: E402
 
-TINY = ["train.train_batch_size=16", "train.mini_batch_size=16", "sampling.group_size=4", "run.eval_every=0",
-        "run.checkpoint_every=100000"]
+TINY = [
+    "train.train_batch_size=16",
+    "train.mini_batch_size=16",
+    "sampling.group_size=4",
+    "run.eval_every=0",
+    "run.checkpoint_every=100000",
+]
 
 
 def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
     name = f"overhead-s{staleness}"
-    cmd = [sys.executable, "-m", "rollflow.cli", "run", "configs/quickstart.toml", f"run.name={name}",
-           f"run.storage={storage}", f"run.num_steps={steps + warmup}", f"train.max_staleness={staleness}", *TINY]
-    env = {**os.environ, "PREFECT_HOME": str(storage / "prefect"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollflow.cli",
+        "run",
+        "configs/quickstart.toml",
+        f"run.name={name}",
+        f"run.storage={storage}",
+        f"run.num_steps={steps + warmup}",
+        f"train.max_staleness={staleness}",
+        *TINY,
+    ]
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(storage / "prefect"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode:
         sys.exit(f"S={staleness} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -64,11 +83,19 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
         order by m.step""").df()
     on_path = m.gen_s if staleness == 0 else m.gen_s * 0
     service = m.train_s + m.sync_s + on_path
-    return {"S": staleness, "steps": len(m), "step_s": m.step_s.mean(), "train_s": m.train_s.mean(),
-            "sync_s": m.sync_s.mean(), "gen_s": m.gen_s.mean(), "on_path_s": on_path.mean(),
-            "service_s": service.mean(), "control_s": (m.step_s - service).mean(),
-            "trainer_idle": (m.step_s - m.train_s - m.sync_s).sum() / m.step_s.sum(),
-            "advantage_s": m.advantage_phase_s.mean()}
+    return {
+        "S": staleness,
+        "steps": len(m),
+        "step_s": m.step_s.mean(),
+        "train_s": m.train_s.mean(),
+        "sync_s": m.sync_s.mean(),
+        "gen_s": m.gen_s.mean(),
+        "on_path_s": on_path.mean(),
+        "service_s": service.mean(),
+        "control_s": (m.step_s - service).mean(),
+        "trainer_idle": (m.step_s - m.train_s - m.sync_s).sum() / m.step_s.sum(),
+        "advantage_s": m.advantage_phase_s.mean(),
+    }
 
 
 def prefect_noop(repeats: int, storage: Path) -> dict:
@@ -84,8 +111,10 @@ def prefect_noop(repeats: int, storage: Path) -> dict:
     def work(step: int) -> dict:
         return {"step": step}
 
-    stages = [task(name=n, cache_policy=NO_CACHE, persist_result=False)(work)
-              for n in ("generate", "advantage", "train", "sync", "checkpoint")]
+    stages = [
+        task(name=n, cache_policy=NO_CACHE, persist_result=False)(work)
+        for n in ("generate", "advantage", "train", "sync", "checkpoint")
+    ]
 
     @flow(name="noop-step", persist_result=False, validate_parameters=False)
     def noop_step(step: int) -> None:
@@ -125,22 +154,55 @@ def main() -> None:
         noop = prefect_noop(args.noop_repeats, Path(tmp))
 
     ms = lambda s: f"{s * 1000:.0f}"  # noqa: E731
-    print(f"\ncontrol plane on the critical path: quickstart model, 16 groups × 4 per step, "
-          f"{args.steps} steps measured after {args.warmup}; means per step (ms)")
+    print(
+        f"\ncontrol plane on the critical path: quickstart model, 16 groups × 4 per step, "
+        f"{args.steps} steps measured after {args.warmup}; means per step (ms)"
+    )
     print(machine.line() + "\n")
-    print(table(["max_staleness", "step", "train (trainer)", "sync (pause→resume)", "generation (longest request)",
-                 "… of it on the path", "service time", "control plane = step − service",
-                 "control plane share of the step", "trainer idle share", "advantage task"],
-                [[r["S"], ms(r["step_s"]), ms(r["train_s"]), ms(r["sync_s"]), ms(r["gen_s"]), ms(r["on_path_s"]),
-                  ms(r["service_s"]), ms(r["control_s"]), f"{r['control_s'] / r['step_s']:.0%}",
-                  f"{r['trainer_idle']:.0%}", ms(r["advantage_s"])] for r in rows]))
-    print("\nAt max_staleness ≥ 1 generation should overlap training, so all trainer idle time is counted "
-          "as control plane: an upper bound that includes any wait for generation that overlap did not hide.")
+    print(
+        table(
+            [
+                "max_staleness",
+                "step",
+                "train (trainer)",
+                "sync (pause→resume)",
+                "generation (longest request)",
+                "… of it on the path",
+                "service time",
+                "control plane = step − service",
+                "control plane share of the step",
+                "trainer idle share",
+                "advantage task",
+            ],
+            [
+                [
+                    r["S"],
+                    ms(r["step_s"]),
+                    ms(r["train_s"]),
+                    ms(r["sync_s"]),
+                    ms(r["gen_s"]),
+                    ms(r["on_path_s"]),
+                    ms(r["service_s"]),
+                    ms(r["control_s"]),
+                    f"{r['control_s'] / r['step_s']:.0%}",
+                    f"{r['trainer_idle']:.0%}",
+                    ms(r["advantage_s"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    print(
+        "\nAt max_staleness ≥ 1 generation should overlap training, so all trainer idle time is counted "
+        "as control plane: an upper bound that includes any wait for generation that overlap did not hide."
+    )
     step = rows[0]["step_s"]
-    print(f"\nPrefect alone (median of {args.noop_repeats}): a flow run of 5 no-op tasks "
-          f"{ms(noop['flow_s'])} ms, the 5 no-op calls directly {noop['direct_s'] * 1e6:.0f} µs; "
-          f"Prefect per step = {noop['flow_s'] / step:.0%} of a max_staleness={rows[0]['S']} step "
-          f"({ms(step)} ms) if nothing overlapped it")
+    print(
+        f"\nPrefect alone (median of {args.noop_repeats}): a flow run of 5 no-op tasks "
+        f"{ms(noop['flow_s'])} ms, the 5 no-op calls directly {noop['direct_s'] * 1e6:.0f} µs; "
+        f"Prefect per step = {noop['flow_s'] / step:.0%} of a max_staleness={rows[0]['S']} step "
+        f"({ms(step)} ms) if nothing overlapped it"
+    )
 
 
 if __name__ == "__main__":

@@ -25,12 +25,31 @@ def fake_quickstart(root: str, num_steps: int) -> None:
     storage = RunStorage(root, "quickstart")
     storage.write_metrics(0, {"eval_reward": 0.504, "eval_reward/sort_letters": 0.504})
     for step in range(1, num_steps + 1):
-        row = {"reward_mean": 0.4, "reward/sort_letters": 0.4, "num_rollouts": 2048, "num_errors": 0,
-               "rollouts_reused": False, "retries": 0, "num_groups_kept": 116, "num_samples_kept": 1856,
-               "loss": 0.0175, "grad_norm": 0.5, "clip_fraction": 0.01, "mismatch_kl": 0.001,
-               "neg_logprob_mean": 0.7, "num_optim_steps": 1, "num_loss_tokens": 9000, "train_s": 2.7,
-               "sync_s": 0.17, "sync_pause_s": 0.01, "generate_phase_s": 2.37, "advantage_phase_s": 0.05,
-               "train_phase_s": 2.75, "sync_phase_s": 0.17, "step_s": 5.43}
+        row = {
+            "reward_mean": 0.4,
+            "reward/sort_letters": 0.4,
+            "num_rollouts": 2048,
+            "num_errors": 0,
+            "rollouts_reused": False,
+            "retries": 0,
+            "num_groups_kept": 116,
+            "num_samples_kept": 1856,
+            "loss": 0.0175,
+            "grad_norm": 0.5,
+            "clip_fraction": 0.01,
+            "mismatch_kl": 0.001,
+            "neg_logprob_mean": 0.7,
+            "num_optim_steps": 1,
+            "num_loss_tokens": 9000,
+            "train_s": 2.7,
+            "sync_s": 0.17,
+            "sync_pause_s": 0.01,
+            "generate_phase_s": 2.37,
+            "advantage_phase_s": 0.05,
+            "train_phase_s": 2.75,
+            "sync_phase_s": 0.17,
+            "step_s": 5.43,
+        }
         if step % 10 == 0:
             row.update({"eval_reward": 0.8, "eval_reward/sort_letters": 0.8})
         storage.write_metrics(step, row)
@@ -57,9 +76,11 @@ def main() -> None:
         wall_s(status)  # warm the page cache, as a second look at a run would be
         times = sorted(wall_s(status) for _ in range(args.repeats))
         base = min(wall_s(bare) for _ in range(args.repeats))
-    print(f"rollflow status on a {args.steps}-step run: best {times[0]:.2f}s, median "
-          f"{statistics.median(times):.2f}s, worst {times[-1]:.2f}s (goal < 3 s); "
-          f"bare interpreter start {base:.2f}s")
+    print(
+        f"rollflow status on a {args.steps}-step run: best {times[0]:.2f}s, median "
+        f"{statistics.median(times):.2f}s, worst {times[-1]:.2f}s (goal < 3 s); "
+        f"bare interpreter start {base:.2f}s"
+    )
 
 
 if __name__ == "__main__":

@@ -52,26 +52,52 @@ from machine import Machine, table  # noqa: E402
 
 # Workloads: the quickstart config with these overrides.
 WORKLOADS = {
-    "a": {"what": "tiny: quickstart model (~0.4M), sort 3-5 letters, ≤ 8 tokens",
-          "overrides": ["sampling.group_size=8", "train.train_batch_size=8", "train.mini_batch_size=8",
-                        "sampling.max_tokens=8", "train.lr=2e-4"],
-          # 4 optimizer steps per generation batch on both sides: DESIGN.md's answer to a step
-          # this small (one Prefect flow run per 4 optimizer steps). --minibatches 1 for one.
-          "threshold": 0.8, "eval_every": 10, "max_steps": 4000, "minibatches": 4,
-          "seeds": 3, "staleness": 0},
+    "a": {
+        "what": "tiny: quickstart model (~0.4M), sort 3-5 letters, ≤ 8 tokens",
+        "overrides": [
+            "sampling.group_size=8",
+            "train.train_batch_size=8",
+            "train.mini_batch_size=8",
+            "sampling.max_tokens=8",
+            "train.lr=2e-4",
+        ],
+        # 4 optimizer steps per generation batch on both sides: DESIGN.md's answer to a step
+        # this small (one Prefect flow run per 4 optimizer steps). --minibatches 1 for one.
+        "threshold": 0.8,
+        "eval_every": 10,
+        "max_steps": 4000,
+        "minibatches": 4,
+        "seeds": 3,
+        "staleness": 0,
+    },
     # Whole 24-28-letter answers are out of reach of a 10M model trained for minutes on 2 cores
     # (exact match still 0.00 after 400 supervised steps), so (b) scores the fraction of positions
     # right, and warm-starts for a fixed 200 steps (~5 min; held-out ~0.6).
-    "b": {"what": "generation-dominated: ~10M char Llama, sort 24-28 letters (positions right), ≤ 32 tokens",
-          "overrides": ["model.tiny.hidden_size=512", "model.tiny.num_layers=3", "model.tiny.intermediate_size=1536",
-                        "model.tiny.num_heads=8", "model.tiny.max_position_embeddings=96",
-                        "envs=[{name='sort_letters', args={letters='abcdefgh', min_len=24, max_len=28, "
-                        "partial_credit=true}}]",
-                        "model.warm_start_target=1.0", "model.warm_start_max_steps=200",
-                        "sampling.group_size=8", "train.train_batch_size=8", "train.mini_batch_size=8",
-                        "sampling.max_tokens=32", "train.lr=1e-4"],
-          "threshold": 0.7, "eval_every": 10, "max_steps": 1000, "minibatches": 1,
-          "seeds": 1, "staleness": 1},
+    "b": {
+        "what": "generation-dominated: ~10M char Llama, sort 24-28 letters (positions right), ≤ 32 tokens",
+        "overrides": [
+            "model.tiny.hidden_size=512",
+            "model.tiny.num_layers=3",
+            "model.tiny.intermediate_size=1536",
+            "model.tiny.num_heads=8",
+            "model.tiny.max_position_embeddings=96",
+            "envs=[{name='sort_letters', args={letters='abcdefgh', min_len=24, max_len=28, "
+            "partial_credit=true}}]",
+            "model.warm_start_target=1.0",
+            "model.warm_start_max_steps=200",
+            "sampling.group_size=8",
+            "train.train_batch_size=8",
+            "train.mini_batch_size=8",
+            "sampling.max_tokens=32",
+            "train.lr=1e-4",
+        ],
+        "threshold": 0.7,
+        "eval_every": 10,
+        "max_steps": 1000,
+        "minibatches": 1,
+        "seeds": 1,
+        "staleness": 1,
+    },
 }
 
 
@@ -83,9 +109,15 @@ def load_cfg(workload: str, extra: list[str], minibatches: int = 1):
     if minibatches == 1:
         return cfg
     prompts = cfg.train.mini_batch_size
-    return load_config(ROOT / "configs/quickstart.toml", [
-        *WORKLOADS[workload]["overrides"], *extra,
-        f"train.train_batch_size={prompts * minibatches}", f"train.mini_batch_size={prompts}"])
+    return load_config(
+        ROOT / "configs/quickstart.toml",
+        [
+            *WORKLOADS[workload]["overrides"],
+            *extra,
+            f"train.train_batch_size={prompts * minibatches}",
+            f"train.mini_batch_size={prompts}",
+        ],
+    )
 
 
 def eval_prompts(cfg):
@@ -95,8 +127,13 @@ def eval_prompts(cfg):
 
     envs, out = build_envs(cfg), []
     for i, name in enumerate(sorted(envs)):
-        out += select_prompts({name: envs[name]}, {name: 1.0}, cfg.sampling.num_eval_prompts, "eval",
-                              seed=cfg.run.seed * 7919 + i)
+        out += select_prompts(
+            {name: envs[name]},
+            {name: 1.0},
+            cfg.sampling.num_eval_prompts,
+            "eval",
+            seed=cfg.run.seed * 7919 + i,
+        )
     return out
 
 
@@ -133,19 +170,35 @@ def trl_child(spec: dict) -> dict:
     for p in train[:16]:
         ids = tok(text=[p.text])["input_ids"][0]
         assert ids == tok(bos + p.text, add_special_tokens=False)["input_ids"], (
-            f"TRL would see other prompt ids than rollflow: {ids}")
+            f"TRL would see other prompt ids than rollflow: {ids}"
+        )
     held_out = eval_prompts(cfg)
 
-    def env_reward(prompts, completions, answer, **_):  # the env's own reward, as rollflow scores it
-        return [env.reward(Prompt(env.name, "", p, a), c) for p, c, a in zip(prompts, completions, answer, strict=True)]
+    def env_reward(
+        prompts, completions, answer, **_
+    ):  # the env's own reward, as rollflow scores it
+        return [
+            env.reward(Prompt(env.name, "", p, a), c)
+            for p, c, a in zip(prompts, completions, answer, strict=True)
+        ]
 
     @torch.no_grad()
     def evaluate(m) -> float:
         m.eval()
-        enc = tok([bos + p.text for p in held_out], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = m.generate(**enc, max_new_tokens=s.max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-        texts = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        enc = tok(
+            [bos + p.text for p in held_out],
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
+        out = m.generate(
+            **enc,
+            max_new_tokens=s.max_tokens,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        texts = tok.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
         m.train()
         return sum(env.reward(p, x) for x, p in zip(texts, held_out, strict=True)) / len(held_out)
 
@@ -170,26 +223,59 @@ def trl_child(spec: dict) -> dict:
                 control.should_training_stop = True
 
     config = GRPOConfig(
-        output_dir=spec["out"], per_device_train_batch_size=s.group_size * t.mini_batch_size,
-        gradient_accumulation_steps=1, steps_per_generation=t.train_batch_size // t.mini_batch_size,
-        num_generations=s.group_size, max_completion_length=s.max_tokens,
-        temperature=s.temperature, top_p=s.top_p, learning_rate=t.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=0.0,
-        epsilon=t.loss.eps_low, epsilon_high=t.loss.eps_high, loss_type="dapo", scale_rewards="none",
-        num_iterations=1, max_steps=spec["max_steps"], logging_steps=10**9, report_to="none",
-        save_strategy="no", use_cpu=True, bf16=False, seed=cfg.run.seed, disable_dropout=True,
-        shuffle_dataset=False)
-    trainer = GRPOTrainer(model=model, reward_funcs=env_reward, args=config, train_dataset=dataset,
-                          processing_class=tok, callbacks=[HeldOut()])
+        output_dir=spec["out"],
+        per_device_train_batch_size=s.group_size * t.mini_batch_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=t.train_batch_size // t.mini_batch_size,
+        num_generations=s.group_size,
+        max_completion_length=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        learning_rate=t.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        beta=0.0,
+        epsilon=t.loss.eps_low,
+        epsilon_high=t.loss.eps_high,
+        loss_type="dapo",
+        scale_rewards="none",
+        num_iterations=1,
+        max_steps=spec["max_steps"],
+        logging_steps=10**9,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=cfg.run.seed,
+        disable_dropout=True,
+        shuffle_dataset=False,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=env_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[HeldOut()],
+    )
     initial = evaluate(model)
     setup_s = time.perf_counter() - t_start
     trainer.train()
     last = curve[-1] if curve else (0, 0.0, initial)
     reached = state["reached"]
-    return {"side": "TRL", "initial": initial, "reached": reached is not None,
-            "steps": reached[0] if reached else last[0], "train_s": reached[1] if reached else last[1],
-            "reward": reached[2] if reached else max(r for _, _, r in curve or [last]),
-            "setup_s": setup_s, "eval_s": state["eval_s"], "curve": curve}
+    return {
+        "side": "TRL",
+        "initial": initial,
+        "reached": reached is not None,
+        "steps": reached[0] if reached else last[0],
+        "train_s": reached[1] if reached else last[1],
+        "reward": reached[2] if reached else max(r for _, _, r in curve or [last]),
+        "setup_s": setup_s,
+        "eval_s": state["eval_s"],
+        "curve": curve,
+    }
 
 
 # ------------------------------------------------------------------------------ rollflow
@@ -208,15 +294,30 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
     config = dump_config(load_cfg(spec["workload"], spec["extra"], spec["minibatches"]))
     config["model"] = {"path": spec["model"]}  # the shared policy, not the tiny recipe
     (tmp / "rollflow.toml").write_text(toml.dumps(config))
-    cmd = [sys.executable, "-m", "rollflow.cli", "run", str(tmp / "rollflow.toml"), f"run.name={name}",
-           f"run.storage={tmp}", f"run.num_steps={spec['max_steps'] // k}",
-           f"run.eval_every={max(1, spec['eval_every'] // k)}",
-           f"train.max_staleness={spec['staleness']}", "run.checkpoint_every=100000", "metrics.sinks=[]"]
-    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollflow.cli",
+        "run",
+        str(tmp / "rollflow.toml"),
+        f"run.name={name}",
+        f"run.storage={tmp}",
+        f"run.num_steps={spec['max_steps'] // k}",
+        f"run.eval_every={max(1, spec['eval_every'] // k)}",
+        f"train.max_staleness={spec['staleness']}",
+        "run.checkpoint_every=100000",
+        "metrics.sinks=[]",
+    ]
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp / "prefect"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     log = open(tmp / "rollflow.log", "w")
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     metrics_dir = tmp / name / "metrics"
     rows: dict[int, dict] = {}
     reached = None
@@ -255,11 +356,17 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
         sys.exit("rollflow failed:\n" + (tmp / "rollflow.log").read_text()[-4000:])
     first = sum(r["step_s"] for s, r in rows.items() if s > 0)
     last = curve[-1] if curve else (0, 0.0, rows.get(0, {}).get("eval_reward", float("nan")))
-    return {"side": "rollflow", "initial": rows.get(0, {}).get("eval_reward"), "reached": reached is not None,
-            "steps": (reached or last)[0], "train_s": (reached or last)[1],
-            "reward": reached[2] if reached else max(r for _, _, r in curve or [last]),
-            "setup_s": wall_s - first, "eval_s": sum(r.get("eval_phase_s") or 0.0 for r in rows.values()),
-            "curve": curve}
+    return {
+        "side": "rollflow",
+        "initial": rows.get(0, {}).get("eval_reward"),
+        "reached": reached is not None,
+        "steps": (reached or last)[0],
+        "train_s": (reached or last)[1],
+        "reward": reached[2] if reached else max(r for _, _, r in curve or [last]),
+        "setup_s": wall_s - first,
+        "eval_s": sum(r.get("eval_phase_s") or 0.0 for r in rows.values()),
+        "curve": curve,
+    }
 
 
 # ------------------------------------------------------------------------------ main
@@ -275,18 +382,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=list(WORKLOADS), default="a")
     parser.add_argument("--only", choices=["trl", "rollflow"])
-    def per_workload(key: str) -> str:
-        return "default: the workload's (" + ", ".join(f"{name}: {w[key]}" for name, w in WORKLOADS.items()) + ")"
 
-    parser.add_argument("--staleness", type=int, help="rollflow's max_staleness; " + per_workload("staleness"))
-    parser.add_argument("--minibatches", type=int,
-                        help="optimizer steps per generation batch (TRL steps_per_generation, rollflow "
-                             "mini-batches); " + per_workload("minibatches"))
+    def per_workload(key: str) -> str:
+        return (
+            "default: the workload's ("
+            + ", ".join(f"{name}: {w[key]}" for name, w in WORKLOADS.items())
+            + ")"
+        )
+
+    parser.add_argument(
+        "--staleness", type=int, help="rollflow's max_staleness; " + per_workload("staleness")
+    )
+    parser.add_argument(
+        "--minibatches",
+        type=int,
+        help="optimizer steps per generation batch (TRL steps_per_generation, rollflow "
+        "mini-batches); " + per_workload("minibatches"),
+    )
     parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--max-s", type=float, default=1800.0, help="training seconds before a side gives up")
+    parser.add_argument(
+        "--max-s", type=float, default=1800.0, help="training seconds before a side gives up"
+    )
     parser.add_argument("--threshold", type=float)
-    parser.add_argument("--seeds", type=int, help="runs per side, run.seed = 0..N-1, and the medians' ratio; "
-                                                  + per_workload("seeds"))
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="runs per side, run.seed = 0..N-1, and the medians' ratio; " + per_workload("seeds"),
+    )
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
     args = parser.parse_args()
@@ -295,59 +417,127 @@ def main() -> None:
         return
 
     if args.only != "rollflow" and importlib.util.find_spec("trl") is None:
-        sys.exit("bench/vs_trl.py needs TRL: .venv/bin/pip install -e '.[bench]' (or pass --only rollflow)")
+        sys.exit(
+            "bench/vs_trl.py needs TRL: .venv/bin/pip install -e '.[bench]' (or pass --only rollflow)"
+        )
     machine = Machine()
     w = WORKLOADS[args.workload]
     args.minibatches = args.minibatches or w["minibatches"]
     args.staleness = w["staleness"] if args.staleness is None else args.staleness
     model = prepare_model(args.workload, args.overrides)
-    spec = {"workload": args.workload, "extra": args.overrides, "model": model,
-            "threshold": args.threshold or w["threshold"], "eval_every": w["eval_every"],
-            "max_steps": args.max_steps or w["max_steps"], "max_s": args.max_s, "staleness": args.staleness,
-            "minibatches": args.minibatches}
+    spec = {
+        "workload": args.workload,
+        "extra": args.overrides,
+        "model": model,
+        "threshold": args.threshold or w["threshold"],
+        "eval_every": w["eval_every"],
+        "max_steps": args.max_steps or w["max_steps"],
+        "max_s": args.max_s,
+        "staleness": args.staleness,
+        "minibatches": args.minibatches,
+    }
     seeds = args.seeds or w["seeds"]
     results = []
-    for seed in range(seeds):  # a fresh storage and Prefect home per seed (the same run name resumes)
-        run = {**spec, "extra": [*args.overrides, f"run.seed={seed}"]}  # prompt order and sampling, both sides
+    for seed in range(
+        seeds
+    ):  # a fresh storage and Prefect home per seed (the same run name resumes)
+        run = {
+            **spec,
+            "extra": [*args.overrides, f"run.seed={seed}"],
+        }  # prompt order and sampling, both sides
         with tempfile.TemporaryDirectory(prefix="rollflow-bench-trl-") as tmp:
             if args.only != "rollflow":
-                child = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps({**run, "out": tmp})],
-                                       cwd=ROOT, capture_output=True, text=True)
+                child = subprocess.run(
+                    [sys.executable, __file__, "--trl-child", json.dumps({**run, "out": tmp})],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                )
                 if child.returncode:
                     sys.exit("TRL failed:\n" + child.stderr[-4000:])
                 results.append({**json.loads(child.stdout.strip().splitlines()[-1]), "seed": seed})
-                print(f"seed {seed} TRL: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"seed {seed} TRL: done ({results[-1]['train_s']:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if args.only != "trl":
                 results.append({**rollflow_side(run, Path(tmp)), "seed": seed})
-                print(f"seed {seed} rollflow: done ({results[-1]['train_s']:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"seed {seed} rollflow: done ({results[-1]['train_s']:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     cfg = load_cfg(args.workload, args.overrides, args.minibatches)
-    print(f"\nworkload ({args.workload}) {w['what']}: group {cfg.sampling.group_size}, "
-          f"{cfg.train.mini_batch_size} prompts per optimizer step, {args.minibatches} optimizer step(s) per "
-          f"generation batch, lr {cfg.train.lr:g}, threshold "
-          f"{spec['threshold']} held-out reward (the env's: {cfg.envs[0].name}); rollflow max_staleness "
-          f"{args.staleness}; seeds 0..{seeds - 1}")
+    print(
+        f"\nworkload ({args.workload}) {w['what']}: group {cfg.sampling.group_size}, "
+        f"{cfg.train.mini_batch_size} prompts per optimizer step, {args.minibatches} optimizer step(s) per "
+        f"generation batch, lr {cfg.train.lr:g}, threshold "
+        f"{spec['threshold']} held-out reward (the env's: {cfg.envs[0].name}); rollflow max_staleness "
+        f"{args.staleness}; seeds 0..{seeds - 1}"
+    )
     print(machine.line() + "\n")
     trl = {r["seed"]: r["train_s"] for r in results if r["side"] == "TRL"}
-    print(table(["side", "seed", "held-out at start", "reached", "optimizer steps",
-                 "training s to threshold (or to the end)", "vs TRL (same seed)", "s per optimizer step",
-                 "best held-out", "start-up s", "evaluation s (excluded)"],
-                [[r["side"], r["seed"], f"{r['initial']:.3f}", "yes" if r["reached"] else "NO", r["steps"],
-                  f"{r['train_s']:.1f}", f"{r['train_s'] / trl.get(r['seed'], float('nan')):.2f}×",
-                  f"{r['train_s'] / max(1, r['steps']):.3f}", f"{r['reward']:.3f}", f"{r['setup_s']:.0f}",
-                  f"{r['eval_s']:.0f}"] for r in results]))
-    if seeds > 1:  # one run's crossing of the threshold is noisy (held-out swings ~±0.1 between evaluations)
+    print(
+        table(
+            [
+                "side",
+                "seed",
+                "held-out at start",
+                "reached",
+                "optimizer steps",
+                "training s to threshold (or to the end)",
+                "vs TRL (same seed)",
+                "s per optimizer step",
+                "best held-out",
+                "start-up s",
+                "evaluation s (excluded)",
+            ],
+            [
+                [
+                    r["side"],
+                    r["seed"],
+                    f"{r['initial']:.3f}",
+                    "yes" if r["reached"] else "NO",
+                    r["steps"],
+                    f"{r['train_s']:.1f}",
+                    f"{r['train_s'] / trl.get(r['seed'], float('nan')):.2f}×",
+                    f"{r['train_s'] / max(1, r['steps']):.3f}",
+                    f"{r['reward']:.3f}",
+                    f"{r['setup_s']:.0f}",
+                    f"{r['eval_s']:.0f}",
+                ]
+                for r in results
+            ],
+        )
+    )
+    if (
+        seeds > 1
+    ):  # one run's crossing of the threshold is noisy (held-out swings ~±0.1 between evaluations)
         runs = {side: [r for r in results if r["side"] == side] for side in ("TRL", "rollflow")}
         med = {side: statistics.median(r["train_s"] for r in rs) for side, rs in runs.items() if rs}
         reached = {side: sum(r["reached"] for r in runs[side]) for side in med}
-        print("\nmedian training s to threshold over the seeds: "
-              + ", ".join(f"{side} {m:.1f} (reached {reached[side]}/{seeds})" for side, m in med.items())
-              + (f"; rollflow / TRL = {med['rollflow'] / med['TRL']:.2f}×" if len(med) == 2 else "")
-              + ("" if all(reached[side] == seeds for side in med) else
-                 " (a run that did not reach the threshold counts its whole training time: a lower bound)"))
+        print(
+            "\nmedian training s to threshold over the seeds: "
+            + ", ".join(
+                f"{side} {m:.1f} (reached {reached[side]}/{seeds})" for side, m in med.items()
+            )
+            + (f"; rollflow / TRL = {med['rollflow'] / med['TRL']:.2f}×" if len(med) == 2 else "")
+            + (
+                ""
+                if all(reached[side] == seeds for side in med)
+                else " (a run that did not reach the threshold counts its whole training time: a lower bound)"
+            )
+        )
     for r in results:
-        print(f"\n{r['side']} seed {r['seed']} curve (step, training s, held-out): "
-              + ", ".join(f"({s}, {t:.0f}, {x:.2f})" for s, t, x in r["curve"][:: max(1, len(r["curve"]) // 15)]))
+        print(
+            f"\n{r['side']} seed {r['seed']} curve (step, training s, held-out): "
+            + ", ".join(
+                f"({s}, {t:.0f}, {x:.2f})"
+                for s, t, x in r["curve"][:: max(1, len(r["curve"]) // 15)]
+            )
+        )
 
 
 if __name__ == "__main__":

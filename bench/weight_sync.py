@@ -42,7 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
-from machine import Machine, table  # noqa: E402
 
 from rollflow.infra.service import free_port  # noqa: E402
 from rollflow.infra.weights.group import (  # noqa: E402
@@ -51,8 +50,14 @@ from rollflow.infra.weights.group import (  # noqa: E402
     weight_metadata,
 )
 
+from machine import Machine, table  # noqa: E402
+
 # (hidden, layers, intermediate, vocab) of Llama-shaped models of about the named size.
-SHAPES = {"10M": (256, 4, 1024, 12_000), "100M": (768, 10, 2048, 16_000), "500M": (1536, 14, 4096, 32_000)}
+SHAPES = {
+    "10M": (256, 4, 1024, 12_000),
+    "100M": (768, 10, 2048, 16_000),
+    "500M": (1536, 14, 4096, 32_000),
+}
 TIMEOUT_S = 300.0
 
 
@@ -61,20 +66,26 @@ def llama_shapes(hidden: int, layers: int, inter: int, vocab: int) -> list[tuple
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes += [(p + f"self_attn.{n}_proj.weight", [hidden, hidden]) for n in "qkvo"]
-        shapes += [(p + "mlp.gate_proj.weight", [inter, hidden]), (p + "mlp.up_proj.weight", [inter, hidden]),
-                   (p + "mlp.down_proj.weight", [hidden, inter]),
-                   (p + "input_layernorm.weight", [hidden]), (p + "post_attention_layernorm.weight", [hidden])]
+        shapes += [
+            (p + "mlp.gate_proj.weight", [inter, hidden]),
+            (p + "mlp.up_proj.weight", [inter, hidden]),
+            (p + "mlp.down_proj.weight", [hidden, inter]),
+            (p + "input_layernorm.weight", [hidden]),
+            (p + "post_attention_layernorm.weight", [hidden]),
+        ]
     return shapes + [("model.norm.weight", [hidden]), ("lm_head.weight", [vocab, hidden])]
 
 
-def flat_named_tensors(shapes: list[tuple[str, list[int]]]) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+def flat_named_tensors(
+    shapes: list[tuple[str, list[int]]],
+) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
     """One flat float32 storage and named views into it (so the raw broadcast needs no copy)."""
     total = sum(torch.Size(s).numel() for _, s in shapes)
     flat = torch.empty(total, dtype=torch.float32).uniform_(-0.02, 0.02)
     named, offset = [], 0
     for name, shape in shapes:
         n = torch.Size(shape).numel()
-        named.append((name, flat[offset:offset + n].view(shape)))
+        named.append((name, flat[offset : offset + n].view(shape)))
         offset += n
     return flat, named
 
@@ -105,15 +116,21 @@ def receiver(spec: dict) -> None:
     print(json.dumps(done))
 
 
-def measure_transport(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None, repeats: int) -> dict:
+def measure_transport(
+    named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None, repeats: int
+) -> dict:
     """Seconds per full sync: ours, raw gloo, in-process copy, and the sender's torch.cat."""
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in named])
     meta = weight_metadata(named)
     port = free_port()
     spec = {"port": port, "metadata": meta, "numel": flat.numel(), "repeats": repeats}
-    child = subprocess.Popen([sys.executable, __file__, "--receiver", json.dumps(spec)],
-                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--receiver", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S)
     started = {"raw": [], "ours": []}
     try:
@@ -133,9 +150,14 @@ def measure_transport(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor 
         if child.poll() is None:
             child.kill()
     done = json.loads(out.strip().splitlines()[-1])
-    result = {k: statistics.median(d - s for s, d in zip(started[k], done[k], strict=True)) for k in started}
+    result = {
+        k: statistics.median(d - s for s, d in zip(started[k], done[k], strict=True))
+        for k in started
+    }
     dst = torch.empty_like(flat)
-    result["cat"] = _best(lambda: torch.cat([t.detach().reshape(-1) for _, t in named], out=dst), repeats)
+    result["cat"] = _best(
+        lambda: torch.cat([t.detach().reshape(-1) for _, t in named], out=dst), repeats
+    )
     result["copy"] = _best(lambda: dst.copy_(flat), repeats)
     result["bytes"] = flat.numel() * flat.element_size()
     result["params"] = flat.numel()
@@ -165,7 +187,9 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir).float()
     named = [(n, t.detach()) for n, t in model.state_dict().items()]
     transport = measure_transport(named, None, 5)
-    server = InferenceServer(model_dir, max_model_len=64, log_path=log_dir / f"vllm-{model_dir.name}.log")
+    server = InferenceServer(
+        model_dir, max_model_len=64, log_path=log_dir / f"vllm-{model_dir.name}.log"
+    )
     start = time.monotonic()
     server.start()
     startup_s = time.monotonic() - start
@@ -174,8 +198,15 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
 
     async def go() -> list[dict]:
         async with InferenceClient(server.url, timeout_s=120) as client:
-            await init_weight_group(client, lambda: asyncio.to_thread(sender.connect), "127.0.0.1", port, 2,
-                                    TIMEOUT_S, weight_metadata(named))
+            await init_weight_group(
+                client,
+                lambda: asyncio.to_thread(sender.connect),
+                "127.0.0.1",
+                port,
+                2,
+                TIMEOUT_S,
+                weight_metadata(named),
+            )
             stop = asyncio.Event()
 
             async def load() -> None:  # 32 requests kept in flight while syncs happen
@@ -186,8 +217,14 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
             await asyncio.sleep(2.0)
             stats = []
             for version in range(1, syncs + 1):
-                stats.append(await sync_weights(
-                    client, lambda v=version: asyncio.to_thread(sender.broadcast, named, v), version, TIMEOUT_S))
+                stats.append(
+                    await sync_weights(
+                        client,
+                        lambda v=version: asyncio.to_thread(sender.broadcast, named, v),
+                        version,
+                        TIMEOUT_S,
+                    )
+                )
                 await asyncio.sleep(0.5)
             stop.set()
             await asyncio.gather(*loaders)
@@ -200,10 +237,17 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
         sender.close()
         server.stop()
     paused = [s["total_s"] for s in stats]
-    return {"params": transport["params"], "bytes": transport["bytes"], "startup_s": startup_s,
-            "transport_s": transport["ours"], "paused_median_s": statistics.median(paused),
-            "paused_max_s": max(paused), "broadcast_median_s": statistics.median(s["broadcast_s"] for s in stats),
-            "pause_call_median_s": statistics.median(s["pause_s"] for s in stats), "syncs": len(stats)}
+    return {
+        "params": transport["params"],
+        "bytes": transport["bytes"],
+        "startup_s": startup_s,
+        "transport_s": transport["ours"],
+        "paused_median_s": statistics.median(paused),
+        "paused_max_s": max(paused),
+        "broadcast_median_s": statistics.median(s["broadcast_s"] for s in stats),
+        "pause_call_median_s": statistics.median(s["pause_s"] for s in stats),
+        "syncs": len(stats),
+    }
 
 
 def tiny_model_dirs(root: Path) -> list[tuple[str, Path]]:
@@ -211,12 +255,21 @@ def tiny_model_dirs(root: Path) -> list[tuple[str, Path]]:
     from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
 
     quick = load_config(ROOT / "configs/quickstart.toml").model.tiny
-    specs = {"quickstart (0.4M)": quick.model_copy(update={"max_position_embeddings": 64}),
-             "~10M": TinyModelSpec(hidden_size=512, num_layers=3, intermediate_size=1536, num_heads=8,
-                                   max_position_embeddings=64)}
+    specs = {
+        "quickstart (0.4M)": quick.model_copy(update={"max_position_embeddings": 64}),
+        "~10M": TinyModelSpec(
+            hidden_size=512,
+            num_layers=3,
+            intermediate_size=1536,
+            num_heads=8,
+            max_position_embeddings=64,
+        ),
+    }
     tok = build_char_tokenizer(quick.alphabet)
-    return [(name, save_hf_dir(build_tiny_llama(spec, len(tok)), tok, root / f"m{i}"))
-            for i, (name, spec) in enumerate(specs.items())]
+    return [
+        (name, save_hf_dir(build_tiny_llama(spec, len(tok)), tok, root / f"m{i}"))
+        for i, (name, spec) in enumerate(specs.items())
+    ]
 
 
 # ------------------------------------------------------------------------------ main
@@ -242,35 +295,90 @@ def main() -> None:
         r = measure_transport(named, flat, args.repeats)
         del flat, named
         b = r["bytes"]
-        rows.append([f"{r['params'] / 1e6:.0f}M", f"{b / 1e6:.0f}", f"{r['ours'] * 1000:.0f}",
-                     f"{r['raw'] * 1000:.0f}", f"{r['copy'] * 1000:.0f}", f"{r['cat'] * 1000:.0f}",
-                     gbps(b, r["ours"]), gbps(b, r["raw"]), gbps(b, r["copy"]),
-                     f"{r['raw'] / r['ours']:.2f}", f"{r['copy'] / r['ours']:.2f}"])
+        rows.append(
+            [
+                f"{r['params'] / 1e6:.0f}M",
+                f"{b / 1e6:.0f}",
+                f"{r['ours'] * 1000:.0f}",
+                f"{r['raw'] * 1000:.0f}",
+                f"{r['copy'] * 1000:.0f}",
+                f"{r['cat'] * 1000:.0f}",
+                gbps(b, r["ours"]),
+                gbps(b, r["raw"]),
+                gbps(b, r["copy"]),
+                f"{r['raw'] / r['ours']:.2f}",
+                f"{r['copy'] / r['ours']:.2f}",
+            ]
+        )
         print(f"{size}: done", file=sys.stderr, flush=True)
     vllm_rows = []
     if not args.no_vllm:
         with tempfile.TemporaryDirectory(prefix="rollflow-bench-sync-") as tmp:
             for name, model_dir in tiny_model_dirs(Path(tmp)):
                 v = vllm_pause(model_dir, args.vllm_syncs, Path(tmp))
-                vllm_rows.append([name, f"{v['params'] / 1e6:.2f}M", f"{v['bytes'] / 1e6:.1f}",
-                                  f"{v['startup_s']:.0f}", v["syncs"], f"{v['pause_call_median_s'] * 1000:.0f}",
-                                  f"{v['broadcast_median_s'] * 1000:.0f}", f"{v['paused_median_s'] * 1000:.0f}",
-                                  f"{v['paused_max_s'] * 1000:.0f}", f"{v['transport_s'] * 1000:.1f}",
-                                  f"{v['paused_median_s'] / v['transport_s']:.1f}×"])
+                vllm_rows.append(
+                    [
+                        name,
+                        f"{v['params'] / 1e6:.2f}M",
+                        f"{v['bytes'] / 1e6:.1f}",
+                        f"{v['startup_s']:.0f}",
+                        v["syncs"],
+                        f"{v['pause_call_median_s'] * 1000:.0f}",
+                        f"{v['broadcast_median_s'] * 1000:.0f}",
+                        f"{v['paused_median_s'] * 1000:.0f}",
+                        f"{v['paused_max_s'] * 1000:.0f}",
+                        f"{v['transport_s'] * 1000:.1f}",
+                        f"{v['paused_median_s'] / v['transport_s']:.1f}×",
+                    ]
+                )
                 print(f"vLLM {name}: done", file=sys.stderr, flush=True)
 
-    print(f"\nweight sync, float32, sender and receiver on this machine (gloo over loopback), "
-          f"median of {args.repeats}")
+    print(
+        f"\nweight sync, float32, sender and receiver on this machine (gloo over loopback), "
+        f"median of {args.repeats}"
+    )
     print(machine.line() + "\n")
-    print(table(["params", "MB", "ours ms", "raw gloo ms", "in-process copy ms", "sender packing ms",
-                 "ours GB/s", "raw gloo GB/s", "copy GB/s", "ours vs raw gloo (speed)",
-                 "ours vs copy (speed)"], rows))
+    print(
+        table(
+            [
+                "params",
+                "MB",
+                "ours ms",
+                "raw gloo ms",
+                "in-process copy ms",
+                "sender packing ms",
+                "ours GB/s",
+                "raw gloo GB/s",
+                "copy GB/s",
+                "ours vs raw gloo (speed)",
+                "ours vs copy (speed)",
+            ],
+            rows,
+        )
+    )
     if vllm_rows:
-        print(f"\ngeneration paused by a real sync into vLLM (CPU), under 32 requests in flight; "
-              f"medians of {args.vllm_syncs} syncs\n")
-        print(table(["model", "params", "MB", "vLLM start s", "syncs", "pause call ms",
-                     "broadcast + reload ms", "paused ms (median)", "paused ms (max)",
-                     "transport alone ms (baseline)", "paused vs transport"], vllm_rows))
+        print(
+            f"\ngeneration paused by a real sync into vLLM (CPU), under 32 requests in flight; "
+            f"medians of {args.vllm_syncs} syncs\n"
+        )
+        print(
+            table(
+                [
+                    "model",
+                    "params",
+                    "MB",
+                    "vLLM start s",
+                    "syncs",
+                    "pause call ms",
+                    "broadcast + reload ms",
+                    "paused ms (median)",
+                    "paused ms (max)",
+                    "transport alone ms (baseline)",
+                    "paused vs transport",
+                ],
+                vllm_rows,
+            )
+        )
 
 
 if __name__ == "__main__":

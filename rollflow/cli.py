@@ -17,33 +17,57 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollflow", description="Asynchronous RL post-training as Prefect flows.")
+    parser = argparse.ArgumentParser(
+        prog="rollflow", description="Asynchronous RL post-training as Prefect flows."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train (or resume) the run a config describes")
     run.add_argument("config", help="TOML config, e.g. configs/quickstart.toml")
     run.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=2e-4")
-    run.add_argument("--dry-run", action="store_true",
-                     help="validate the config, its envs and metric sinks (not the model), print the resolved config, exit")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, its envs and metric sinks (not the model), print the resolved config, exit",
+    )
     status = sub.add_parser("status", help="a table of a run's steps: reward, evaluation, timings")
     status.add_argument("run", help="run name (run.name)")
-    status.add_argument("--storage", default="runs", help="storage root (run.storage), default: runs")
-    deploy = sub.add_parser("deploy", help="register the deployments of prefect.yaml on the Prefect server "
-                            "(PREFECT_API_URL), creating their work pools when missing")
-    deploy.add_argument("configs", nargs="*", metavar="CONFIG",
-                        help="register rl-run/<config name> for these configs only (default: every deployment)")
-    deploy.add_argument("--pool", help="work pool of prefect.yaml to deploy on, e.g. rollflow-gpu-kubernetes")
+    status.add_argument(
+        "--storage", default="runs", help="storage root (run.storage), default: runs"
+    )
+    deploy = sub.add_parser(
+        "deploy",
+        help="register the deployments of prefect.yaml on the Prefect server "
+        "(PREFECT_API_URL), creating their work pools when missing",
+    )
+    deploy.add_argument(
+        "configs",
+        nargs="*",
+        metavar="CONFIG",
+        help="register rl-run/<config name> for these configs only (default: every deployment)",
+    )
+    deploy.add_argument(
+        "--pool", help="work pool of prefect.yaml to deploy on, e.g. rollflow-gpu-kubernetes"
+    )
     deploy.add_argument("--prefect-file", default="prefect.yaml", help="default: prefect.yaml")
-    export = sub.add_parser("export", help="write a committed checkpoint as a Hugging Face model folder")
+    export = sub.add_parser(
+        "export", help="write a committed checkpoint as a Hugging Face model folder"
+    )
     export.add_argument("run", help="run name (run.name)")
-    export.add_argument("--step", type=int, required=True, help="a step with a committed checkpoint")
+    export.add_argument(
+        "--step", type=int, required=True, help="a step with a committed checkpoint"
+    )
     export.add_argument("--out", help="folder to create, default: exports/<run>-step-<N>")
-    export.add_argument("--storage", default="runs", help="storage root (run.storage), default: runs")
+    export.add_argument(
+        "--storage", default="runs", help="storage root (run.storage), default: runs"
+    )
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
     if args.command != "run":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return {"status": cmd_status, "deploy": cmd_deploy, "export": cmd_export}[args.command](args)
+        return {"status": cmd_status, "deploy": cmd_deploy, "export": cmd_export}[args.command](
+            args
+        )
     unknown = [e for e in extra if "=" not in e or e.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -85,18 +109,30 @@ def _check_beyond_config(cfg) -> None:
     check_sinks_available(cfg.metrics.sinks)
     for spec in cfg.envs:
         env = load_env(spec.name, spec.args)
-        skipped = f", {env.num_skipped_rows} malformed dataset rows skipped" if env.num_skipped_rows else ""
+        skipped = (
+            f", {env.num_skipped_rows} malformed dataset rows skipped"
+            if env.num_skipped_rows
+            else ""
+        )
         print(f"env {spec.name}: loads{skipped}", file=sys.stderr)
 
 
 # (metrics key, header, format): every cell is 8 characters wide.
-STATUS_COLUMNS = (("step", "step", "{:>8}"), ("reward_mean", "reward", "{:>8.3f}"),
-                  ("eval_reward", "eval", "{:>8.3f}"), ("num_groups_kept", "kept", "{:>8}"),
-                  ("loss", "loss", "{:>+8.4f}"), ("staleness_mean", "stale", "{:>8.2f}"),
-                  ("staleness_max", "stale_mx", "{:>8}"), ("generate_phase_s", "gen_s", "{:>8.2f}"),
-                  ("advantage_phase_s", "adv_s", "{:>8.2f}"), ("train_phase_s", "train_s", "{:>8.2f}"),
-                  ("trainer_wait_for_data_s", "wait_s", "{:>8.2f}"), ("sync_phase_s", "sync_s", "{:>8.2f}"),
-                  ("step_s", "step_s", "{:>8.2f}"))
+STATUS_COLUMNS = (
+    ("step", "step", "{:>8}"),
+    ("reward_mean", "reward", "{:>8.3f}"),
+    ("eval_reward", "eval", "{:>8.3f}"),
+    ("num_groups_kept", "kept", "{:>8}"),
+    ("loss", "loss", "{:>+8.4f}"),
+    ("staleness_mean", "stale", "{:>8.2f}"),
+    ("staleness_max", "stale_mx", "{:>8}"),
+    ("generate_phase_s", "gen_s", "{:>8.2f}"),
+    ("advantage_phase_s", "adv_s", "{:>8.2f}"),
+    ("train_phase_s", "train_s", "{:>8.2f}"),
+    ("trainer_wait_for_data_s", "wait_s", "{:>8.2f}"),
+    ("sync_phase_s", "sync_s", "{:>8.2f}"),
+    ("step_s", "step_s", "{:>8.2f}"),
+)
 ALWAYS_SHOWN = {"step", "reward_mean", "eval_reward", "num_groups_kept", "loss"}
 
 
@@ -110,8 +146,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     storage = RunStorage(args.storage, args.run)
     rows = storage.read_metrics()
     if not rows:
-        print(f"error: no metrics for run {args.run!r} in {storage.uri}; "
-              "is --storage the run's run.storage?", file=sys.stderr)
+        print(
+            f"error: no metrics for run {args.run!r} in {storage.uri}; "
+            "is --storage the run's run.storage?",
+            file=sys.stderr,
+        )
         return 2
     present = set().union(*rows)
     columns = [c for c in STATUS_COLUMNS if c[0] in ALWAYS_SHOWN or c[0] in present]
@@ -125,8 +164,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(" ".join(cells))
     committed = storage.committed_steps("checkpoints")
     finished = any(e["event"] == "training_finished" for e in storage.read_events())
-    print(f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
-          f"{', training finished' if finished else ''}; data in {storage.uri}")
+    print(
+        f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
+        f"{', training finished' if finished else ''}; data in {storage.uri}"
+    )
     return 0
 
 
@@ -158,8 +199,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"exported step {args.step} of run {args.run} to {path}; load it with "
-          f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`")
+    print(
+        f"exported step {args.step} of run {args.run} to {path}; load it with "
+        f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`"
+    )
     return 0
 
 

@@ -28,7 +28,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
 
     tok = build_char_tokenizer()
-    model = build_tiny_llama(TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok))
+    model = build_tiny_llama(
+        TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok)
+    )
     return save_hf_dir(model, tok, tmp_path_factory.mktemp("tiny") / "model")
 
 
@@ -75,8 +77,16 @@ def vllm_model_dirs(tmp_path_factory) -> list[Path]:
 
     tok = build_char_tokenizer()
     root = tmp_path_factory.mktemp("models")
-    return [save_hf_dir(build_tiny_llama(TinyModelSpec(seed=seed, max_position_embeddings=VLLM_MAX_LEN),
-                                         vocab_size=len(tok)), tok, root / f"s{seed}") for seed in (0, 1)]
+    return [
+        save_hf_dir(
+            build_tiny_llama(
+                TinyModelSpec(seed=seed, max_position_embeddings=VLLM_MAX_LEN), vocab_size=len(tok)
+            ),
+            tok,
+            root / f"s{seed}",
+        )
+        for seed in (0, 1)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +94,11 @@ def vllm_server(vllm_model_dirs, tmp_path_factory):
     """A real vLLM server (the CPU build) serving the first of ``vllm_model_dirs``, per module."""
     from rollflow.infra.inference.server import InferenceServer
 
-    srv = InferenceServer(vllm_model_dirs[0], max_model_len=VLLM_MAX_LEN,
-                          log_path=tmp_path_factory.mktemp("logs") / "vllm.log")
+    srv = InferenceServer(
+        vllm_model_dirs[0],
+        max_model_len=VLLM_MAX_LEN,
+        log_path=tmp_path_factory.mktemp("logs") / "vllm.log",
+    )
     start = time.monotonic()
     srv.start()
     print(f"\nvLLM server healthy after {time.monotonic() - start:.1f}s")
@@ -102,6 +115,11 @@ def greedy_reference(model_dir, prompt_ids: list[int], max_tokens: int):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=EOS_ID, pad_token_id=0)
-    return model, out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=0,
+        )
+    return model, out[0, len(prompt_ids) :].tolist()

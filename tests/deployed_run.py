@@ -28,10 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
 RUN_DEADLINE_S = 420
 # Quickstart made tiny: a smaller model, a short warm start, 2 steps of 8 prompts x 4 samples.
-TINY = ["run.num_steps=2", "run.eval_every=0", "model.tiny.hidden_size=64", "model.tiny.num_heads=2",
-        "model.tiny.intermediate_size=128", "model.warm_start_target=0.3", "model.warm_start_max_steps=50",
-        "sampling.group_size=4", "sampling.num_eval_prompts=16", "train.train_batch_size=8",
-        "train.mini_batch_size=4"]
+TINY = [
+    "run.num_steps=2",
+    "run.eval_every=0",
+    "model.tiny.hidden_size=64",
+    "model.tiny.num_heads=2",
+    "model.tiny.intermediate_size=128",
+    "model.warm_start_target=0.3",
+    "model.warm_start_max_steps=50",
+    "sampling.group_size=4",
+    "sampling.num_eval_prompts=16",
+    "train.train_batch_size=8",
+    "train.mini_batch_size=4",
+]
 
 
 @dataclass
@@ -59,8 +68,14 @@ class Service:
     def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]):
         self.name, self.log = name, log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
 
     def stop(self, grace_s: float = 20) -> None:
         if self.proc.poll() is None:
@@ -110,31 +125,79 @@ def wait_until(predicate, deadline_s: float, what: str, logs=lambda: "") -> None
 def make_deployed_run(tmp: Path) -> DeployedRun:
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
-           "PREFECT_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp / "prefect-home"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+    }
     services: list[Service] = []
     logs = lambda: "\n".join(s.tail() for s in services)  # noqa: E731
     record = None
     try:
-        server = Service("prefect server", [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port),
-                                            "--no-ui"], tmp / "server.log", env)
+        server = Service(
+            "prefect server",
+            [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+            tmp / "server.log",
+            env,
+        )
         services.append(server)
-        wait_until(lambda: _healthy(api) or server.proc.poll() is not None, 180, "prefect server healthy", logs)
+        wait_until(
+            lambda: _healthy(api) or server.proc.poll() is not None,
+            180,
+            "prefect server healthy",
+            logs,
+        )
         assert server.proc.poll() is None, f"prefect server exited\n{logs()}"
 
-        deploy = subprocess.run([sys.executable, "-m", "rollflow.cli", "deploy", "configs/quickstart.toml"],
-                                capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        deploy = subprocess.run(
+            [sys.executable, "-m", "rollflow.cli", "deploy", "configs/quickstart.toml"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-        worker = Service("worker", [*PREFECT, "worker", "start", "--pool", "rollflow-cpu", "--type", "process",
-                                    "--name", "test-worker"], tmp / "worker.log", env)
+        worker = Service(
+            "worker",
+            [
+                *PREFECT,
+                "worker",
+                "start",
+                "--pool",
+                "rollflow-cpu",
+                "--type",
+                "process",
+                "--name",
+                "test-worker",
+            ],
+            tmp / "worker.log",
+            env,
+        )
         services.append(worker)
 
         storage = tmp / "runs"
         overrides = [f"run.storage={storage}", f"model.cache_dir={tmp / 'models'}", *TINY]
-        started = subprocess.run([*PREFECT, "deployment", "run", "rl-run/quickstart", "-p",
-                                  f"overrides={json.dumps(overrides)}"],
-                                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        started = subprocess.run(
+            [
+                *PREFECT,
+                "deployment",
+                "run",
+                "rl-run/quickstart",
+                "-p",
+                f"overrides={json.dumps(overrides)}",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert started.returncode == 0, started.stdout + started.stderr
         flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
 
@@ -142,7 +205,12 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             for service in services:
                 assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
             state = _read(api, f"/flow_runs/{flow_run_id}")["state"]
-            return state is not None and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+            return state is not None and state["type"] in (
+                "COMPLETED",
+                "FAILED",
+                "CRASHED",
+                "CANCELLED",
+            )
 
         wait_until(finished, RUN_DEADLINE_S, "the deployment's flow run finished", logs)
         record = _read_back(api, flow_run_id, storage, deploy.stdout)
@@ -183,14 +251,28 @@ def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) ->
 
     with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
         parent = client.read_flow_run(flow_run_id)
-        steps = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
+        steps = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])
+            )
+        )
         run_ids = {parent.id, *(s.id for s in steps)}
-        artifacts = [{"key": a.key, "type": a.type, "description": a.description, "data": a.data,
-                      "flow_run_id": a.flow_run_id} for a in client.read_artifacts() if a.flow_run_id in run_ids]
+        artifacts = [
+            {
+                "key": a.key,
+                "type": a.type,
+                "description": a.description,
+                "data": a.data,
+                "flow_run_id": a.flow_run_id,
+            }
+            for a in client.read_artifacts()
+            if a.flow_run_id in run_ids
+        ]
         # The GPU pools are not used by the quickstart: create them too, so the server validates
         # every template of prefect.yaml (placeholders must name declared variables).
-        for pool in yaml.safe_load((ROOT / "prefect.yaml").read_text())["definitions"]["work_pools"].values():
+        for pool in yaml.safe_load((ROOT / "prefect.yaml").read_text())["definitions"][
+            "work_pools"
+        ].values():
             ensure_work_pool(client, pool, ROOT)
         pools = {p.name: p.type for p in client.read_work_pools()}
         redeploy: list[str] = []
@@ -198,7 +280,15 @@ def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) ->
         flows = {f.id: f.name for f in client.read_flows()}
         deployments = sorted(f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments())
     return DeployedRun(
-        storage=storage, run="quickstart", deploy_output=deploy_output,
+        storage=storage,
+        run="quickstart",
+        deploy_output=deploy_output,
         flow_run={"id": str(parent.id), "name": parent.name, "state": parent.state.type.value},
-        step_flow_runs=sorted(({"name": s.name, "id": s.id} for s in steps), key=lambda s: s["name"]),
-        artifacts=artifacts, pools=pools, redeploy_output=redeploy, deployments=deployments)
+        step_flow_runs=sorted(
+            ({"name": s.name, "id": s.id} for s in steps), key=lambda s: s["name"]
+        ),
+        artifacts=artifacts,
+        pools=pools,
+        redeploy_output=redeploy,
+        deployments=deployments,
+    )

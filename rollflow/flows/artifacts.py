@@ -42,8 +42,9 @@ def _best_effort(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # an artifact is never worth a failed step
-            _run_logger().warning("could not publish the %s artifact: %s: %s", fn.__name__,
-                                  type(exc).__name__, exc)
+            _run_logger().warning(
+                "could not publish the %s artifact: %s: %s", fn.__name__, type(exc).__name__, exc
+            )
             return None
 
     return wrapper
@@ -71,8 +72,11 @@ def artifact_key(run: str, kind: str) -> str:
 def publish_step_metrics(run: str, step: int, metrics: dict[str, Any]) -> UUID:
     """A two-column table (metric, value) of one step's metrics row."""
     rows = [{"metric": key, "value": _cell(value)} for key, value in metrics.items()]
-    return create_table_artifact(rows, key=artifact_key(run, "step-metrics"),
-                                 description=f"Metrics of step {step} of run {run}")
+    return create_table_artifact(
+        rows,
+        key=artifact_key(run, "step-metrics"),
+        description=f"Metrics of step {step} of run {run}",
+    )
 
 
 def _cell(value: Any) -> Any:
@@ -93,8 +97,9 @@ class RunProgress:
 
     @_best_effort
     def _create(self) -> UUID:
-        return create_progress_artifact(self._percent(), key=artifact_key(self.run, "progress"),
-                                        description=self._description())
+        return create_progress_artifact(
+            self._percent(), key=artifact_key(self.run, "progress"), description=self._description()
+        )
 
     def update(self, step: int) -> None:
         """Record that ``step`` committed (steps commit in order; a lower one changes nothing)."""
@@ -116,8 +121,11 @@ class RunProgress:
 @_best_effort
 def publish_summary(storage: RunStorage) -> UUID:
     """The run's markdown summary, built from storage alone (so a resumed run summarises it all)."""
-    return create_markdown_artifact(summary_markdown(storage), key=artifact_key(storage.run, "summary"),
-                                    description=f"Summary of run {storage.run}")
+    return create_markdown_artifact(
+        summary_markdown(storage),
+        key=artifact_key(storage.run, "summary"),
+        description=f"Summary of run {storage.run}",
+    )
 
 
 def summary_markdown(storage: RunStorage) -> str:
@@ -125,37 +133,57 @@ def summary_markdown(storage: RunStorage) -> str:
     committed = storage.committed_steps("checkpoints")
     finished = any(e["event"] == "training_finished" for e in storage.read_events())
     evals = [(r["step"], r["eval_reward"]) for r in rows if _number(r.get("eval_reward"))]
-    lines = [f"# Run `{storage.run}`", "",
-             f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
-             f"{', training finished' if finished else ''}.", ""]
+    lines = [
+        f"# Run `{storage.run}`",
+        "",
+        f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
+        f"{', training finished' if finished else ''}.",
+        "",
+    ]
     if evals:
-        lines += ["| held-out reward | step | value |", "|---|---|---|",
-                  f"| first | {evals[0][0]} | {evals[0][1]:.3f} |",
-                  f"| last | {evals[-1][0]} | {evals[-1][1]:.3f} |", ""]
+        lines += [
+            "| held-out reward | step | value |",
+            "|---|---|---|",
+            f"| first | {evals[0][0]} | {evals[0][1]:.3f} |",
+            f"| last | {evals[-1][0]} | {evals[-1][1]:.3f} |",
+            "",
+        ]
     try:
         png = reward_curve_png(rows)
     except Exception as exc:  # no plotting library, or nothing to plot: the rest still helps
         _run_logger().warning("reward curve not rendered: %s: %s", type(exc).__name__, exc)
         png = None
     if png:
-        lines += ["## Reward by step", "",
-                  f"![reward by step](data:image/png;base64,{base64.b64encode(png).decode()})", ""]
+        lines += [
+            "## Reward by step",
+            "",
+            f"![reward by step](data:image/png;base64,{base64.b64encode(png).decode()})",
+            "",
+        ]
     lines += ["## Data", "", "| what | where |", "|---|---|"]
-    for what, part in (("rollouts (Parquet, one folder per step)", "rollouts"),
-                       ("training batches (Parquet)", "batches"),
-                       ("metrics (Parquet, one file per step)", "metrics"),
-                       ("checkpoints (HF model folders)", "checkpoints"),
-                       ("events (JSON lines)", "events.jsonl")):
+    for what, part in (
+        ("rollouts (Parquet, one folder per step)", "rollouts"),
+        ("training batches (Parquet)", "batches"),
+        ("metrics (Parquet, one file per step)", "metrics"),
+        ("checkpoints (HF model folders)", "checkpoints"),
+        ("events (JSON lines)", "events.jsonl"),
+    ):
         uri = f"{storage.uri}/{part}"
         lines.append(f"| {what} | [{uri}]({_link(uri)}) |")
-    lines += ["", "Read them with DuckDB:", "", "```python",
-              "import duckdb",
-              f"duckdb.sql(\"select step, avg(reward) from '{storage.uri}/rollouts/*/*.parquet' "
-              "group by step order by step\")",
-              "```", "",
-              f"`rollflow status {storage.run} --storage {storage.root}` prints the step table; "
-              f"`rollflow export {storage.run} --step N --storage {storage.root}` writes a HF model folder; "
-              f"`notebooks/rollouts.ipynb` (with `ROLLFLOW_RUN={storage.uri}`) plots the rollouts."]
+    lines += [
+        "",
+        "Read them with DuckDB:",
+        "",
+        "```python",
+        "import duckdb",
+        f"duckdb.sql(\"select step, avg(reward) from '{storage.uri}/rollouts/*/*.parquet' "
+        'group by step order by step")',
+        "```",
+        "",
+        f"`rollflow status {storage.run} --storage {storage.root}` prints the step table; "
+        f"`rollflow export {storage.run} --step N --storage {storage.root}` writes a HF model folder; "
+        f"`notebooks/rollouts.ipynb` (with `ROLLFLOW_RUN={storage.uri}`) plots the rollouts.",
+    ]
     return "\n".join(lines)
 
 
@@ -174,7 +202,9 @@ def reward_curve_png(rows: list[dict[str, Any]]) -> bytes | None:
     envs = sorted({k.split("/", 1)[1] for r in steps for k in r if k.startswith("reward/")})
     if len(envs) > 1:
         for env in envs:
-            points = [(r["step"], r[f"reward/{env}"]) for r in steps if _number(r.get(f"reward/{env}"))]
+            points = [
+                (r["step"], r[f"reward/{env}"]) for r in steps if _number(r.get(f"reward/{env}"))
+            ]
             ax.plot(*zip(*points, strict=True), linewidth=0.8, alpha=0.7, label=env)
     evals = [(r["step"], r["eval_reward"]) for r in rows if _number(r.get("eval_reward"))]
     if evals:

@@ -24,7 +24,9 @@ ENTRYPOINT = "rollflow/flows/deployments.py:rl_run_config"
 DEFAULT_POOL = "rollflow-cpu"
 
 
-def plan_deployments(prefect_file: Path, configs: Sequence[str] = (), pool: str | None = None) -> list[dict]:
+def plan_deployments(
+    prefect_file: Path, configs: Sequence[str] = (), pool: str | None = None
+) -> list[dict]:
     """The deployments to register, as prefect.yaml entries with their work pool resolved.
 
     No ``configs``: every deployment of the file. Otherwise one per config: the file's entry for
@@ -33,34 +35,60 @@ def plan_deployments(prefect_file: Path, configs: Sequence[str] = (), pool: str 
     """
     root = prefect_file.resolve().parent  # the pull step needs an absolute directory
     doc = _read_prefect_file(prefect_file)
-    pools = {p["name"]: p for p in ((doc.get("definitions") or {}).get("work_pools") or {}).values()}
+    pools = {
+        p["name"]: p for p in ((doc.get("definitions") or {}).get("work_pools") or {}).values()
+    }
     listed = doc.get("deployments") or []
     if pool is not None and pool not in pools:
-        raise InputError(f"unknown work pool {pool!r}; {prefect_file} defines {', '.join(sorted(pools))}")
+        raise InputError(
+            f"unknown work pool {pool!r}; {prefect_file} defines {', '.join(sorted(pools))}"
+        )
     chosen = [copy.deepcopy(d) for d in listed] if not configs else []
     for path in configs:
         rel = _config_parameter(Path(path), root)
         entry = next((d for d in listed if (d.get("parameters") or {}).get("config") == rel), None)
-        chosen.append(copy.deepcopy(entry) if entry else {
-            "name": Path(path).stem, "description": f"rollflow run {rel}", "entrypoint": ENTRYPOINT,
-            "parameters": {"config": rel, "overrides": []}, "tags": ["rollflow"],
-            "work_pool": pools.get(DEFAULT_POOL, {"name": DEFAULT_POOL})})
+        chosen.append(
+            copy.deepcopy(entry)
+            if entry
+            else {
+                "name": Path(path).stem,
+                "description": f"rollflow run {rel}",
+                "entrypoint": ENTRYPOINT,
+                "parameters": {"config": rel, "overrides": []},
+                "tags": ["rollflow"],
+                "work_pool": pools.get(DEFAULT_POOL, {"name": DEFAULT_POOL}),
+            }
+        )
     for entry in chosen:
         if pool is not None:
             entry["work_pool"] = pools[pool]
         name = entry["work_pool"].get("name")
         entry["work_pool"] = {**pools.get(name, {}), **entry["work_pool"]}
-        entry["pull"] = entry.get("pull") or doc.get("pull") or [{
-            "prefect.deployments.steps.set_working_directory": {
-                "directory": entry["work_pool"].get("working_dir") or str(root)}}]
+        entry["pull"] = (
+            entry.get("pull")
+            or doc.get("pull")
+            or [
+                {
+                    "prefect.deployments.steps.set_working_directory": {
+                        "directory": entry["work_pool"].get("working_dir") or str(root)
+                    }
+                }
+            ]
+        )
         _check_config(entry, root)
     if not chosen:
-        raise InputError(f"{prefect_file} lists no deployments; name a config: rollflow deploy configs/quickstart.toml")
+        raise InputError(
+            f"{prefect_file} lists no deployments; name a config: rollflow deploy configs/quickstart.toml"
+        )
     return chosen
 
 
-def deploy(prefect_file: Path, configs: Sequence[str] = (), pool: str | None = None,
-           out: Callable[[str], None] = print) -> list[str]:
+def deploy(
+    prefect_file: Path,
+    configs: Sequence[str] = (),
+    pool: str | None = None,
+    out: Callable[[str], None] = print,
+) -> list[str]:
     """Create the work pools the deployments use (when missing), then register the deployments
     on the server of PREFECT_API_URL; returns their full names."""
     from prefect.client.orchestration import get_client
@@ -84,21 +112,33 @@ def deploy(prefect_file: Path, configs: Sequence[str] = (), pool: str | None = N
             if entrypoint not in schemas:
                 path, _, name = entrypoint.partition(":")
                 schemas[entrypoint] = parameter_schema_from_entrypoint(
-                    f"{root / path}:{name}").model_dump(exclude_unset=True)
+                    f"{root / path}:{name}"
+                ).model_dump(exclude_unset=True)
             parameters = entry.get("parameters") or {}
             client.create_deployment(  # creates, or updates the deployment of that name
-                flow_id=flow_id, name=entry["name"], entrypoint=entrypoint,
-                parameters=parameters, parameter_openapi_schema=schemas[entrypoint],
-                description=entry.get("description"), tags=entry.get("tags") or [],
-                work_pool_name=work_pool["name"], work_queue_name=work_pool.get("work_queue_name"),
-                job_variables=work_pool.get("job_variables") or {}, pull_steps=entry["pull"],
-                enforce_parameter_schema=False)
+                flow_id=flow_id,
+                name=entry["name"],
+                entrypoint=entrypoint,
+                parameters=parameters,
+                parameter_openapi_schema=schemas[entrypoint],
+                description=entry.get("description"),
+                tags=entry.get("tags") or [],
+                work_pool_name=work_pool["name"],
+                work_queue_name=work_pool.get("work_queue_name"),
+                job_variables=work_pool.get("job_variables") or {},
+                pull_steps=entry["pull"],
+                enforce_parameter_schema=False,
+            )
             names.append(f"{FLOW_NAME}/{entry['name']}")
-            out(f"deployment {names[-1]} on pool {work_pool['name']} "
-                f"(config {parameters.get('config')!r}) registered at {url}")
+            out(
+                f"deployment {names[-1]} on pool {work_pool['name']} "
+                f"(config {parameters.get('config')!r}) registered at {url}"
+            )
     first = entries[0]
-    out(f"next: start a worker with `prefect worker start --pool {first['work_pool']['name']}`, then run "
-        f"`prefect deployment run '{names[0]}' -p overrides='[\"run.num_steps=10\"]'`")
+    out(
+        f"next: start a worker with `prefect worker start --pool {first['work_pool']['name']}`, then run "
+        f"`prefect deployment run '{names[0]}' -p overrides='[\"run.num_steps=10\"]'`"
+    )
     return names
 
 
@@ -106,8 +146,10 @@ def _read_prefect_file(path: Path) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise InputError(f"{path} not found; run rollflow deploy from the repository root, "
-                          "or pass --prefect-file PATH") from None
+        raise InputError(
+            f"{path} not found; run rollflow deploy from the repository root, "
+            "or pass --prefect-file PATH"
+        ) from None
     except yaml.YAMLError as exc:
         raise InputError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(doc, dict):

@@ -26,13 +26,17 @@ def _flow_run_name() -> str:
 
     params = flow_run.parameters
     try:
-        return resolve_config(params.get("config", "configs/quickstart.toml"), params.get("overrides") or []).run.name
+        return resolve_config(
+            params.get("config", "configs/quickstart.toml"), params.get("overrides") or []
+        ).run.name
     except Exception:  # a bad config fails the run itself, with its own message
         return FLOW_NAME
 
 
 @flow(name=FLOW_NAME, flow_run_name=_flow_run_name, persist_result=False, validate_parameters=False)
-def rl_run_config(config: str | dict = "configs/quickstart.toml", overrides: list[str] | None = None) -> dict:
+def rl_run_config(
+    config: str | dict = "configs/quickstart.toml", overrides: list[str] | None = None
+) -> dict:
     """Train (or resume) the run that ``config`` with ``overrides`` describes (see ``rl_run``)."""
     cfg = resolve_config(config, overrides or [])
     return rl_run.fn(dump_config(cfg))  # this flow run is the run flow's run: no nested rl-run

@@ -41,8 +41,11 @@ class StepOrder:
 
     def wait_trainer(self, step: int, timeout_s: float) -> float:
         """Block until step ``step - 1`` released the trainer; returns when it did (perf_counter)."""
-        self._wait(lambda: self._released >= step - 1, timeout_s,
-                   f"step {step} waited for step {step - 1} to release the trainer")
+        self._wait(
+            lambda: self._released >= step - 1,
+            timeout_s,
+            f"step {step} waited for step {step - 1} to release the trainer",
+        )
         return self._released_at
 
     def release(self, step: int) -> None:
@@ -57,8 +60,11 @@ class StepOrder:
     def wait_commit_turn(self, step: int, timeout_s: float) -> float:
         """Block until step ``step - 1`` committed; returns the step's seconds since the previous
         step's (or the start): consecutive steps add up to the run's wall clock."""
-        self._wait(lambda: self._committed >= step - 1, timeout_s,
-                   f"step {step} waited for step {step - 1} to commit")
+        self._wait(
+            lambda: self._committed >= step - 1,
+            timeout_s,
+            f"step {step} waited for step {step - 1} to commit",
+        )
         with self._cond:
             now = time.perf_counter()
             elapsed, self._last_step_end = now - self._last_step_end, now
@@ -94,5 +100,7 @@ def step_order(run: str) -> StepOrder:
     try:
         return _ORDERS[run]
     except KeyError:
-        raise RuntimeError(f"no step order for run {run!r} in this process; step flows run inside "
-                           "the rl-run flow, which keeps it") from None
+        raise RuntimeError(
+            f"no step order for run {run!r} in this process; step flows run inside "
+            "the rl-run flow, which keeps it"
+        ) from None

@@ -44,7 +44,12 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-@flow(name=FLOW_NAME, flow_run_name="{config[run][name]}", persist_result=False, validate_parameters=False)
+@flow(
+    name=FLOW_NAME,
+    flow_run_name="{config[run][name]}",
+    persist_result=False,
+    validate_parameters=False,
+)
 def rl_run(config: dict) -> dict:
     """Train the policy of ``config`` (a RunConfig as a dict) for ``run.num_steps`` steps."""
     cfg = config if isinstance(config, RunConfig) else validate_config(config)
@@ -54,7 +59,9 @@ def rl_run(config: dict) -> dict:
     committed = storage.committed_steps("checkpoints")
     resumed_from = committed[-1] if committed else 0
     if resumed_from >= cfg.run.num_steps:
-        say(f"run {cfg.run.name}: all {cfg.run.num_steps} steps are already committed in {storage.uri}")
+        say(
+            f"run {cfg.run.name}: all {cfg.run.num_steps} steps are already committed in {storage.uri}"
+        )
         return summarize(storage)
     if resumed_from:
         say(f"run {cfg.run.name}: resuming after committed step {resumed_from}")
@@ -65,24 +72,41 @@ def rl_run(config: dict) -> dict:
     progress = RunProgress(cfg.run.name, cfg.run.num_steps, resumed_from)
     log_dir = _log_dir(storage)
     # Sinks open first: a configured sink whose package is missing fails before services start.
-    with MetricSinks.from_config(cfg, log_dir) as sinks, \
-            RunServices(cfg, policy_dir, resumed_from or None, log_dir, progress=say) as services:
-        ctx = RunContext(config=cfg, model_path=str(base_model), trainer=services.trainer.endpoint,
-                         inference=services.inference_ep)
+    with (
+        MetricSinks.from_config(cfg, log_dir) as sinks,
+        RunServices(cfg, policy_dir, resumed_from or None, log_dir, progress=say) as services,
+    ):
+        ctx = RunContext(
+            config=cfg,
+            model_path=str(base_model),
+            trainer=services.trainer.endpoint,
+            inference=services.inference_ep,
+        )
         if resumed_from == 0 and not storage.read_metrics():
             ev = evaluate(ctx)
-            start_metrics = {"eval_reward": ev.reward, **{f"eval_reward/{e}": r for e, r in ev.reward_by_env.items()}}
+            start_metrics = {
+                "eval_reward": ev.reward,
+                **{f"eval_reward/{e}": r for e, r in ev.reward_by_env.items()},
+            }
             storage.write_metrics(0, start_metrics)
             sinks.log(0, start_metrics)
             say(f"step 0: held-out reward {_fmt_env(ev.reward, ev.reward_by_env)}")
         reused = reused_steps(ctx, resumed_from)
         if reused:
             say(f"reusing the committed rollouts of steps {reused} (within the staleness bound)")
-        host = ProducerHost(cfg, build_envs(cfg),
-                            partial(make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature),
-                            services.inference.url, resumed_from, reused)
+        host = ProducerHost(
+            cfg,
+            build_envs(cfg),
+            partial(
+                make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature
+            ),
+            services.inference.url,
+            resumed_from,
+            reused,
+        )
         end = TrainingEnd(services.trainer, host)
         try:
+
             def report(step: int, metrics: dict) -> None:
                 say(progress_line(step, cfg.run.num_steps, metrics))
                 sinks.log(step, metrics)
@@ -132,16 +156,24 @@ class TrainingEnd:
         """The trainer's ``training_finished`` (step, optimizer step, groups still in flight)."""
         if not self._done.wait(timeout_s):
             self.close()
-            raise TimeoutError(f"the trainer did not publish training_finished within {timeout_s:.0f}s "
-                               f"after the run's last step; see its log")
+            raise TimeoutError(
+                f"the trainer did not publish training_finished within {timeout_s:.0f}s "
+                f"after the run's last step; see its log"
+            )
         return dict(self.info)
 
     def close(self) -> None:
         self._stop.set()
 
 
-def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, order: StepOrder, resumed_from: int,
-              report: Callable[[int, dict], None]) -> None:
+def run_steps(
+    ctx: RunContext,
+    services: RunServices,
+    host: ProducerHost,
+    order: StepOrder,
+    resumed_from: int,
+    report: Callable[[int, dict], None],
+) -> None:
     """Run the step flows in step order, ``step_flows_in_flight`` at once (each its own flow run).
 
     The flows beyond the staleness bound wait at their generate task while the others work, so a
@@ -156,7 +188,9 @@ def run_steps(ctx: RunContext, services: RunServices, host: ProducerHost, order:
         try:
             while True:
                 while len(running) < workers and (step := next(steps, None)) is not None:
-                    run = contextvars.copy_context().run  # each thread's flow is a child of this run
+                    run = (
+                        contextvars.copy_context().run
+                    )  # each thread's flow is a child of this run
                     running.append((step, pool.submit(run, train_step, ctx, step)))
                 if not running:
                     return
@@ -188,15 +222,28 @@ def prepare_policy(cfg: RunConfig) -> Path | str:
     for name in sorted(envs):
         env = envs[name]
         if not hasattr(env, "sft_examples"):
-            raise ValueError(f"[model.tiny] needs envs with sft_examples() for its warm start; {name!r} has none")
+            raise ValueError(
+                f"[model.tiny] needs envs with sft_examples() for its warm start; {name!r} has none"
+            )
         train_pairs += env.sft_examples(4096, rng)
         eval_pairs += [(p.text, p.answer) for p in env.prompts("eval", 128, rng)]
-    recipe = {"envs": [e.model_dump() for e in cfg.envs], "target": cfg.model.warm_start_target,
-              "max_steps": cfg.model.warm_start_max_steps, "lr": cfg.model.warm_start_lr}
-    return prepare_tiny_model(cfg.model.tiny, train_pairs=train_pairs, eval_pairs=eval_pairs,
-                              target=cfg.model.warm_start_target, max_steps=cfg.model.warm_start_max_steps,
-                              lr=cfg.model.warm_start_lr, cache_dir=cfg.model.cache_dir, recipe=recipe,
-                              progress=say)
+    recipe = {
+        "envs": [e.model_dump() for e in cfg.envs],
+        "target": cfg.model.warm_start_target,
+        "max_steps": cfg.model.warm_start_max_steps,
+        "lr": cfg.model.warm_start_lr,
+    }
+    return prepare_tiny_model(
+        cfg.model.tiny,
+        train_pairs=train_pairs,
+        eval_pairs=eval_pairs,
+        target=cfg.model.warm_start_target,
+        max_steps=cfg.model.warm_start_max_steps,
+        lr=cfg.model.warm_start_lr,
+        cache_dir=cfg.model.cache_dir,
+        recipe=recipe,
+        progress=say,
+    )
 
 
 def _record_config(storage: RunStorage, cfg: RunConfig) -> None:
@@ -207,8 +254,10 @@ def _record_config(storage: RunStorage, cfg: RunConfig) -> None:
         storage.write_json("config.json", resolved)
     elif old != resolved:
         changed = sorted(_diff(old, resolved))
-        say(f"note: config differs from the run's first config.json in {', '.join(changed)}; "
-            "continuing with the new values")
+        say(
+            f"note: config differs from the run's first config.json in {', '.join(changed)}; "
+            "continuing with the new values"
+        )
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:
@@ -235,10 +284,12 @@ def _fmt_env(total: float, by_env: dict[str, float]) -> str:
 
 def progress_line(step: int, num_steps: int, m: dict) -> str:
     """One line per step: reward, what was kept, loss, staleness, and where the time went."""
-    line = (f"step {step}/{num_steps}: reward {m['reward_mean']:.3f}, kept {m['num_groups_kept']} groups, "
-            f"loss {m.get('loss', math.nan):+.4f}, staleness {m.get('staleness_mean', 0.0):.1f} | "
-            f"wait {m['trainer_wait_for_data_s']:.2f}s train {m['train_phase_s']:.2f}s "
-            f"sync {m['sync_phase_s']:.2f}s | step {m['step_s']:.2f}s")
+    line = (
+        f"step {step}/{num_steps}: reward {m['reward_mean']:.3f}, kept {m['num_groups_kept']} groups, "
+        f"loss {m.get('loss', math.nan):+.4f}, staleness {m.get('staleness_mean', 0.0):.1f} | "
+        f"wait {m['trainer_wait_for_data_s']:.2f}s train {m['train_phase_s']:.2f}s "
+        f"sync {m['sync_phase_s']:.2f}s | step {m['step_s']:.2f}s"
+    )
     if "eval_reward" in m:
         by_env = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("eval_reward/")}
         line += f"\n  held-out reward {_fmt_env(m['eval_reward'], by_env)}"
@@ -247,12 +298,21 @@ def progress_line(step: int, num_steps: int, m: dict) -> str:
 
 def summarize(storage: RunStorage, out=lambda _: None) -> dict:
     """First and last held-out reward of the run, and where its data is."""
-    evals = [(r["step"], r["eval_reward"]) for r in storage.read_metrics()
-             if r.get("eval_reward") is not None and not math.isnan(r["eval_reward"])]
-    summary = {"run": storage.run, "uri": storage.uri, "steps_committed": storage.committed_steps("checkpoints")[-1:]}
+    evals = [
+        (r["step"], r["eval_reward"])
+        for r in storage.read_metrics()
+        if r.get("eval_reward") is not None and not math.isnan(r["eval_reward"])
+    ]
+    summary = {
+        "run": storage.run,
+        "uri": storage.uri,
+        "steps_committed": storage.committed_steps("checkpoints")[-1:],
+    }
     if evals:
         summary.update(first_eval_reward=evals[0][1], last_eval_reward=evals[-1][1])
-        out(f"done: held-out reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
-            f"(step {evals[-1][0]}); rollouts in {storage.uri}/rollouts")
+        out(
+            f"done: held-out reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
+            f"(step {evals[-1][0]}); rollouts in {storage.uri}/rollouts"
+        )
     summary["finished_at"] = time.time()
     return summary

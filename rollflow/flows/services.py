@@ -42,8 +42,14 @@ DETECTION_BOUND_S = HEALTH_CHECK_INTERVAL_S + HEALTH_PROBE_TIMEOUT_S
 class RunServices:
     """Trainer service + vLLM server (under its supervisor) + the weight group between them."""
 
-    def __init__(self, cfg: RunConfig, policy_dir: str | Path, checkpoint_step: int | None, log_dir: str | Path,
-                 progress=print):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        policy_dir: str | Path,
+        checkpoint_step: int | None,
+        log_dir: str | Path,
+        progress=print,
+    ):
         self.cfg, self.policy_dir, self.checkpoint_step = cfg, str(policy_dir), checkpoint_step
         self.log_dir = Path(log_dir)
         self.progress = progress
@@ -62,21 +68,31 @@ class RunServices:
     def start(self) -> RunServices:
         cfg = self.cfg
         start = time.perf_counter()
-        self.trainer_proc = TrainerProcess(trainer_args(cfg, self.policy_dir, self.checkpoint_step),
-                                           token=self.token, log_dir=self.log_dir, beside_inference=True)
+        self.trainer_proc = TrainerProcess(
+            trainer_args(cfg, self.policy_dir, self.checkpoint_step),
+            token=self.token,
+            log_dir=self.log_dir,
+            beside_inference=True,
+        )
         self.trainer = self.trainer_proc.client
         self.trainer_proc.start()  # loads while vLLM starts
         storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
         self.supervisor = InferenceSupervisor(
-            cfg, self.policy_dir, self.log_dir, progress=self.progress,
-            on_restart=lambda info: publish(storage, "inference_restarted", **info))
+            cfg,
+            self.policy_dir,
+            self.log_dir,
+            progress=self.progress,
+            on_restart=lambda info: publish(storage, "inference_restarted", **info),
+        )
         try:
             self.supervisor.start()
             self.inference_ep = Endpoint("inference", self.supervisor.url, self.token)
             self.trainer_proc.wait_healthy()
-            self.progress(f"services: vLLM at {self.supervisor.url}, trainer at {self.trainer.url} "
-                          f"({cfg.trainer.backend}, {cfg.trainer.num_ranks} rank(s); "
-                          f"{time.perf_counter() - start:.0f}s); logs in {self.log_dir}")
+            self.progress(
+                f"services: vLLM at {self.supervisor.url}, trainer at {self.trainer.url} "
+                f"({cfg.trainer.backend}, {cfg.trainer.num_ranks} rank(s); "
+                f"{time.perf_counter() - start:.0f}s); logs in {self.log_dir}"
+            )
             self.supervisor.join_weight_group(self._weight_link())
         except BaseException:
             self.stop()
@@ -88,7 +104,9 @@ class RunServices:
         url, t = self.supervisor.url, self.cfg.trainer
         return WeightLink(
             join=lambda: weights.join(self.trainer, url, t.weight_sync_timeout_s),
-            rejoin=lambda: weights.rejoin(self.trainer, url, t.weight_sync_timeout_s, t.request_timeout_s),
+            rejoin=lambda: weights.rejoin(
+                self.trainer, url, t.weight_sync_timeout_s, t.request_timeout_s
+            ),
             leave=lambda timeout_s: weights.leave(self.trainer, url, timeout_s),
         )
 
@@ -144,6 +162,14 @@ class RunServices:
 
 def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -> ServiceArgs:
     """The trainer service's start arguments: the run's train and trainer sections, as they are."""
-    return ServiceArgs(model_path=str(policy_dir), checkpoint_step=checkpoint_step, storage_root=cfg.run.storage,
-                       storage_options=cfg.run.storage_options, run=cfg.run.name, seed=cfg.run.seed,
-                       num_steps=cfg.run.num_steps, train=cfg.train, trainer=cfg.trainer)
+    return ServiceArgs(
+        model_path=str(policy_dir),
+        checkpoint_step=checkpoint_step,
+        storage_root=cfg.run.storage,
+        storage_options=cfg.run.storage_options,
+        run=cfg.run.name,
+        seed=cfg.run.seed,
+        num_steps=cfg.run.num_steps,
+        train=cfg.train,
+        trainer=cfg.trainer,
+    )

@@ -16,9 +16,18 @@ from rollflow.tasks.generate.task import Evaluation, Rollouts
 from rollflow.tasks.sync.task import Synced
 
 # The producer's numbers a step records (the generate task returns more than these).
-PRODUCER_KEYS = ("staleness_mean", "staleness_max", "stale_dropped_total", "groups_in_flight",
-                 "producer_blocked_s", "loop_lag_p50_s", "loop_lag_p99_s", "loop_lag_max_s",
-                 "retries_total", "inference_restarts")
+PRODUCER_KEYS = (
+    "staleness_mean",
+    "staleness_max",
+    "stale_dropped_total",
+    "groups_in_flight",
+    "producer_blocked_s",
+    "loop_lag_p50_s",
+    "loop_lag_p99_s",
+    "loop_lag_max_s",
+    "retries_total",
+    "inference_restarts",
+)
 
 
 class StepMetrics:
@@ -40,21 +49,31 @@ class StepMetrics:
             self.row[key] = self._ended[key] - start
 
     def record_rollouts(self, r: Rollouts) -> None:
-        self.row.update({
-            "reward_mean": r.reward_mean, **{f"reward/{env}": v for env, v in r.reward_by_env.items()},
-            "num_rollouts": r.num_rollouts, "num_errors": r.num_errors, "rollouts_reused": r.reused,
-            "num_skipped_rows": r.num_skipped_rows,
-        })
+        self.row.update(
+            {
+                "reward_mean": r.reward_mean,
+                **{f"reward/{env}": v for env, v in r.reward_by_env.items()},
+                "num_rollouts": r.num_rollouts,
+                "num_errors": r.num_errors,
+                "rollouts_reused": r.reused,
+                "num_skipped_rows": r.num_skipped_rows,
+            }
+        )
         self.row.update({k: r.producer[k] for k in PRODUCER_KEYS if k in r.producer})
 
     def record_batch(self, b: Batch) -> None:
-        self.row.update(num_groups_kept=b.num_groups_kept, num_samples_kept=b.num_samples_kept,
-                        num_failed_samples=b.num_failed_samples)
+        self.row.update(
+            num_groups_kept=b.num_groups_kept,
+            num_samples_kept=b.num_samples_kept,
+            num_failed_samples=b.num_failed_samples,
+        )
 
     def record_trainer_wait(self, trainer_free_at: float) -> None:
         """The trainer waited for data from when it was free (the previous step released it)
         until this step's batch was ready (the end of the advantage phase)."""
-        self.row["trainer_wait_for_data_s"] = max(0.0, self._ended["advantage_phase_s"] - trainer_free_at)
+        self.row["trainer_wait_for_data_s"] = max(
+            0.0, self._ended["advantage_phase_s"] - trainer_free_at
+        )
 
     def record_train(self, metrics: dict[str, float]) -> None:
         self.row.update({k: v for k, v in metrics.items() if not isinstance(v, dict)})

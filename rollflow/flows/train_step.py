@@ -25,13 +25,19 @@ from rollflow.tasks.sync.task import sync
 from rollflow.tasks.train.task import checkpoint, train, trainer_client
 
 
-@flow(name="train-step", flow_run_name="{ctx.config.run.name}-step-{step}", persist_result=False,
-      validate_parameters=False)
+@flow(
+    name="train-step",
+    flow_run_name="{ctx.config.run.name}-step-{step}",
+    persist_result=False,
+    validate_parameters=False,
+)
 def train_step(ctx: RunContext, step: int) -> dict:
     """Run step ``step``: its groups were sampled by versions ≥ step - 1 - max_staleness."""
     cfg = ctx.config
     order, host, deadline_s = step_order(cfg.run.name), host_for(cfg.run.name), take_timeout_s(cfg)
-    evaluates = step == cfg.run.num_steps or bool(cfg.run.eval_every and step % cfg.run.eval_every == 0)
+    evaluates = step == cfg.run.num_steps or bool(
+        cfg.run.eval_every and step % cfg.run.eval_every == 0
+    )
     checkpoints = step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps
     syncs = step % cfg.train.sync_every == 0 or evaluates
     m = StepMetrics()
@@ -39,7 +45,9 @@ def train_step(ctx: RunContext, step: int) -> dict:
     with m.timed("generate_phase_s"):
         rollouts = generate(ctx, step)
     with m.timed("advantage_phase_s"):
-        batch = advantage(ctx, step, reuse=rollouts.reused, group_scored_envs=rollouts.group_scored_envs)
+        batch = advantage(
+            ctx, step, reuse=rollouts.reused, group_scored_envs=rollouts.group_scored_envs
+        )
     with m.timed("wait_for_previous_step_s"):
         m.record_trainer_wait(order.wait_trainer(step, deadline_s))
     with m.timed("train_phase_s"):

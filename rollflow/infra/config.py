@@ -52,41 +52,64 @@ class TinyModelSpec(_Section):
 class RunSection(_Section):
     """Identity of the run and where its data lands."""
 
-    name: str = Field("quickstart", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; storage sub-folder.")
+    name: str = Field(
+        "quickstart", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; storage sub-folder."
+    )
     storage: str = Field("runs", description="Storage root: a local folder or an s3:// URI.")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options, e.g. {endpoint_url=...} for S3."
     )
     seed: int = Field(0, description="Seed for prompt order and sampling.")
     num_steps: int = Field(40, ge=1, description="Outer training steps (weight syncs).")
-    eval_every: int = Field(10, ge=0, description="Held-out evaluation every N steps (0: only at start and end).")
-    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps; resume restarts after the last one.")
+    eval_every: int = Field(
+        10, ge=0, description="Held-out evaluation every N steps (0: only at start and end)."
+    )
+    checkpoint_every: int = Field(
+        1, ge=1, description="Checkpoint every N steps; resume restarts after the last one."
+    )
 
 
 class ModelSection(_Section):
     """The policy: a Hugging Face directory or hub id, or a tiny model built locally."""
 
-    path: str | None = Field(None, description="HF model directory or hub id. Exclusive with `tiny`.")
+    path: str | None = Field(
+        None, description="HF model directory or hub id. Exclusive with `tiny`."
+    )
     tiny: TinyModelSpec | None = Field(None, description="Build a tiny character Llama instead.")
     warm_start_target: float = Field(
-        0.35, ge=0, le=1, description="Tiny models only: supervised warm-start stops at this held-out accuracy."
+        0.35,
+        ge=0,
+        le=1,
+        description="Tiny models only: supervised warm-start stops at this held-out accuracy.",
     )
-    warm_start_max_steps: int = Field(3000, ge=0, description="Tiny models only: cap on warm-start steps.")
-    warm_start_lr: float = Field(1e-3, gt=0, description="Tiny models only: warm-start learning rate.")
-    cache_dir: str = Field("~/.cache/rollflow/models", description="Where built tiny models are cached.")
+    warm_start_max_steps: int = Field(
+        3000, ge=0, description="Tiny models only: cap on warm-start steps."
+    )
+    warm_start_lr: float = Field(
+        1e-3, gt=0, description="Tiny models only: warm-start learning rate."
+    )
+    cache_dir: str = Field(
+        "~/.cache/rollflow/models", description="Where built tiny models are cached."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.tiny is None):
-            raise ValueError("set exactly one of model.path (a HF model) or [model.tiny] (a built tiny model)")
+            raise ValueError(
+                "set exactly one of model.path (a HF model) or [model.tiny] (a built tiny model)"
+            )
         return self
 
 
 class EnvSpec(_Section):
     """One environment of the mix."""
 
-    name: str = Field(description="Built-in name (`add`, `sort_letters`) or `package.module:Class`.")
-    weight: float = Field(1.0, gt=0, description="Share of the training prompts drawn from this env.")
+    name: str = Field(
+        description="Built-in name (`add`, `sort_letters`) or `package.module:Class`."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Share of the training prompts drawn from this env."
+    )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env.")
 
 
@@ -97,8 +120,12 @@ class SamplingSection(_Section):
     max_tokens: int = Field(8, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
-    eval_temperature: float = Field(0.0, ge=0, description="Temperature of held-out evaluation (0 = greedy).")
-    num_eval_prompts: int = Field(256, ge=1, description="Held-out prompts per environment per evaluation.")
+    eval_temperature: float = Field(
+        0.0, ge=0, description="Temperature of held-out evaluation (0 = greedy)."
+    )
+    num_eval_prompts: int = Field(
+        256, ge=1, description="Held-out prompts per environment per evaluation."
+    )
 
 
 class LossConfig(_Section):
@@ -120,7 +147,9 @@ class LossConfig(_Section):
         "At least 1, so that on-policy tokens (weight 1) are never scaled down.",
     )
     kl_coef: float = Field(
-        0.0, ge=0, description="k3 KL penalty to the initial policy (the trainer loads a reference model)."
+        0.0,
+        ge=0,
+        description="k3 KL penalty to the initial policy (the trainer loads a reference model).",
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
 
@@ -133,15 +162,25 @@ class TrainSection(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     train_batch_size: int = Field(64, ge=1, description="Groups per outer step (one weight sync).")
     mini_batch_size: int = Field(64, ge=1, description="Groups per optimizer step.")
-    max_staleness: int = Field(0, ge=0, description="Steps generation may run ahead of training (0 = on-policy).")
+    max_staleness: int = Field(
+        0, ge=0, description="Steps generation may run ahead of training (0 = on-policy)."
+    )
     sync_every: int = Field(
-        1, ge=1, description="Sync weights to vLLM every N outer steps (and at evaluations); needs max_staleness >= N - 1."
+        1,
+        ge=1,
+        description="Sync weights to vLLM every N outer steps (and at evaluations); needs max_staleness >= N - 1.",
     )
     max_in_flight_groups: int | None = Field(
-        None, ge=1, description="Groups generating at once (K); default train_batch_size * (max_staleness + 1)."
+        None,
+        ge=1,
+        description="Groups generating at once (K); default train_batch_size * (max_staleness + 1).",
     )
-    normalize_std: bool = Field(False, description="Divide group advantages by the group's reward std.")
-    filter_zero_advantage: bool = Field(True, description="Drop groups whose advantages are all zero.")
+    normalize_std: bool = Field(
+        False, description="Divide group advantages by the group's reward std."
+    )
+    filter_zero_advantage: bool = Field(
+        True, description="Drop groups whose advantages are all zero."
+    )
     loss: LossConfig = Field(
         default_factory=LossConfig,
         description='The policy loss ([train.loss]); a string is its kind: train.loss = "gspo".',
@@ -151,8 +190,12 @@ class TrainSection(_Section):
         description="Log-probs the ratio is taken against: the sampler's (no extra pass), or the trainer's own, "
         "computed by a forward pass over the step's batch before its first optimizer step.",
     )
-    num_epochs: int = Field(1, ge=1, description="Passes over each step's batch (each mini-batch one optimizer step).")
-    lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
+    num_epochs: int = Field(
+        1, ge=1, description="Passes over each step's batch (each mini-batch one optimizer step)."
+    )
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Linear learning-rate warm-up, in optimizer steps."
+    )
 
     @field_validator("loss", mode="before")
     @classmethod
@@ -169,11 +212,15 @@ class InferenceSection(_Section):
 
     host: str = Field("127.0.0.1", description="Bind address of the vLLM server.")
     port: int = Field(0, ge=0, le=65535, description="Port; 0 picks a free one.")
-    startup_timeout_s: float = Field(300, gt=0, description="Deadline for the server to become healthy.")
+    startup_timeout_s: float = Field(
+        300, gt=0, description="Deadline for the server to become healthy."
+    )
     request_timeout_s: float = Field(120, gt=0, description="Deadline of one completion request.")
     max_concurrency: int = Field(64, ge=1, description="Completion requests in flight at once.")
     max_restarts: int = Field(
-        3, ge=0, description="Restarts of a dead vLLM server per run (0: a dead server fails the run)."
+        3,
+        ge=0,
+        description="Restarts of a dead vLLM server per run (0: a dead server fails the run).",
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments.")
 
@@ -181,12 +228,15 @@ class InferenceSection(_Section):
 class TrainerSection(_Section):
     """The trainer service."""
 
-    startup_timeout_s: float = Field(120, gt=0, description="Deadline for the trainer to become healthy.")
+    startup_timeout_s: float = Field(
+        120, gt=0, description="Deadline for the trainer to become healthy."
+    )
     request_timeout_s: float = Field(600, gt=0, description="Deadline of one trainer call.")
     weight_sync_timeout_s: float = Field(120, gt=0, description="Deadline of one weight broadcast.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch.")
     backend: Literal["fsdp2", "deepspeed"] = Field(
-        "fsdp2", description="Data-parallel backend: FSDP2 (torchrun) or DeepSpeed ZeRO (deepspeed launcher)."
+        "fsdp2",
+        description="Data-parallel backend: FSDP2 (torchrun) or DeepSpeed ZeRO (deepspeed launcher).",
     )
     num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (processes) on this node.")
     zero_stage: Literal[1, 2, 3] | None = Field(
@@ -203,7 +253,8 @@ class WandbOptions(_Section):
     project: str = Field("rollflow", description="W&B project.")
     entity: str | None = Field(None, description="W&B entity (user or team); None: your default.")
     mode: Literal["online", "offline"] = Field(
-        "online", description="offline writes under the run's log dir; upload later with `wandb sync`."
+        "online",
+        description="offline writes under the run's log dir; upload later with `wandb sync`.",
     )
 
 
@@ -398,4 +449,3 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 def dump_config(cfg: RunConfig) -> dict[str, Any]:
     """The resolved config as plain JSON-able data."""
     return cfg.model_dump(mode="json")
-

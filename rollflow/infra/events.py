@@ -23,10 +23,14 @@ def publish(storage: RunStorage, kind: str, **fields: Any) -> dict[str, Any]:
     try:
         from prefect.events import emit_event
 
-        emit_event(event=f"rollflow.{kind}",
-                   resource={"prefect.resource.id": f"rollflow.run.{storage.run}",
-                             "prefect.resource.name": storage.run},
-                   payload={k: v for k, v in fields.items() if isinstance(v, str | int | float | bool)})
+        emit_event(
+            event=f"rollflow.{kind}",
+            resource={
+                "prefect.resource.id": f"rollflow.run.{storage.run}",
+                "prefect.resource.name": storage.run,
+            },
+            payload={k: v for k, v in fields.items() if isinstance(v, str | int | float | bool)},
+        )
     except Exception as exc:  # noqa: BLE001 - the record is written; the mirror is best effort
         log.warning("could not emit Prefect event rollflow.%s: %s", kind, exc)
     return event

@@ -19,25 +19,41 @@ TRAINER_STATE = "trainer"
 CHUNK_BYTES = 8 << 20
 
 
-def export_checkpoint(storage: RunStorage, step: int, out: str | Path, show_progress: bool = True) -> Path:
+def export_checkpoint(
+    storage: RunStorage, step: int, out: str | Path, show_progress: bool = True
+) -> Path:
     """Copy ``checkpoints/step=<step>`` of the run, less its trainer state, to the folder ``out``."""
     committed = storage.committed_steps("checkpoints")
     if step not in committed:
         listed = _ranges(committed) if committed else "none yet"
-        raise InputError(f"run {storage.run!r} has no committed checkpoint of step {step} in "
-                          f"{storage.uri}/checkpoints; committed steps: {listed}")
+        raise InputError(
+            f"run {storage.run!r} has no committed checkpoint of step {step} in "
+            f"{storage.uri}/checkpoints; committed steps: {listed}"
+        )
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InputError(f"{out} already exists and is not an empty folder; pass another --out or remove it")
+        raise InputError(
+            f"{out} already exists and is not an empty folder; pass another --out or remove it"
+        )
     source = storage.step_dir("checkpoints", step)
-    files = {path[len(source) + 1:]: info["size"]
-             for path, info in storage.fs.find(source, detail=True).items()}
-    files = {rel: size for rel, size in sorted(files.items())
-             if rel != SUCCESS and not rel.startswith(f"{TRAINER_STATE}/")}
+    files = {
+        path[len(source) + 1 :]: info["size"]
+        for path, info in storage.fs.find(source, detail=True).items()
+    }
+    files = {
+        rel: size
+        for rel, size in sorted(files.items())
+        if rel != SUCCESS and not rel.startswith(f"{TRAINER_STATE}/")
+    }
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    with tqdm(total=sum(files.values()), unit="B", unit_scale=True, disable=not show_progress,
-              desc=f"export step {step}") as bar:
+    with tqdm(
+        total=sum(files.values()),
+        unit="B",
+        unit_scale=True,
+        disable=not show_progress,
+        desc=f"export step {step}",
+    ) as bar:
         for rel, _ in files.items():
             target = partial / rel
             target.parent.mkdir(parents=True, exist_ok=True)

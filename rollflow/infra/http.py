@@ -60,11 +60,19 @@ class Endpoint:
         return {"Authorization": f"Bearer {self.token}"}
 
 
-def call(ep: Endpoint, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float,
-         method: str = "POST") -> Any:
+def call(
+    ep: Endpoint,
+    path: str,
+    payload: dict[str, Any] | None = None,
+    *,
+    timeout_s: float,
+    method: str = "POST",
+) -> Any:
     """One blocking call; raises ``ServiceError`` on transport errors, timeouts and non-2xx."""
     try:
-        resp = client().request(method, ep.url + path, json=payload, headers=ep.headers(), timeout=timeout_s)
+        resp = client().request(
+            method, ep.url + path, json=payload, headers=ep.headers(), timeout=timeout_s
+        )
     except httpx.TimeoutException:
         raise ServiceError(f"{ep.name} {path}: no answer within {timeout_s:.0f}s") from None
     except httpx.TransportError as exc:
@@ -72,11 +80,20 @@ def call(ep: Endpoint, path: str, payload: dict[str, Any] | None = None, *, time
     return _result(ep, path, resp)
 
 
-async def acall(client: httpx.AsyncClient, ep: Endpoint, path: str, payload: dict[str, Any] | None = None,
-                *, timeout_s: float, method: str = "POST") -> Any:
+async def acall(
+    client: httpx.AsyncClient,
+    ep: Endpoint,
+    path: str,
+    payload: dict[str, Any] | None = None,
+    *,
+    timeout_s: float,
+    method: str = "POST",
+) -> Any:
     """The async twin of ``call`` on a shared client."""
     try:
-        resp = await client.request(method, ep.url + path, json=payload, headers=ep.headers(), timeout=timeout_s)
+        resp = await client.request(
+            method, ep.url + path, json=payload, headers=ep.headers(), timeout=timeout_s
+        )
     except httpx.TimeoutException:
         raise ServiceError(f"{ep.name} {path}: no answer within {timeout_s:.0f}s") from None
     except httpx.TransportError as exc:
@@ -94,5 +111,7 @@ def error_detail(resp: httpx.Response) -> str:
 
 def _result(ep: Endpoint, path: str, resp: httpx.Response) -> Any:
     if resp.status_code >= 400:
-        raise ServiceError(f"{ep.name} {path}: HTTP {resp.status_code}: {error_detail(resp)}", resp.status_code)
+        raise ServiceError(
+            f"{ep.name} {path}: HTTP {resp.status_code}: {error_detail(resp)}", resp.status_code
+        )
     return resp.json() if resp.content else None

@@ -88,13 +88,22 @@ class WandbSink(MetricSink):
 
     name = "wandb"
 
-    def __init__(self, opts: WandbOptions, run_name: str, run_uri: str, config: dict, log_dir: Path):
+    def __init__(
+        self, opts: WandbOptions, run_name: str, run_uri: str, config: dict, log_dir: Path
+    ):
         import wandb
 
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=opts.project, entity=opts.entity, name=run_name, mode=opts.mode,
-                              id=stable_run_id(run_name, run_uri), resume="allow", dir=str(log_dir),
-                              config=config)
+        self.run = wandb.init(
+            project=opts.project,
+            entity=opts.entity,
+            name=run_name,
+            mode=opts.mode,
+            id=stable_run_id(run_name, run_uri),
+            resume="allow",
+            dir=str(log_dir),
+            config=config,
+        )
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         # W&B drops a step lower than one it has seen (a step redone after a crash): it warns.
@@ -116,17 +125,24 @@ class MlflowSink(MetricSink):
 
         self.client = MlflowClient(tracking_uri=opts.tracking_uri)
         experiment = self.client.get_experiment_by_name(opts.experiment)
-        exp_id = experiment.experiment_id if experiment else self.client.create_experiment(opts.experiment)
-        found = self.client.search_runs([exp_id], filter_string=f"tags.`{self.TAG}` = '{run_uri}'",
-                                        max_results=1)
+        exp_id = (
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(opts.experiment)
+        )
+        found = self.client.search_runs(
+            [exp_id], filter_string=f"tags.`{self.TAG}` = '{run_uri}'", max_results=1
+        )
         if found:
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags={self.TAG: run_uri}).info.run_id
+            self.run_id = self.client.create_run(
+                exp_id, run_name=run_name, tags={self.TAG: run_uri}
+            ).info.run_id
             params = [Param(k, str(v)[:500]) for k, v in sorted(_flatten(config).items())]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-                self.client.log_batch(self.run_id, params=params[i:i + 100])
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -134,7 +150,7 @@ class MlflowSink(MetricSink):
         now_ms = int(time.time() * 1000)
         metrics = [Metric(key, value, now_ms, step) for key, value in scalars.items()]
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -161,10 +177,16 @@ class MetricSinks:
         try:
             for name in m.sinks:
                 if name == "tensorboard":
-                    tb_dir = Path(m.tensorboard_dir).expanduser() if m.tensorboard_dir else log_dir / "tensorboard"
+                    tb_dir = (
+                        Path(m.tensorboard_dir).expanduser()
+                        if m.tensorboard_dir
+                        else log_dir / "tensorboard"
+                    )
                     sinks.append(TensorBoardSink(tb_dir))
                 elif name == "wandb":
-                    sinks.append(WandbSink(m.wandb, cfg.run.name, run_uri, dump_config(cfg), log_dir))
+                    sinks.append(
+                        WandbSink(m.wandb, cfg.run.name, run_uri, dump_config(cfg), log_dir)
+                    )
                 elif name == "mlflow":
                     sinks.append(MlflowSink(m.mlflow, cfg.run.name, run_uri, dump_config(cfg)))
         except BaseException:
@@ -178,8 +200,14 @@ class MetricSinks:
             try:
                 sink.log(step, scalars)
             except Exception as exc:  # a metrics service outage must not stop training
-                log.warning("metric sink %s failed at step %d (%s: %s); not logging to it for the rest "
-                            "of this run (metrics stay in storage)", sink.name, step, type(exc).__name__, exc)
+                log.warning(
+                    "metric sink %s failed at step %d (%s: %s); not logging to it for the rest "
+                    "of this run (metrics stay in storage)",
+                    sink.name,
+                    step,
+                    type(exc).__name__,
+                    exc,
+                )
                 self.sinks.remove(sink)
                 _close_quietly(sink)
 

@@ -50,7 +50,11 @@ def cpu_split() -> tuple[list[int], list[int]]:
     its one thread kept off vLLM's core; docs/performance.md). vLLM gets the first half of the
     cores this process may use (at least one), the trainer the rest; one core is shared.
     """
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cpus = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
     if len(cpus) == 1:
         return cpus, cpus
     half = len(cpus) // 2
@@ -75,7 +79,9 @@ def _guard_dies_with_parent() -> None:
 class ManagedProcess:
     """A subprocess in its own process group, with a log file, a health wait and a bounded stop."""
 
-    def __init__(self, name: str, argv: list[str], log_path: str | Path, env: dict[str, str] | None = None):
+    def __init__(
+        self, name: str, argv: list[str], log_path: str | Path, env: dict[str, str] | None = None
+    ):
         self.name, self.argv, self.log_path = name, list(argv), Path(log_path)
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -85,8 +91,12 @@ class ManagedProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 ["bash", "-c", _GUARD, f"rollflow-{self.name.replace(' ', '-')}-guard", *self.argv],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                start_new_session=True, preexec_fn=_guard_dies_with_parent,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_guard_dies_with_parent,
             )
 
     def is_alive(self) -> bool:
@@ -98,10 +108,14 @@ class ManagedProcess:
         return self.proc.poll() if self.proc is not None else None
 
     def error(self, message: str) -> ServiceError:
-        return ServiceError(f"{self.name}: {message}; log: {self.log_path}\n"
-                            f"--- last lines of the log ---\n{log_tail(self.log_path)}")
+        return ServiceError(
+            f"{self.name}: {message}; log: {self.log_path}\n"
+            f"--- last lines of the log ---\n{log_tail(self.log_path)}"
+        )
 
-    def wait_healthy(self, probe: Callable[[], bool], timeout_s: float, interval_s: float = 0.25) -> float:
+    def wait_healthy(
+        self, probe: Callable[[], bool], timeout_s: float, interval_s: float = 0.25
+    ) -> float:
         """Poll ``probe`` until true; fail at once if the process exits, or at the deadline."""
         start = time.monotonic()
         while True:

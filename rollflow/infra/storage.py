@@ -53,7 +53,9 @@ class RunStorage:
         self.run = run
         self.options = dict(options or {})
         self.fs, self.base = fsspec.core.url_to_fs(f"{self.root}/{run}", **self.options)
-        self.is_local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        self.is_local = (
+            self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        )
 
     # ------------------------------------------------------------------ paths
 
@@ -110,7 +112,9 @@ class RunStorage:
         """Write one step's table and commit it; returns the step folder's URI."""
         self.clear_uncommitted(kind, step)
         if self.is_committed(kind, step):
-            raise StorageError(f"{self.step_uri(kind, step)} is already committed; refusing to overwrite")
+            raise StorageError(
+                f"{self.step_uri(kind, step)} is already committed; refusing to overwrite"
+            )
         folder = self.step_dir(kind, step)
         self.fs.makedirs(folder, exist_ok=True)
         self._write_bytes(f"{folder}/part-0.parquet", _parquet_bytes(table))
@@ -119,7 +123,9 @@ class RunStorage:
 
     def commit(self, kind: str, step: int) -> None:
         """Write the ``_SUCCESS`` marker, holding a fresh commit id: the last write of a step folder."""
-        self._write_bytes(f"{self.step_dir(kind, step)}/{SUCCESS}", f"{uuid.uuid4().hex}\n".encode())
+        self._write_bytes(
+            f"{self.step_dir(kind, step)}/{SUCCESS}", f"{uuid.uuid4().hex}\n".encode()
+        )
 
     def read_step_table(self, kind: str, step: int) -> pa.Table:
         """Read a committed step folder; an unmarked folder is an error."""
@@ -145,7 +151,10 @@ class RunStorage:
 
     def write_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"run": self.run, "step": step, **metrics}
-        self._write_bytes(self.path("metrics", f"step={step}.parquet"), _parquet_bytes(pa.Table.from_pylist([row])))
+        self._write_bytes(
+            self.path("metrics", f"step={step}.parquet"),
+            _parquet_bytes(pa.Table.from_pylist([row])),
+        )
 
     def read_metrics(self) -> list[dict[str, Any]]:
         try:
@@ -231,7 +240,9 @@ class RunStorage:
         try:
             commit_id = self.fs.cat_file(marker)
         except FileNotFoundError:
-            raise StorageError(f"{self.step_uri(kind, step)} is not committed (no {SUCCESS})") from None
+            raise StorageError(
+                f"{self.step_uri(kind, step)} is not committed (no {SUCCESS})"
+            ) from None
         except OSError as exc:
             raise StorageError(f"reading {marker}: {exc}") from exc
         if self.is_local:
@@ -246,7 +257,7 @@ class RunStorage:
             for remote in self.fs.find(source):
                 if remote.rsplit("/", 1)[-1] == SUCCESS:
                     continue  # written last, below: a copy cut short must not look whole
-                local = target / remote[len(source) + 1:]
+                local = target / remote[len(source) + 1 :]
                 local.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     self.fs.get_file(remote, str(local))

@@ -45,11 +45,18 @@ def ensure_work_pool(client, pool: dict[str, Any], base_dir: Path) -> str:
         pass
     missing = [k for k in REQUIRED_KEYS if not pool.get(k)]
     if missing:
-        raise InputError(f"work pool {pool.get('name')!r} does not exist on the server and its definition "
-                            f"lacks {', '.join(missing)}; define it under definitions.work_pools in prefect.yaml")
+        raise InputError(
+            f"work pool {pool.get('name')!r} does not exist on the server and its definition "
+            f"lacks {', '.join(missing)}; define it under definitions.work_pools in prefect.yaml"
+        )
     path = base_dir / pool["base_job_template"]
     template = load_base_job_template(path)
-    client.create_work_pool(WorkPoolCreate(
-        name=pool["name"], type=pool["type"], base_job_template=template,
-        description=template["variables"].get("description")))
+    client.create_work_pool(
+        WorkPoolCreate(
+            name=pool["name"],
+            type=pool["type"],
+            base_job_template=template,
+            description=template["variables"].get("description"),
+        )
+    )
     return f"work pool {pool['name']} ({pool['type']}): created from {pool['base_job_template']}"

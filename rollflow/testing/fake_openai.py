@@ -28,7 +28,9 @@ from typing import Literal
 from rollflow.testing.loop_server import LoopServer
 
 Fault = Literal["ok", "abort", "disconnect"]
-FaultPlan = Callable[[tuple[int, ...], int], Fault]  # (prompt token ids, attempt: 0, 1, ...) -> fault
+FaultPlan = Callable[
+    [tuple[int, ...], int], Fault
+]  # (prompt token ids, attempt: 0, 1, ...) -> fault
 
 COMPLETION = [5, 6, 7]
 
@@ -42,9 +44,16 @@ class FakeOpenAI(LoopServer):
 
     name, backlog = "fake-openai", 4096
 
-    def __init__(self, *, latency_s: float = 0.0, faults: FaultPlan = no_faults,
-                 host: str = "127.0.0.1", port: int = 0, eos_token_id: int = 2,
-                 latency_jitter_s: float = 0.0):
+    def __init__(
+        self,
+        *,
+        latency_s: float = 0.0,
+        faults: FaultPlan = no_faults,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        eos_token_id: int = 2,
+        latency_jitter_s: float = 0.0,
+    ):
         super().__init__(host, port)
         self.latency_s, self.faults = latency_s, faults
         self.latency_jitter_s = latency_jitter_s
@@ -70,7 +79,9 @@ class FakeOpenAI(LoopServer):
                         return
                     _respond(writer, 200, json.dumps(answer).encode())
                 else:
-                    _respond(writer, 404, json.dumps({"error": {"message": f"no route {path}"}}).encode())
+                    _respond(
+                        writer, 404, json.dumps({"error": {"message": f"no route {path}"}}).encode()
+                    )
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             return
@@ -93,11 +104,26 @@ class FakeOpenAI(LoopServer):
             self.injected[fault] += 1
         if fault == "disconnect":
             return None
-        n, tokens = int(body.get("n", 1)), [*COMPLETION[: body.get("max_tokens", 3) - 1], self.eos_token_id]
+        n, tokens = (
+            int(body.get("n", 1)),
+            [*COMPLETION[: body.get("max_tokens", 3) - 1], self.eos_token_id],
+        )
         reason = "abort" if fault == "abort" else "stop"
-        return {"id": "cmpl-fake", "object": "text_completion", "model": body.get("model", "policy"),
-                "choices": [{"index": i, "text": "", "token_ids": tokens, "finish_reason": reason,
-                             "logprobs": {"token_logprobs": [-0.5] * len(tokens)}} for i in range(n)]}
+        return {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "model": body.get("model", "policy"),
+            "choices": [
+                {
+                    "index": i,
+                    "text": "",
+                    "token_ids": tokens,
+                    "finish_reason": reason,
+                    "logprobs": {"token_logprobs": [-0.5] * len(tokens)},
+                }
+                for i in range(n)
+            ],
+        }
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
@@ -117,8 +143,11 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] 
 
 def _respond(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
     reason = {200: "OK", 404: "Not Found"}[status]
-    writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-                 f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    writer.write(
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
 
 
 def main() -> None:
@@ -128,8 +157,12 @@ def main() -> None:
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--latency-jitter-s", type=float, default=0.0)
     args = parser.parse_args()
-    server = FakeOpenAI(latency_s=args.latency_s, latency_jitter_s=args.latency_jitter_s,
-                        host=args.host, port=args.port)
+    server = FakeOpenAI(
+        latency_s=args.latency_s,
+        latency_jitter_s=args.latency_jitter_s,
+        host=args.host,
+        port=args.port,
+    )
     print(f"fake OpenAI server at {server.start()}", flush=True)
     threading.Event().wait()
 

@@ -27,16 +27,22 @@ Fault = Literal["ok", "500", "503", "drop_request", "drop_response"]
 FaultPlan = Callable[[str, str, int], Fault]  # (method, decoded path, attempt 0, 1, ...) -> fault
 FAULTS: tuple[Fault, ...] = ("500", "503", "drop_request", "drop_response")
 
-_S3_ERRORS = {"500": ("Internal Server Error", "InternalError", "We encountered an internal error."),
-              "503": ("Slow Down", "SlowDown", "Please reduce your request rate.")}
+_S3_ERRORS = {
+    "500": ("Internal Server Error", "InternalError", "We encountered an internal error."),
+    "503": ("Slow Down", "SlowDown", "Please reduce your request rate."),
+}
 
 
 def no_faults(method: str, path: str, attempt: int) -> Fault:
     return "ok"
 
 
-def random_faults(rate: float, seed: int, methods: tuple[str, ...] = ("GET", "PUT", "HEAD"),
-                  max_consecutive: int = 2) -> FaultPlan:
+def random_faults(
+    rate: float,
+    seed: int,
+    methods: tuple[str, ...] = ("GET", "PUT", "HEAD"),
+    max_consecutive: int = 2,
+) -> FaultPlan:
     """Each request of ``methods`` fails with probability ``rate`` (one of ``FAULTS`` at random),
     but never more than ``max_consecutive`` times in a row for one path: a client that retries
     that often always gets through. Deterministic for a seed and a request order."""
@@ -62,7 +68,9 @@ class FaultProxy(LoopServer):
 
     name = "fault-proxy"
 
-    def __init__(self, upstream: str, faults: FaultPlan = no_faults, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self, upstream: str, faults: FaultPlan = no_faults, host: str = "127.0.0.1", port: int = 0
+    ):
         parts = urlsplit(upstream)
         self.upstream_host, self.upstream_port = parts.hostname, parts.port or 80
         super().__init__(host, port)
@@ -111,8 +119,9 @@ class FaultProxy(LoopServer):
             up_writer.close()
 
 
-async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                        ) -> tuple[str, str, list[str], bytes] | None:
+async def _read_request(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> tuple[str, str, list[str], bytes] | None:
     """Method, target, the head to send upstream (one request per connection) and the raw body."""
     try:
         raw = await reader.readuntil(b"\r\n\r\n")
@@ -120,8 +129,14 @@ async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         return None
     lines = raw.decode("latin-1").split("\r\n")[:-2]
     method, target, _ = lines[0].split(" ", 2)
-    headers = [line for line in lines[1:] if line.split(":", 1)[0].strip().lower() not in ("connection", "expect")]
-    fields = {line.split(":", 1)[0].strip().lower(): line.split(":", 1)[1].strip() for line in lines[1:]}
+    headers = [
+        line
+        for line in lines[1:]
+        if line.split(":", 1)[0].strip().lower() not in ("connection", "expect")
+    ]
+    fields = {
+        line.split(":", 1)[0].strip().lower(): line.split(":", 1)[1].strip() for line in lines[1:]
+    }
     if fields.get("expect", "").lower() == "100-continue":
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         await writer.drain()
@@ -150,7 +165,11 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
 
 def _s3_error(fault: str, path: str) -> bytes:
     reason, code, message = _S3_ERRORS[fault]
-    body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<Resource>{path}</Resource><RequestId>fault-proxy</RequestId></Error>").encode()
-    return (f"HTTP/1.1 {fault} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n").encode() + body
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
+        f"<Resource>{path}</Resource><RequestId>fault-proxy</RequestId></Error>"
+    ).encode()
+    return (
+        f"HTTP/1.1 {fault} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+        f"Connection: close\r\n\r\n"
+    ).encode() + body

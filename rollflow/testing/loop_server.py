@@ -36,7 +36,8 @@ class LoopServer:
         def run() -> None:
             self._loop = asyncio.new_event_loop()
             self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._connection, self.host, self.port, backlog=self.backlog))
+                asyncio.start_server(self._connection, self.host, self.port, backlog=self.backlog)
+            )
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
             self._loop.run_forever()

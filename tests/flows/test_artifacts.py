@@ -35,13 +35,21 @@ def prefect_api():
 
 def read_artifacts(key: str) -> list:
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+        )
     return sorted(found, key=lambda a: a.created)
 
 
 def fake_metrics(step: int) -> dict:
-    row = {"reward_mean": 0.1 * step, "reward/add": 0.05 * step, "reward/sort_letters": 0.15 * step,
-           "num_groups_kept": 8, "loss": float("nan"), "step_s": 1.5}
+    row = {
+        "reward_mean": 0.1 * step,
+        "reward/add": 0.05 * step,
+        "reward/sort_letters": 0.15 * step,
+        "num_groups_kept": 8,
+        "loss": float("nan"),
+        "step_s": 1.5,
+    }
     if step % 2 == 0:
         row["eval_reward"] = 0.2 + 0.1 * step
     return row
@@ -75,7 +83,9 @@ def test_run_publishes_step_tables_progress_and_summary(prefect_api, tmp_path):
     assert artifact_key(run, "summary") == f"fake-run-{suffix}-summary"
 
     tables = read_artifacts(f"fake-run-{suffix}-step-metrics")
-    assert [a.description for a in tables] == [f"Metrics of step {s} of run {run}" for s in range(1, 5)]
+    assert [a.description for a in tables] == [
+        f"Metrics of step {s} of run {run}" for s in range(1, 5)
+    ]
     assert all(a.type == "table" and a.flow_run_id is not None for a in tables)
     assert len({a.flow_run_id for a in tables}) == NUM_STEPS  # one per step flow run
     rows = {r["metric"]: r["value"] for r in json.loads(tables[-1].data)}
@@ -130,6 +140,9 @@ def test_a_failure_to_publish_is_a_warning_never_an_error(prefect_api, monkeypat
     with caplog.at_level(logging.WARNING):
         assert step() == "step finished"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("could not publish the publish_step_metrics artifact: ConnectionError" in w for w in warnings)
+    assert any(
+        "could not publish the publish_step_metrics artifact: ConnectionError" in w
+        for w in warnings
+    )
     assert any("could not publish the _create artifact" in w for w in warnings)
     assert any("could not publish the publish_summary artifact" in w for w in warnings)

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from deployed_run import processes_marked
 from test_run import ROOT, env_for, write_config
+
+from deployed_run import processes_marked
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 SEED = int(os.environ.get("ROLLFLOW_CHAOS_SEED", "6"))
@@ -62,11 +63,19 @@ class Campaign:
         self.launches += 1
         self.launched_at = time.time()
         self.log = self.root / f"launch-{self.launches}.log"
-        env = env_for(self.root) if private_api else {**env_for(self.root), "PREFECT_API_URL": self.prefect_api}
+        env = (
+            env_for(self.root)
+            if private_api
+            else {**env_for(self.root), "PREFECT_API_URL": self.prefect_api}
+        )
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollflow.cli", "run", str(self.config), *overrides],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         return self.proc
 
     def kill_at_random_point(self, step: int, *overrides: str, private_api: bool = False) -> str:
@@ -87,12 +96,21 @@ class Campaign:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_for(self, proc: subprocess.Popen, done: Callable[[], bool], what: str,
-                 timeout_s: float = START_TIMEOUT_S) -> None:
+    def wait_for(
+        self,
+        proc: subprocess.Popen,
+        done: Callable[[], bool],
+        what: str,
+        timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         while not done():
-            assert proc.poll() is None, f"run exited (code {proc.returncode}) before {what}:\n{self.output()[-4000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f}s:\n{self.output()[-4000:]}"
+            assert proc.poll() is None, (
+                f"run exited (code {proc.returncode}) before {what}:\n{self.output()[-4000:]}"
+            )
+            assert time.monotonic() < deadline, (
+                f"no {what} within {timeout_s:.0f}s:\n{self.output()[-4000:]}"
+            )
             time.sleep(0.01)
 
     def kill_run(self, proc: subprocess.Popen) -> None:
@@ -111,7 +129,9 @@ class Campaign:
     # ------------------------------------------------------------------ storage
 
     def committed(self, kind: str = "checkpoints") -> list[int]:
-        return sorted(int(p.parent.name.split("=")[1]) for p in self.run_dir.glob(f"{kind}/step=*/_SUCCESS"))
+        return sorted(
+            int(p.parent.name.split("=")[1]) for p in self.run_dir.glob(f"{kind}/step=*/_SUCCESS")
+        )
 
     def committed_now(self, kind: str, step: int) -> bool:
         """Committed by the current launch (a marker from an earlier one does not count)."""
@@ -131,12 +151,20 @@ class Campaign:
         return [e for e in events if e["time"] >= self.launched_at] if now else events
 
     def published_now(self, version: int) -> bool:
-        return any(e["event"] == "weights_published" and e["version"] == version for e in self.events(now=True))
+        return any(
+            e["event"] == "weights_published" and e["version"] == version
+            for e in self.events(now=True)
+        )
 
     def metrics(self, step: int) -> dict:
         import duckdb
 
-        return duckdb.sql(f"select * from '{self.run_dir}/metrics/step={step}.parquet'").df().iloc[0].to_dict()
+        return (
+            duckdb.sql(f"select * from '{self.run_dir}/metrics/step={step}.parquet'")
+            .df()
+            .iloc[0]
+            .to_dict()
+        )
 
     def random_kill_point(self, step: int) -> tuple[str, Callable[[], bool], float]:
         """A seeded random moment of ``step`` in this launch: one of its events, then a random
@@ -146,8 +174,11 @@ class Campaign:
         delay = round(self.rng.uniform(0.0, 0.8), 2)
         if kind == "weights":
             return f"weights_published({step})", lambda: self.published_now(step), delay
-        return (f"{kind}/step={step} committed",
-                lambda: self.committed_now(kind, step) or self.published_now(step), delay)
+        return (
+            f"{kind}/step={step} committed",
+            lambda: self.committed_now(kind, step) or self.published_now(step),
+            delay,
+        )
 
     def assert_consistent(self, final: bool = False) -> None:
         """Every committed step is in storage exactly once, whole, and its parts agree."""
@@ -157,31 +188,47 @@ class Campaign:
         assert steps == list(range(1, len(steps) + 1)), f"committed checkpoints {steps} have a gap"
         for kind in ("rollouts", "batches"):
             assert set(steps) <= set(self.committed(kind)), f"a committed step lacks its {kind}"
-        assert {s for s in steps} <= {int(p.stem.split("=")[1]) for p in self.run_dir.glob("metrics/*.parquet")}
+        assert {s for s in steps} <= {
+            int(p.stem.split("=")[1]) for p in self.run_dir.glob("metrics/*.parquet")
+        }
         committed = [e["step"] for e in self.events() if e["event"] == "step_committed"]
         assert len(committed) == len(set(committed)), f"a step committed twice: {committed}"
         rollout_steps = self.committed("rollouts")
         if rollout_steps:
-            files = [str(self.run_dir / "rollouts" / f"step={s}" / "part-0.parquet") for s in rollout_steps]
+            files = [
+                str(self.run_dir / "rollouts" / f"step={s}" / "part-0.parquet")
+                for s in rollout_steps
+            ]
             per_step = duckdb.sql(
                 f"select step, count(*), count(distinct (group_index, sample_index)), "
                 f"min(version_started) >= step - 2 and max(version_started) <= step - 1 "
-                f"from read_parquet({files}) group by step order by step").fetchall()
-            assert per_step == [(s, ROWS_PER_STEP, ROWS_PER_STEP, True) for s in rollout_steps], per_step
+                f"from read_parquet({files}) group by step order by step"
+            ).fetchall()
+            assert per_step == [(s, ROWS_PER_STEP, ROWS_PER_STEP, True) for s in rollout_steps], (
+                per_step
+            )
         batch_steps = self.committed("batches")
         if batch_steps:  # every trained row is a committed rollout of its step, token for token
-            files = [str(self.run_dir / "batches" / f"step={s}" / "part-0.parquet") for s in batch_steps]
-            rollouts = [str(self.run_dir / "rollouts" / f"step={s}" / "part-0.parquet") for s in rollout_steps]
+            files = [
+                str(self.run_dir / "batches" / f"step={s}" / "part-0.parquet") for s in batch_steps
+            ]
+            rollouts = [
+                str(self.run_dir / "rollouts" / f"step={s}" / "part-0.parquet")
+                for s in rollout_steps
+            ]
             orphans = duckdb.sql(
                 f"select b.step, b.group_index from read_parquet({files}) b anti join read_parquet({rollouts}) r "
                 f"on b.step = r.step and b.group_index = r.group_index and b.sample_index = r.sample_index "
-                f"and b.completion_ids = r.completion_ids").fetchall()
+                f"and b.completion_ids = r.completion_ids"
+            ).fetchall()
             assert not orphans, f"batch rows with no matching rollout: {orphans}"
         if final:
             for kind in ("rollouts", "batches", "checkpoints"):
                 found = sorted(p.name for p in (self.run_dir / kind).iterdir())
                 assert found == sorted(f"step={s}" for s in range(1, STEPS + 1)), (kind, found)
-            metrics = sorted(int(p.stem.split("=")[1]) for p in self.run_dir.glob("metrics/*.parquet"))
+            metrics = sorted(
+                int(p.stem.split("=")[1]) for p in self.run_dir.glob("metrics/*.parquet")
+            )
             assert metrics == list(range(0, STEPS + 1))
             assert self.events()[-1]["event"] == "training_finished"
 
@@ -204,7 +251,9 @@ def test_sigkill_during_service_start_up(campaign):
     vllm_log = c.run_dir / "logs" / "vllm.log"
     size = vllm_log.stat().st_size if vllm_log.exists() else -1
     proc = c.launch()
-    c.wait_for(proc, lambda: vllm_log.exists() and vllm_log.stat().st_size != size, "service start-up")
+    c.wait_for(
+        proc, lambda: vllm_log.exists() and vllm_log.stat().st_size != size, "service start-up"
+    )
     delay = round(c.rng.uniform(0.0, 8.0), 2)
     time.sleep(delay)
     c.kill_run(proc)
@@ -228,8 +277,10 @@ def test_sigkill_after_a_future_steps_rollouts_were_committed_then_rerun(campaig
     c.wait_for(proc, lambda: c.committed_now("rollouts", step), f"rollouts/step={step} committed")
     c.kill_run(proc)
     ahead = [s for s in c.committed("rollouts") if s > len(c.committed())]
-    print(f"kill at S=1 after rollouts/step={step} committed: rollouts of steps {ahead} are ahead of "
-          f"checkpoint {c.committed()[-1:]}")
+    print(
+        f"kill at S=1 after rollouts/step={step} committed: rollouts of steps {ahead} are ahead of "
+        f"checkpoint {c.committed()[-1:]}"
+    )
     assert ahead, "the kill was meant to leave committed rollouts of a future step"
     c.assert_consistent()
 
@@ -263,11 +314,16 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
     killed_at = time.time()
     vllm.send_signal(signal.SIGKILL)
     print(f"vLLM killed during step {step + 1}")
-    c.wait_for(proc, lambda: any(e["event"] == "inference_restarted" for e in c.events(now=True)),
-               "inference_restarted")
+    c.wait_for(
+        proc,
+        lambda: any(e["event"] == "inference_restarted" for e in c.events(now=True)),
+        "inference_restarted",
+    )
     restart = next(e for e in c.events(now=True) if e["event"] == "inference_restarted")
-    print(f"restart: detected {restart['detected_at'] - killed_at:.1f}s after the kill, restarted in "
-          f"{restart['restart_s']:.0f}s, serving version {restart['version']}")
+    print(
+        f"restart: detected {restart['detected_at'] - killed_at:.1f}s after the kill, restarted in "
+        f"{restart['restart_s']:.0f}s, serving version {restart['version']}"
+    )
     assert restart["detected_at"] - killed_at < 30
     assert restart["version"] >= step
     c.wait_for(proc, lambda: c.committed_now("checkpoints", step + 1), f"step {step + 1} committed")
@@ -297,8 +353,10 @@ def test_trainer_killed_fails_the_run_fast_naming_it_then_a_rerun_completes(camp
     code = proc.wait(timeout=120)
     failed_s = time.monotonic() - killed_at
     last_error = re.findall(r"^[\w.]*(?:Error|Exception): .*$", c.output(), re.M)[-1]
-    print(f"trainer{f' rank {rank}' if rank else ''} killed {delay}s after {name}: the run failed "
-          f"in {failed_s:.1f}s with: {last_error}")
+    print(
+        f"trainer{f' rank {rank}' if rank else ''} killed {delay}s after {name}: the run failed "
+        f"in {failed_s:.1f}s with: {last_error}"
+    )
     assert code != 0 and failed_s < 60
     assert re.search(r"trainer.*(died|dead|exited)", last_error), last_error
     if rank is not None:
@@ -317,8 +375,13 @@ def test_trainer_killed_fails_the_run_fast_naming_it_then_a_rerun_completes(camp
 
 def _service_process(marker: Path, module: str) -> psutil.Process:
     """The run's process running ``module`` (not its bash guard); the highest rank if several."""
-    found = [p for p in processes_marked(str(marker))
-             if module in " ".join(p.cmdline()) and p.cmdline()[0] != "bash" and "-c" not in p.cmdline()[:2]]
+    found = [
+        p
+        for p in processes_marked(str(marker))
+        if module in " ".join(p.cmdline())
+        and p.cmdline()[0] != "bash"
+        and "-c" not in p.cmdline()[:2]
+    ]
     with_rank = [p for p in found if "RANK" in p.environ()]
     assert found, f"no process runs {module}"
     return max(with_rank, key=lambda p: int(p.environ()["RANK"])) if with_rank else found[0]

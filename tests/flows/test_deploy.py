@@ -28,8 +28,13 @@ def test_every_deployment_of_prefect_yaml_runs_from_the_repository_root():
     (quickstart,) = plan_deployments(PREFECT_YAML)
     assert quickstart["name"] == "quickstart"
     assert quickstart["parameters"] == {"config": "configs/quickstart.toml", "overrides": []}
-    assert quickstart["work_pool"]["name"] == "rollflow-cpu" and quickstart["work_pool"]["type"] == "process"
-    assert quickstart["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
+    assert (
+        quickstart["work_pool"]["name"] == "rollflow-cpu"
+        and quickstart["work_pool"]["type"] == "process"
+    )
+    assert quickstart["pull"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}
+    ]
 
 
 def test_a_config_not_in_prefect_yaml_gets_a_deployment_named_after_it(tmp_path):
@@ -40,18 +45,26 @@ def test_a_config_not_in_prefect_yaml_gets_a_deployment_named_after_it(tmp_path)
     assert entry["parameters"]["config"] == str(config)  # outside the repository: absolute
     assert entry["work_pool"]["type"] == "kubernetes"
     # Container pools run the code baked into the image, not the deploying machine's folder.
-    assert entry["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/rollflow"
+    assert (
+        entry["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"]
+        == "/opt/rollflow"
+    )
 
 
 def test_a_listed_config_keeps_its_entry_and_moves_to_another_pool():
-    (entry,) = plan_deployments(PREFECT_YAML, [str(ROOT / "configs/quickstart.toml")], pool="rollflow-gpu")
+    (entry,) = plan_deployments(
+        PREFECT_YAML, [str(ROOT / "configs/quickstart.toml")], pool="rollflow-gpu"
+    )
     assert entry["name"] == "quickstart" and entry["work_pool"]["name"] == "rollflow-gpu"
     assert entry["parameters"]["config"] == "configs/quickstart.toml"
 
 
 def test_unknown_pool_names_the_pools_there_are():
-    with pytest.raises(InputError, match="unknown work pool 'gpu'.*rollflow-cpu, rollflow-gpu, "
-                                          "rollflow-gpu-docker, rollflow-gpu-kubernetes"):
+    with pytest.raises(
+        InputError,
+        match="unknown work pool 'gpu'.*rollflow-cpu, rollflow-gpu, "
+        "rollflow-gpu-docker, rollflow-gpu-kubernetes",
+    ):
         plan_deployments(PREFECT_YAML, pool="gpu")
 
 
@@ -59,12 +72,17 @@ def test_a_bad_config_fails_at_deploy_time_naming_the_deployment_and_key(tmp_pat
     text = PREFECT_YAML.read_text().replace("overrides: []", "overrides: [train.lrr=1e-4]")
     bad = tmp_path / "prefect.yaml"
     bad.write_text(text.replace("configs/quickstart.toml", str(ROOT / "configs/quickstart.toml")))
-    with pytest.raises(InputError, match=r"(?s)rl-run/quickstart: .*unknown key 'train.lrr'; did you mean 'train.lr'"):
+    with pytest.raises(
+        InputError,
+        match=r"(?s)rl-run/quickstart: .*unknown key 'train.lrr'; did you mean 'train.lr'",
+    ):
         plan_deployments(bad)
 
 
 def test_missing_files_say_what_to_do(tmp_path):
-    with pytest.raises(InputError, match="run rollflow deploy from the repository root, or pass --prefect-file"):
+    with pytest.raises(
+        InputError, match="run rollflow deploy from the repository root, or pass --prefect-file"
+    ):
         plan_deployments(tmp_path / "prefect.yaml")
     with pytest.raises(InputError, match="config file not found: configs/nope.toml"):
         plan_deployments(PREFECT_YAML, ["configs/nope.toml"])
@@ -72,8 +90,14 @@ def test_missing_files_say_what_to_do(tmp_path):
 
 def test_flow_parameters_take_a_path_or_a_dict_plus_overrides():
     from_path = resolve_config("configs/quickstart.toml", ["run.num_steps=3"])
-    from_dict = resolve_config(json.loads(json.dumps(from_path.model_dump(mode="json"))), ["run.name=other"])
-    assert from_path.run.num_steps == 3 and from_dict.run.num_steps == 3 and from_dict.run.name == "other"
+    from_dict = resolve_config(
+        json.loads(json.dumps(from_path.model_dump(mode="json"))), ["run.name=other"]
+    )
+    assert (
+        from_path.run.num_steps == 3
+        and from_dict.run.num_steps == 3
+        and from_dict.run.name == "other"
+    )
 
 
 # ------------------------------------------------------------------------------ templates
@@ -84,23 +108,35 @@ def render(job_configuration_class, name: str, values: dict):
     template = load_base_job_template(ROOT / "workpools" / name)
     # No server call is needed: the templates hold no block or variable references.
     client = PrefectClient(api="http://127.0.0.1:9/api")
-    return asyncio.run(job_configuration_class.from_template_and_values(template, values, client=client))
+    return asyncio.run(
+        job_configuration_class.from_template_and_values(template, values, client=client)
+    )
 
 
 def test_kubernetes_pool_requests_gpus_shared_memory_and_gpu_nodes():
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    job = render(KubernetesWorkerJobConfiguration, "rollflow-gpu-kubernetes.json",
-                 {"gpus": 4, "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-                  "image": "registry.example/rollflow:1"})
+    job = render(
+        KubernetesWorkerJobConfiguration,
+        "rollflow-gpu-kubernetes.json",
+        {
+            "gpus": 4,
+            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "image": "registry.example/rollflow:1",
+        },
+    )
     pod = job.job_manifest["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 4}
     assert container["image"] == "registry.example/rollflow:1"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+    assert pod["volumes"] == [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
+    ]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
     default = render(KubernetesWorkerJobConfiguration, "rollflow-gpu-kubernetes.json", {})
     default_pod = default.job_manifest["spec"]["template"]["spec"]
     assert default_pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
@@ -115,18 +151,26 @@ def test_docker_pool_requests_gpus_as_docker_run_gpus_does():
     kwargs = job.container_create_kwargs
     assert job.image == "rollflow:latest" and kwargs["shm_size"] == "16g"
     # docker-py turns the worker's kwargs into the Engine API's HostConfig.
-    host = docker.types.HostConfig(version="1.44", device_requests=kwargs["device_requests"],
-                                   shm_size=kwargs["shm_size"])
-    assert host["DeviceRequests"] == [{"Driver": "nvidia", "Count": 2, "DeviceIDs": [],
-                                       "Capabilities": [["gpu"]], "Options": {}}]
+    host = docker.types.HostConfig(
+        version="1.44", device_requests=kwargs["device_requests"], shm_size=kwargs["shm_size"]
+    )
+    assert host["DeviceRequests"] == [
+        {"Driver": "nvidia", "Count": 2, "DeviceIDs": [], "Capabilities": [["gpu"]], "Options": {}}
+    ]
 
 
 def test_process_pools_pass_gpus_and_keep_deployment_env():
     from prefect.workers.process import ProcessJobConfiguration
 
-    gpu = render(ProcessJobConfiguration, "rollflow-gpu.json", {"cuda_visible_devices": "0,1", "env": {"X": "1"}})
+    gpu = render(
+        ProcessJobConfiguration,
+        "rollflow-gpu.json",
+        {"cuda_visible_devices": "0,1", "env": {"X": "1"}},
+    )
     assert gpu.env["CUDA_VISIBLE_DEVICES"] == "0,1" and gpu.env["X"] == "1"
-    assert "CUDA_VISIBLE_DEVICES" not in render(ProcessJobConfiguration, "rollflow-gpu.json", {}).env
+    assert (
+        "CUDA_VISIBLE_DEVICES" not in render(ProcessJobConfiguration, "rollflow-gpu.json", {}).env
+    )
     cpu = render(ProcessJobConfiguration, "rollflow-cpu.json", {})
     assert cpu.env == {"TOKENIZERS_PARALLELISM": "false"}
 

@@ -15,19 +15,35 @@ def test_deployment_run_trains_and_commits_its_data(deployed_run):
     assert "deployment rl-run/quickstart on pool rollflow-cpu" in deployed_run.deploy_output
     assert "work pool rollflow-cpu (process): created" in deployed_run.deploy_output
     assert deployed_run.flow_run["state"] == "COMPLETED"
-    assert deployed_run.flow_run["name"] == "quickstart"  # named after run.name, as under rollflow run
-    assert [s["name"] for s in deployed_run.step_flow_runs] == ["quickstart-step-1", "quickstart-step-2"]
+    assert (
+        deployed_run.flow_run["name"] == "quickstart"
+    )  # named after run.name, as under rollflow run
+    assert [s["name"] for s in deployed_run.step_flow_runs] == [
+        "quickstart-step-1",
+        "quickstart-step-2",
+    ]
     run_dir = deployed_run.run_dir
     for kind in ("rollouts", "batches", "checkpoints"):
-        assert sorted(p.parent.name for p in run_dir.glob(f"{kind}/step=*/_SUCCESS")) == ["step=1", "step=2"]
-    rows = duckdb.sql(f"select step, count(*), min(version_started), max(version_started) from "
-                      f"read_parquet('{run_dir}/rollouts/*/*.parquet') group by step order by step").fetchall()
+        assert sorted(p.parent.name for p in run_dir.glob(f"{kind}/step=*/_SUCCESS")) == [
+            "step=1",
+            "step=2",
+        ]
+    rows = duckdb.sql(
+        f"select step, count(*), min(version_started), max(version_started) from "
+        f"read_parquet('{run_dir}/rollouts/*/*.parquet') group by step order by step"
+    ).fetchall()
     assert rows == [(1, 32, 0, 0), (2, 32, 1, 1)]  # the overrides took: 8 prompts x 4 samples
-    steps = duckdb.sql(f"select step, eval_reward from read_parquet('{run_dir}/metrics/*.parquet', "
-                       "union_by_name=true) order by step").fetchall()
-    assert [s for s, _ in steps] == [0, 1, 2] and steps[0][1] is not None and steps[2][1] is not None
+    steps = duckdb.sql(
+        f"select step, eval_reward from read_parquet('{run_dir}/metrics/*.parquet', "
+        "union_by_name=true) order by step"
+    ).fetchall()
+    assert (
+        [s for s, _ in steps] == [0, 1, 2] and steps[0][1] is not None and steps[2][1] is not None
+    )
     assert (run_dir / "checkpoints/step=2/model.safetensors").is_file()
-    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()
+    ]
     assert events.count("step_committed") == 2 and events[-1] == "training_finished"
 
 
@@ -51,8 +67,12 @@ def test_deployment_run_publishes_its_artifacts(deployed_run):
 
 
 def test_work_pools_of_prefect_yaml_are_accepted_by_the_server(deployed_run):
-    assert deployed_run.pools == {"rollflow-cpu": "process", "rollflow-gpu": "process",
-                                  "rollflow-gpu-docker": "docker", "rollflow-gpu-kubernetes": "kubernetes"}
+    assert deployed_run.pools == {
+        "rollflow-cpu": "process",
+        "rollflow-gpu": "process",
+        "rollflow-gpu-docker": "docker",
+        "rollflow-gpu-kubernetes": "kubernetes",
+    }
 
 
 def test_deploying_again_updates_in_place(deployed_run):

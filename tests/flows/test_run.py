@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from deployed_run import processes_marked
 
 pytestmark = pytest.mark.slow
@@ -51,10 +52,13 @@ mini_batch_size = 4
 """
 
 
-def write_config(tmp_path: Path, cache: Path, name: str = "small", steps: int = 4,
-                 storage: str | None = None) -> Path:
+def write_config(
+    tmp_path: Path, cache: Path, name: str = "small", steps: int = 4, storage: str | None = None
+) -> Path:
     path = tmp_path / f"{name}.toml"
-    path.write_text(SMALL.format(name=name, storage=storage or tmp_path / "runs", steps=steps, cache=cache))
+    path.write_text(
+        SMALL.format(name=name, storage=storage or tmp_path / "runs", steps=steps, cache=cache)
+    )
     return path
 
 
@@ -63,8 +67,14 @@ def env_for(tmp_path: Path) -> dict[str, str]:
 
 
 def run_cli(config: Path, tmp_path: Path, *overrides: str, timeout: float = 420) -> str:
-    proc = subprocess.run([sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides],
-                          capture_output=True, text=True, timeout=timeout, env=env_for(tmp_path), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env_for(tmp_path),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -93,22 +103,58 @@ def test_run_trains_and_writes_the_documented_layout(tmp_path, model_cache):
     run_dir = tmp_path / "runs" / "small"
     assert_every_step_once(run_dir, 4)
     df = pd.read_parquet(run_dir / "rollouts", partitioning=None)  # step is a column of every file
-    expected = {"run", "step", "env", "prompt_id", "group_index", "sample_index", "prompt_ids",
-                "completion_ids", "completion_logprobs", "reward", "advantage", "version_started",
-                "version_finished", "finish_reason", "error", "info"}
+    expected = {
+        "run",
+        "step",
+        "env",
+        "prompt_id",
+        "group_index",
+        "sample_index",
+        "prompt_ids",
+        "completion_ids",
+        "completion_logprobs",
+        "reward",
+        "advantage",
+        "version_started",
+        "version_finished",
+        "finish_reason",
+        "error",
+        "info",
+    }
     assert expected <= set(df.columns)
     # Synchronous RL: step N was sampled by the policy of version N-1.
     assert (df["version_started"] == df["step"] - 1).all()
-    assert all(len(ids) == len(lp) for ids, lp in zip(df["completion_ids"], df["completion_logprobs"], strict=True))
-    batches = duckdb.sql(f"select advantage from read_parquet('{run_dir}/batches/*/*.parquet')").df()
+    assert all(
+        len(ids) == len(lp)
+        for ids, lp in zip(df["completion_ids"], df["completion_logprobs"], strict=True)
+    )
+    batches = duckdb.sql(
+        f"select advantage from read_parquet('{run_dir}/batches/*/*.parquet')"
+    ).df()
     assert batches["advantage"].notna().all()
-    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()
+    ]
     assert events.count("step_committed") == 4 and events[-1] == "training_finished"
-    metrics = duckdb.sql(f"select * from read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true)").df()
+    metrics = duckdb.sql(
+        f"select * from read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true)"
+    ).df()
     assert sorted(metrics["step"]) == [0, 1, 2, 3, 4]
     assert metrics["eval_reward"].notna().sum() == 3  # steps 0, 2, 4
-    status = subprocess.run([sys.executable, "-m", "rollflow.cli", "status", "small", "--storage",
-                             str(tmp_path / "runs")], capture_output=True, text=True, timeout=30)
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollflow.cli",
+            "status",
+            "small",
+            "--storage",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert status.returncode == 0, status.stderr
     assert status.stdout.splitlines()[5].split()[0] == "4"  # header, steps 0..4
     assert "4 steps committed (last: 4), training finished" in status.stdout
@@ -130,8 +176,11 @@ def test_run_on_s3_resumes_from_s3(tmp_path, model_cache, s3_endpoint):
     fs = fsspec.filesystem("s3", endpoint_url=s3_endpoint)
     root = f"rollflow/{tmp_path.name}/ons3"
     for kind in ("rollouts", "batches", "checkpoints"):
-        assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{root}/{kind}/step=*/_SUCCESS")) == \
-            ["step=1", "step=2", "step=3"]
+        assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{root}/{kind}/step=*/_SUCCESS")) == [
+            "step=1",
+            "step=2",
+            "step=3",
+        ]
     # The trainer's sharded state went up with the model (FSDP2: DCP shards and their metadata).
     assert fs.exists(f"{root}/checkpoints/step=3/trainer/state.json")
     assert fs.glob(f"{root}/checkpoints/step=3/trainer/dcp/*.distcp")
@@ -143,20 +192,27 @@ def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_
     import duckdb
 
     config = write_config(tmp_path, model_cache, name="async1", steps=4)
-    out = run_cli(config, tmp_path, "train.max_staleness=2", "train.sync_every=2", "run.eval_every=0")
+    out = run_cli(
+        config, tmp_path, "train.max_staleness=2", "train.sync_every=2", "run.eval_every=0"
+    )
     exited = time.time()
     assert "step 4/4" in out
     run_dir = tmp_path / "runs" / "async1"
     assert_every_step_once(run_dir, 4)
     versions = duckdb.sql(
         f"select step, min(version_started), max(version_started), max(version_finished) "
-        f"from '{run_dir}/rollouts/*/*.parquet' group by step order by step").fetchall()
+        f"from '{run_dir}/rollouts/*/*.parquet' group by step order by step"
+    ).fetchall()
     for step, v_min, v_max, v_fin in versions:
         assert step - 3 <= v_min <= v_max <= step - 1  # within the bound, never from the future
         assert v_fin <= step - 1
-    assert any(v_max < step - 1 for step, _, v_max, _ in versions[1:])  # some step trained off-policy
-    metrics = duckdb.sql(f"select staleness_max, loop_lag_p99_s, trainer_wait_for_data_s from read_parquet("
-                         f"'{run_dir}/metrics/*.parquet', union_by_name=true) where step > 0").fetchall()
+    assert any(
+        v_max < step - 1 for step, _, v_max, _ in versions[1:]
+    )  # some step trained off-policy
+    metrics = duckdb.sql(
+        f"select staleness_max, loop_lag_p99_s, trainer_wait_for_data_s from read_parquet("
+        f"'{run_dir}/metrics/*.parquet', union_by_name=true) where step > 0"
+    ).fetchall()
     assert all(None not in m for m in metrics)
     # The end came from the trainer, with generation still under way (S = 2 runs ahead),
     # and the teardown (producer, weight group, both services) took well under its 30 s deadline.

@@ -15,8 +15,10 @@ def test_quickstart_config_loads():
 
 
 def test_overrides_parse_toml_values_and_strings():
-    cfg = load_config(QUICKSTART, ["train.lr=2e-4", "run.name=other", "sampling.group_size=4",
-                                   "train.normalize_std=true"])
+    cfg = load_config(
+        QUICKSTART,
+        ["train.lr=2e-4", "run.name=other", "sampling.group_size=4", "train.normalize_std=true"],
+    )
     assert cfg.train.lr == 2e-4 and cfg.run.name == "other"
     assert cfg.sampling.group_size == 4 and cfg.train.normalize_std is True
 
@@ -30,7 +32,9 @@ def test_misspelt_key_is_named_with_suggestion():
 def test_misspelt_key_in_list_section(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[model.tiny]\n[[envs]]\nname = "add"\nwieght = 2\n')
-    with pytest.raises(ConfigError, match=r"unknown key 'envs.0.wieght'; did you mean 'envs.0.weight'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'envs.0.wieght'; did you mean 'envs.0.weight'"
+    ):
         load_config(path)
 
 
@@ -42,15 +46,22 @@ def test_cross_field_errors_say_what_to_do():
     with pytest.raises(ConfigError, match="exactly one of model.path"):
         load_config(QUICKSTART, ["model.path=/some/model"])
     # K groups in flight: at least one step's worth, at most what the staleness bound admits.
-    with pytest.raises(ConfigError, match=r"train.max_in_flight_groups \(64\) must be between .* \(128\)"):
+    with pytest.raises(
+        ConfigError, match=r"train.max_in_flight_groups \(64\) must be between .* \(128\)"
+    ):
         load_config(QUICKSTART, ["train.max_in_flight_groups=64"])
-    with pytest.raises(ConfigError, match=r"\(300\) must be between .*max_staleness \+ 1\) \(256\)"):
+    with pytest.raises(
+        ConfigError, match=r"\(300\) must be between .*max_staleness \+ 1\) \(256\)"
+    ):
         load_config(QUICKSTART, ["train.max_in_flight_groups=300", "train.max_staleness=1"])
     assert load_config(QUICKSTART, ["train.max_staleness=2"]).train.in_flight_groups() == 384
     # Between syncs vLLM's weights age: sync_every N needs a staleness bound of N - 1.
     with pytest.raises(ConfigError, match=r"train.sync_every \(2\) needs train.max_staleness >= 1"):
         load_config(QUICKSTART, ["train.sync_every=2"])
-    assert load_config(QUICKSTART, ["train.sync_every=2", "train.max_staleness=1"]).train.sync_every == 2
+    assert (
+        load_config(QUICKSTART, ["train.sync_every=2", "train.max_staleness=1"]).train.sync_every
+        == 2
+    )
 
 
 def test_bad_files_and_overrides(tmp_path):
@@ -66,8 +77,12 @@ def test_bad_files_and_overrides(tmp_path):
 
 def test_cli_fails_fast_on_misspelt_key():
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "rollflow.cli", "run", QUICKSTART, "sampling.temprature=0.5"],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollflow.cli", "run", QUICKSTART, "sampling.temprature=0.5"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 2
     assert "unknown key 'sampling.temprature'" in proc.stderr
@@ -76,26 +91,49 @@ def test_cli_fails_fast_on_misspelt_key():
 
 
 def test_cli_dry_run_prints_resolved_config():
-    proc = subprocess.run([sys.executable, "-m", "rollflow.cli", "run", QUICKSTART, "--dry-run", "train.lr=3e-5"],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollflow.cli", "run", QUICKSTART, "--dry-run", "train.lr=3e-5"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stderr
     assert '"lr": 3e-05' in proc.stdout
 
 
 def test_trainer_backend_and_loss_choices():
     cfg = load_config(QUICKSTART)
-    assert (cfg.trainer.backend, cfg.trainer.num_ranks, cfg.train.loss.kind) == ("fsdp2", 1, "ppo")  # the fast default
-    cfg = load_config(QUICKSTART, ["trainer.backend=deepspeed", "trainer.zero_stage=3", "trainer.num_ranks=2",
-                                   "train.loss.kind=gspo", "train.old_logprobs=trainer", "train.loss.tis_cap=2.0"])
+    assert (cfg.trainer.backend, cfg.trainer.num_ranks, cfg.train.loss.kind) == (
+        "fsdp2",
+        1,
+        "ppo",
+    )  # the fast default
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "trainer.backend=deepspeed",
+            "trainer.zero_stage=3",
+            "trainer.num_ranks=2",
+            "train.loss.kind=gspo",
+            "train.old_logprobs=trainer",
+            "train.loss.tis_cap=2.0",
+        ],
+    )
     assert (cfg.trainer.zero_stage, cfg.train.loss.kind, cfg.train.loss.tis_cap) == (3, "gspo", 2.0)
-    assert load_config(QUICKSTART, ["train.loss=gspo"]).train.loss.kind == "gspo"  # a string is the kind
+    assert (
+        load_config(QUICKSTART, ["train.loss=gspo"]).train.loss.kind == "gspo"
+    )  # a string is the kind
     with pytest.raises(ConfigError, match="trainer.backend"):
         load_config(QUICKSTART, ["trainer.backend=megatron"])
     with pytest.raises(ConfigError, match="trainer.zero_stage"):
         load_config(QUICKSTART, ["trainer.backend=deepspeed", "trainer.zero_stage=4"])
-    with pytest.raises(ConfigError, match="zero_stage applies to trainer.backend = 'deepspeed' only"):
+    with pytest.raises(
+        ConfigError, match="zero_stage applies to trainer.backend = 'deepspeed' only"
+    ):
         load_config(QUICKSTART, ["trainer.zero_stage=2"])
-    with pytest.raises(ConfigError, match="tis_cap has no effect with train.old_logprobs = 'inference'"):
+    with pytest.raises(
+        ConfigError, match="tis_cap has no effect with train.old_logprobs = 'inference'"
+    ):
         load_config(QUICKSTART, ["train.loss.tis_cap=2.0"])
     with pytest.raises(ConfigError, match="train.loss"):
         load_config(QUICKSTART, ["train.loss=grpo"])

@@ -28,7 +28,9 @@ def run_with_checkpoints(tmp_path, tiny_model_dir):
     return storage
 
 
-def test_export_is_a_hf_folder_without_trainer_state(run_with_checkpoints, tmp_path, tiny_model_dir):
+def test_export_is_a_hf_folder_without_trainer_state(
+    run_with_checkpoints, tmp_path, tiny_model_dir
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = export_checkpoint(run_with_checkpoints, 5, tmp_path / "exported", show_progress=False)
@@ -42,9 +44,13 @@ def test_export_is_a_hf_folder_without_trainer_state(run_with_checkpoints, tmp_p
     assert all(torch.equal(state[k], v) for k, v in saved.items())
 
 
-def test_a_step_without_committed_checkpoint_names_the_steps_there_are(run_with_checkpoints, tmp_path):
+def test_a_step_without_committed_checkpoint_names_the_steps_there_are(
+    run_with_checkpoints, tmp_path
+):
     for step in (4, 6):  # never written / half-written
-        with pytest.raises(InputError, match=f"no committed checkpoint of step {step} .*committed steps: 1-3, 5"):
+        with pytest.raises(
+            InputError, match=f"no committed checkpoint of step {step} .*committed steps: 1-3, 5"
+        ):
             export_checkpoint(run_with_checkpoints, step, tmp_path / "x", show_progress=False)
     assert not (tmp_path / "x").exists()
 
@@ -53,14 +59,18 @@ def test_export_never_writes_into_a_folder_that_holds_something(run_with_checkpo
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(InputError, match="already exists and is not an empty folder; pass another --out"):
+    with pytest.raises(
+        InputError, match="already exists and is not an empty folder; pass another --out"
+    ):
         export_checkpoint(run_with_checkpoints, 1, out, show_progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
 def test_cli_export_and_its_error(run_with_checkpoints, tmp_path, capsys):
     root = str(tmp_path / "runs")
-    assert main(["export", "r", "--step", "2", "--storage", root, "--out", str(tmp_path / "m")]) == 0
+    assert (
+        main(["export", "r", "--step", "2", "--storage", root, "--out", str(tmp_path / "m")]) == 0
+    )
     assert f"exported step 2 of run r to {tmp_path / 'm'}" in capsys.readouterr().out
     assert main(["export", "r", "--step", "9", "--storage", root]) == 2
     assert "committed steps: 1-3, 5" in capsys.readouterr().err
@@ -73,10 +83,25 @@ def test_export_of_a_trained_run_loads_and_matches_its_checkpoint(deployed_run, 
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "quickstart-2"
-    assert main(["export", "quickstart", "--step", "2", "--storage", str(deployed_run.storage),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "quickstart",
+                "--step",
+                "2",
+                "--storage",
+                str(deployed_run.storage),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     model = AutoModelForCausalLM.from_pretrained(out)
     trained = load_file(deployed_run.run_dir / "checkpoints/step=2/model.safetensors")
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in trained.items())
-    assert (deployed_run.run_dir / "checkpoints/step=2/trainer").is_dir() and not (out / "trainer").exists()
+    assert (deployed_run.run_dir / "checkpoints/step=2/trainer").is_dir() and not (
+        out / "trainer"
+    ).exists()

@@ -15,12 +15,13 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import PROMPT_IDS, VLLM_MAX_LEN
 
 from rollflow.infra.errors import InferenceError, InferenceUnavailable
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.service import free_port
+
+from conftest import PROMPT_IDS, VLLM_MAX_LEN
 
 MAX_LEN = VLLM_MAX_LEN
 
@@ -108,7 +109,9 @@ def test_pause_keep_freezes_a_streaming_request_until_resume(server):
             await client.pause(mode="keep")
             try:
                 await asyncio.sleep(0.3)  # chunks already produced may still be in transit
-                frozen = {i: len(lines) for i, lines in enumerate(streams) if "data: [DONE]" not in lines}
+                frozen = {
+                    i: len(lines) for i, lines in enumerate(streams) if "data: [DONE]" not in lines
+                }
                 assert frozen, "every stream finished before the pause: nothing to check"
                 await asyncio.sleep(1.0)
                 for i, count in frozen.items():
@@ -138,8 +141,15 @@ def test_requests_aborted_by_a_real_pause_are_retried_and_complete(server):
     max_tokens = MAX_LEN - len(PROMPT_IDS)
 
     async def go(client):
-        sampler = Sampler(client, max_tokens=max_tokens, temperature=1.0, top_p=1.0, stats=stats,
-                          retry=RetryPolicy(initial_s=0.05, max_s=0.5), deadline_s=120)
+        sampler = Sampler(
+            client,
+            max_tokens=max_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            stats=stats,
+            retry=RetryPolicy(initial_s=0.05, max_s=0.5),
+            deadline_s=120,
+        )
         # ~60k tokens to generate: seconds on 2 cores, so the pause lands mid-generation.
         tasks = [asyncio.create_task(sampler(PROMPT_IDS, n=16)) for _ in range(64)]
         await asyncio.sleep(0.3)
@@ -170,8 +180,12 @@ def test_worker_sleeps_between_requests_and_wakes_for_each(server):
         slowest = 0.0
         for _ in range(8):  # gaps well under vLLM's own 1 s spin window
             await asyncio.sleep(0.25)
-            for call in (lambda: client.pause(mode="keep"), lambda: client.collective_rpc("close_weight_group"),
-                         client.resume, lambda: client.complete(PROMPT_IDS, max_tokens=4, temperature=1.0)):
+            for call in (
+                lambda: client.pause(mode="keep"),
+                lambda: client.collective_rpc("close_weight_group"),
+                client.resume,
+                lambda: client.complete(PROMPT_IDS, max_tokens=4, temperature=1.0),
+            ):
                 start = time.monotonic()
                 await call()
                 slowest = max(slowest, time.monotonic() - start)

@@ -10,7 +10,9 @@ from rollflow.infra import prefect_server
 
 def test_every_write_transaction_of_the_private_api_begins_immediate(monkeypatch):
     # Restored after the test: create_app patches Prefect's SQLite configuration in this process.
-    monkeypatch.setattr(AioSqliteConfiguration, "begin_transaction", AioSqliteConfiguration.begin_transaction)
+    monkeypatch.setattr(
+        AioSqliteConfiguration, "begin_transaction", AioSqliteConfiguration.begin_transaction
+    )
     db = provide_database_interface()
     assert isinstance(db.database_config, AioSqliteConfiguration)
 

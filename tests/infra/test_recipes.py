@@ -33,19 +33,28 @@ def write_config(tmp_path, body: str) -> str:
 
 
 def test_dry_run_names_a_missing_dataset(tmp_path, capsys):
-    config = write_config(tmp_path, f'[[envs]]\nname = "math"\nargs = {{ path = "{tmp_path}/none.jsonl" }}\n')
+    config = write_config(
+        tmp_path, f'[[envs]]\nname = "math"\nargs = {{ path = "{tmp_path}/none.jsonl" }}\n'
+    )
     assert main(["run", config, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert f"dataset {tmp_path}/none.jsonl: no such file" in err
 
 
-def test_dry_run_reports_malformed_rows_and_a_sink_without_its_package(tmp_path, capsys, monkeypatch):
+def test_dry_run_reports_malformed_rows_and_a_sink_without_its_package(
+    tmp_path, capsys, monkeypatch
+):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(30))
-                    + "{broken\n")
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(30))
+        + "{broken\n"
+    )
     config = write_config(tmp_path, f'[[envs]]\nname = "dataset"\nargs = {{ path = "{data}" }}\n')
     assert main(["run", config, "--dry-run"]) == 0
     assert "env dataset: loads, 1 malformed dataset rows skipped" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "wandb", None)
     assert main(["run", config, "--dry-run", 'metrics.sinks=["wandb"]']) == 2
-    assert "the wandb package is not installed: pip install 'rollflow[wandb]'" in capsys.readouterr().err
+    assert (
+        "the wandb package is not installed: pip install 'rollflow[wandb]'"
+        in capsys.readouterr().err
+    )

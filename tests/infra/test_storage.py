@@ -9,8 +9,11 @@ def storage(request, tmp_path):
     if request.param == "local":
         return RunStorage(str(tmp_path), "run1")
     url = request.getfixturevalue("s3_endpoint")
-    return RunStorage(f"s3://rollflow/{tmp_path.name}", "run1",
-                      {"endpoint_url": url, "key": "testing", "secret": "testing"})
+    return RunStorage(
+        f"s3://rollflow/{tmp_path.name}",
+        "run1",
+        {"endpoint_url": url, "key": "testing", "secret": "testing"},
+    )
 
 
 def _table(n: int) -> pa.Table:
@@ -81,7 +84,9 @@ def test_a_local_copy_follows_a_new_commit_at_the_same_uri(storage, tmp_path):
     src.mkdir()
     (src / "model.safetensors").write_bytes(b"old weights")
     storage.upload_dir(src, "checkpoints", 2)
-    assert (storage.local_copy("checkpoints", 2, tmp_path / "cache") / "model.safetensors").read_bytes() == b"old weights"
+    assert (
+        storage.local_copy("checkpoints", 2, tmp_path / "cache") / "model.safetensors"
+    ).read_bytes() == b"old weights"
     storage.fs.rm(storage.step_dir("checkpoints", 2), recursive=True)
     (src / "model.safetensors").write_bytes(b"new weights")
     storage.upload_dir(src, "checkpoints", 2)

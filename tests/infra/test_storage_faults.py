@@ -36,13 +36,21 @@ class Breakable:
 
 def storage(tmp_path, endpoint: str, **options) -> RunStorage:
     # A fresh filesystem object each time: no listing cache shared with another view.
-    return RunStorage(f"s3://rollflow/{tmp_path.name}", "run",
-                      {"endpoint_url": endpoint, "skip_instance_cache": True, **options})
+    return RunStorage(
+        f"s3://rollflow/{tmp_path.name}",
+        "run",
+        {"endpoint_url": endpoint, "skip_instance_cache": True, **options},
+    )
 
 
 def rollouts(step: int, tag: str = "") -> pa.Table:
-    return pa.table({"step": [step] * 16, "group_index": list(range(16)),
-                     "completion_text": [f"{tag}{step}-{i}" for i in range(16)]})
+    return pa.table(
+        {
+            "step": [step] * 16,
+            "group_index": list(range(16)),
+            "completion_text": [f"{tag}{step}-{i}" for i in range(16)],
+        }
+    )
 
 
 @pytest.fixture
@@ -57,11 +65,14 @@ def checkpoint_dir(tmp_path):
 
 def same_files(a, b) -> bool:
     files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and p.name != "_SUCCESS")
-    return files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file() and p.name != "_SUCCESS") \
-        and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    return files == sorted(
+        p.relative_to(b) for p in b.rglob("*") if p.is_file() and p.name != "_SUCCESS"
+    ) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 
-def test_transient_s3_faults_are_retried_and_every_file_lands_whole(s3_endpoint, tmp_path, checkpoint_dir):
+def test_transient_s3_faults_are_retried_and_every_file_lands_whole(
+    s3_endpoint, tmp_path, checkpoint_dir
+):
     """A quarter of GET/PUT/HEAD requests fail (500, 503, dropped before or after the write),
     at most twice in a row per object; s3fs/botocore's default retries carry every write."""
     with FaultProxy(s3_endpoint, random_faults(0.25, seed=SEED)) as proxy:
@@ -73,8 +84,10 @@ def test_transient_s3_faults_are_retried_and_every_file_lands_whole(s3_endpoint,
             flaky.append_event("step_committed", step=step)
             assert flaky.read_step_table("rollouts", step).equals(rollouts(step))
         cached = flaky.local_copy("checkpoints", 4, tmp_path / "cache")
-    print(f"seed {SEED}: {sum(proxy.injected.values())} faults in {sum(proxy.attempts.values())} "
-          f"requests: {dict(proxy.injected)}")
+    print(
+        f"seed {SEED}: {sum(proxy.injected.values())} faults in {sum(proxy.attempts.values())} "
+        f"requests: {dict(proxy.injected)}"
+    )
     assert set(proxy.injected) == set(FAULTS)  # every kind was injected, and survived
     direct = storage(tmp_path, s3_endpoint)  # what a rerun finds, past the proxy
     for kind in ("rollouts", "checkpoints"):
@@ -88,7 +101,8 @@ def test_transient_s3_faults_are_retried_and_every_file_lands_whole(s3_endpoint,
 
 
 def test_a_step_whose_upload_failed_is_never_read_as_committed_and_is_redone(
-        s3_endpoint, tmp_path, checkpoint_dir):
+    s3_endpoint, tmp_path, checkpoint_dir
+):
     plan = Breakable()
     with FaultProxy(s3_endpoint, plan) as proxy:
         flaky = storage(tmp_path, proxy.url, **FEW_RETRIES)
@@ -118,11 +132,14 @@ def test_a_step_whose_upload_failed_is_never_read_as_committed_and_is_redone(
     rerun = storage(tmp_path, s3_endpoint)  # the next run's fresh view
     assert rerun.read_step_table("rollouts", 2).equals(rollouts(2, "new"))
     assert rerun.fs.ls(rerun.step_dir("rollouts", 2), detail=False) == [
-        f"{rerun.step_dir('rollouts', 2)}/{name}" for name in ("_SUCCESS", "part-0.parquet")]
+        f"{rerun.step_dir('rollouts', 2)}/{name}" for name in ("_SUCCESS", "part-0.parquet")
+    ]
     assert same_files(checkpoint_dir, rerun.local_copy("checkpoints", 2, tmp_path / "cache"))
 
 
-def test_a_checkpoint_copy_cut_by_a_read_error_is_copied_again(s3_endpoint, tmp_path, checkpoint_dir):
+def test_a_checkpoint_copy_cut_by_a_read_error_is_copied_again(
+    s3_endpoint, tmp_path, checkpoint_dir
+):
     """The local copy of a committed checkpoint (what a resumed run loads) is whole or absent."""
     plan = Breakable()
     with FaultProxy(s3_endpoint, plan) as proxy:

@@ -18,9 +18,15 @@ def test_every_table_and_plot_has_a_markdown_cell_that_says_what_it_shows():
     cells = nb.cells
     for i, cell in enumerate(cells):
         if cell.cell_type == "code" and "parameters" not in cell.metadata.get("tags", []):
-            assert i > 0 and cells[i - 1].cell_type == "markdown", f"code cell {i} has no explanation before it"
-            assert len(cells[i - 1].source.split()) >= 15, f"markdown before code cell {i} says too little"
-    assert all(not c.get("outputs") for c in cells if c.cell_type == "code"), "commit the notebook without outputs"
+            assert i > 0 and cells[i - 1].cell_type == "markdown", (
+                f"code cell {i} has no explanation before it"
+            )
+            assert len(cells[i - 1].source.split()) >= 15, (
+                f"markdown before code cell {i} says too little"
+            )
+    assert all(not c.get("outputs") for c in cells if c.cell_type == "code"), (
+        "commit the notebook without outputs"
+    )
 
 
 @pytest.mark.slow
@@ -28,21 +34,32 @@ def test_notebook_executes_on_a_run_made_by_the_tests(deployed_run, monkeypatch)
     monkeypatch.setenv("ROLLFLOW_RUN", str(deployed_run.run_dir))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # Raises CellExecutionError, with the failing cell and traceback, if any cell fails.
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    NotebookClient(
+        nb,
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+    ).execute()
     outputs = {c.metadata["tags"][0]: c.outputs for c in nb.cells if c.cell_type == "code"}
 
     def text(tag: str) -> str:
-        return "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs[tag])
+        return "\n".join(
+            o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs[tag]
+        )
 
     def images(tag: str) -> int:
         return sum("image/png" in o.get("data", {}) for o in outputs[tag])
 
-    assert "quickstart: 2 committed steps (1..2), 64 completions, environments: sort_letters" in text("load")
+    assert (
+        "quickstart: 2 committed steps (1..2), 64 completions, environments: sort_letters"
+        in text("load")
+    )
     table = text("reward-by-step")
     assert "shape: (2, 5)" in table and "│ 1    ┆ 32 " in table and "│ 2    ┆ 32 " in table
     assert "sort_letters ┆ 64" in text("reward-by-env")
     assert "shape: (2, 5)" in text("completion-lengths")
     assert "│ 0         ┆ 0                 ┆ 64 " in text("staleness")  # on-policy run: all fresh
     assert "shape: (12, 6)" in text("sample")
-    assert [images(t) for t in ("reward-by-step", "reward-by-env", "completion-lengths", "staleness")] == [1, 1, 1, 1]
+    assert [
+        images(t) for t in ("reward-by-step", "reward-by-env", "completion-lengths", "staleness")
+    ] == [1, 1, 1, 1]

@@ -66,7 +66,9 @@ class InferenceClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=_KEEPALIVE_S)
+            connector = aiohttp.TCPConnector(
+                limit=self.max_connections, keepalive_timeout=_KEEPALIVE_S
+            )
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
@@ -146,8 +148,9 @@ class InferenceClient:
         """Whether the server answers ``/health`` with 200."""
         for attempt in range(2):  # the first try may meet a pooled connection the server closed
             try:
-                async with self._http().get(self.base_url + "/health",
-                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                async with self._http().get(
+                    self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+                ) as response:
                     await response.read()
                     return response.status == 200
             except (aiohttp.ClientError, TimeoutError):
@@ -198,16 +201,29 @@ class InferenceClient:
             return None
         return json.loads(data)
 
-    async def _send(self, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None,
-                    timeout_s: float) -> tuple[int, bytes]:
-        async with self._http().post(self.base_url + path, json=body, params=params,
-                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+    async def _send(
+        self,
+        path: str,
+        body: dict[str, Any] | None,
+        params: dict[str, Any] | None,
+        timeout_s: float,
+    ) -> tuple[int, bytes]:
+        async with self._http().post(
+            self.base_url + path,
+            json=body,
+            params=params,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as response:
             return response.status, await response.read()
 
 
 # A connection that broke under a request. (ClientConnectorError, a connection that could not be
 # opened, is a ClientOSError too, and no reason to try again at once.)
-_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
+_STALE_CONNECTION = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ClientOSError,
+)
 
 
 def _completion(choice: dict[str, Any]) -> Completion:

@@ -80,8 +80,10 @@ class ServingGate:
                 # A little past the supervisor's own deadline: it fails the gate itself by then.
                 end = min(x for x in (self._deadline + 5.0, limit) if x is not None)
                 if now >= end:
-                    raise TimeoutError(f"the inference server at {self.url} was still restarting "
-                                       f"after its deadline")
+                    raise TimeoutError(
+                        f"the inference server at {self.url} was still restarting "
+                        f"after its deadline"
+                    )
                 self._cond.wait(min(end - now, 1.0))
 
     async def wait_open_async(self, timeout_s: float | None = None) -> None:
@@ -91,8 +93,9 @@ class ServingGate:
             self._raise_if_failed()
             end = min(x for x in (self._deadline + 5.0, limit) if x is not None)
             if time.monotonic() >= end:
-                raise TimeoutError(f"the inference server at {self.url} was still restarting "
-                                   f"after its deadline")
+                raise TimeoutError(
+                    f"the inference server at {self.url} was still restarting after its deadline"
+                )
             await asyncio.sleep(0.05)
 
     def wait_restart(self, restarts_seen: int, notice_s: float) -> bool:
@@ -101,7 +104,8 @@ class ServingGate:
         to end. True once the restarted server serves; False if no restart came."""
         with self._cond:
             noticed = self._cond.wait_for(
-                lambda: self.restarts > restarts_seen or not self._open, notice_s)
+                lambda: self.restarts > restarts_seen or not self._open, notice_s
+            )
         if not noticed:
             return False
         self.wait_open()

@@ -111,7 +111,9 @@ class InferenceServer:
         """Start the server and wait until it is healthy; raise ``InferenceError`` otherwise."""
         if self.is_alive():
             return self
-        self._proc = ManagedProcess("vLLM server", self.command(), self.log_path, self.environment())
+        self._proc = ManagedProcess(
+            "vLLM server", self.command(), self.log_path, self.environment()
+        )
         self._proc.start()
         try:
             self._proc.wait_healthy(

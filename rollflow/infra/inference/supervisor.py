@@ -64,15 +64,26 @@ class WeightLink:
 class InferenceSupervisor:
     """One vLLM server, restarted when it dies; see the module docstring."""
 
-    def __init__(self, cfg: RunConfig, policy_dir: str | Path, log_dir: Path, *,
-                 on_restart: Callable[[dict], None] = lambda info: None, progress=print):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        policy_dir: str | Path,
+        log_dir: Path,
+        *,
+        on_restart: Callable[[dict], None] = lambda info: None,
+        progress=print,
+    ):
         self.cfg = cfg
         self.link: WeightLink | None = None
         self.on_restart, self.progress = on_restart, progress
         self.server = InferenceServer(
-            policy_dir, host=cfg.inference.host, port=cfg.inference.port,
-            max_model_len=_max_model_len(policy_dir), startup_timeout_s=cfg.inference.startup_timeout_s,
-            extra_args=cfg.inference.extra_args, log_path=log_dir / "vllm.log",
+            policy_dir,
+            host=cfg.inference.host,
+            port=cfg.inference.port,
+            max_model_len=_max_model_len(policy_dir),
+            startup_timeout_s=cfg.inference.startup_timeout_s,
+            extra_args=cfg.inference.extra_args,
+            log_path=log_dir / "vllm.log",
         )
         self.gate: ServingGate | None = None
         self.group_open = False
@@ -110,7 +121,10 @@ class InferenceSupervisor:
         if not self.server.is_alive():
             return f"the vLLM server died (exit code {self.server.returncode})"
         try:
-            healthy = client().get(f"{self.url}/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
+            healthy = (
+                client().get(f"{self.url}/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code
+                == 200
+            )
         except httpx.HTTPError:
             healthy = False
         self._unhealthy_probes = 0 if healthy else self._unhealthy_probes + 1
@@ -121,23 +135,33 @@ class InferenceSupervisor:
     def restart_deadline_s(self) -> float:
         """The longest a restart may take: start, weight group, the trainer's step, one sync."""
         c = self.cfg
-        return (c.inference.startup_timeout_s + 2 * c.trainer.weight_sync_timeout_s
-                + c.trainer.request_timeout_s + 30.0)
+        return (
+            c.inference.startup_timeout_s
+            + 2 * c.trainer.weight_sync_timeout_s
+            + c.trainer.request_timeout_s
+            + 30.0
+        )
 
     def _restart(self, reason: str) -> None:
         detected_at = time.time()
         logs = f"see {self.server.log_path}"
         if self.restarts >= self.cfg.inference.max_restarts:
-            message = (f"{reason}; not restarted: {self.restarts} of "
-                       f"inference.max_restarts = {self.cfg.inference.max_restarts} used; {logs}")
+            message = (
+                f"{reason}; not restarted: {self.restarts} of "
+                f"inference.max_restarts = {self.cfg.inference.max_restarts} used; {logs}"
+            )
             self.gate.fail(message)
             raise ServiceError(message)
         if threading.current_thread() is not self._owner:
-            raise RuntimeError("the inference supervisor must restart the server from the thread "
-                               "that started it (the run's main thread)")
+            raise RuntimeError(
+                "the inference supervisor must restart the server from the thread "
+                "that started it (the run's main thread)"
+            )
         self.gate.close(self.restart_deadline_s())
-        self.progress(f"inference: {reason}; restarting it ({self.restarts + 1}/"
-                      f"{self.cfg.inference.max_restarts}); {logs}")
+        self.progress(
+            f"inference: {reason}; restarting it ({self.restarts + 1}/"
+            f"{self.cfg.inference.max_restarts}); {logs}"
+        )
         start = time.monotonic()
         try:
             self.group_open = False
@@ -153,11 +177,18 @@ class InferenceSupervisor:
         self.restarts += 1
         self._unhealthy_probes = 0
         self.gate.open()
-        info = {"restart": self.restarts, "reason": reason, "detected_at": detected_at,
-                "restart_s": time.monotonic() - start, "version": version}
+        info = {
+            "restart": self.restarts,
+            "reason": reason,
+            "detected_at": detected_at,
+            "restart_s": time.monotonic() - start,
+            "version": version,
+        }
         self.on_restart(info)
-        self.progress(f"inference: restarted in {info['restart_s']:.0f}s, serving policy version "
-                      f"{version} again")
+        self.progress(
+            f"inference: restarted in {info['restart_s']:.0f}s, serving policy version "
+            f"{version} again"
+        )
 
     # -------------------------------------------------------------------- stop
 

@@ -47,7 +47,9 @@ def register() -> None:
             self.busy_loop_s = 0.0  # vLLM's idle wait: sleep until a wake-up (or its timeout)
             return idle_wait(self, timeout_ms)
         # Within the window: sleep on the wake-up socket, at most POLL_MS (a dropped wake-up).
-        events = dict(self.poller.poll(timeout=POLL_MS if timeout_ms is None else min(POLL_MS, timeout_ms)))
+        events = dict(
+            self.poller.poll(timeout=POLL_MS if timeout_ms is None else min(POLL_MS, timeout_ms))
+        )
         if self.local_notify_socket in events:
             self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
         # A cancel event is left on its socket, as vLLM does: every later wait sees it at once.

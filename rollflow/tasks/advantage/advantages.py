@@ -16,7 +16,9 @@ import pyarrow as pa
 AdvantageFn = Callable[[Sequence[float]], list[float]]
 
 
-def grpo_advantages(rewards_G: Sequence[float], normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
+def grpo_advantages(
+    rewards_G: Sequence[float], normalize_std: bool = False, eps: float = 1e-6
+) -> list[float]:
     """Reward minus the group mean, optionally divided by the group's std."""
     mean = sum(rewards_G) / len(rewards_G)
     advantages_G = [r - mean for r in rewards_G]
@@ -39,8 +41,12 @@ class BatchStats:
     failure_reasons: Counter = field(default_factory=Counter)
 
 
-def build_batch(rollouts: pa.Table, advantage_fn: AdvantageFn, group_scored_envs: set[str] = frozenset(),
-                filter_zero_advantage: bool = True) -> tuple[pa.Table, BatchStats]:
+def build_batch(
+    rollouts: pa.Table,
+    advantage_fn: AdvantageFn,
+    group_scored_envs: set[str] = frozenset(),
+    filter_zero_advantage: bool = True,
+) -> tuple[pa.Table, BatchStats]:
     """Rows of the groups that carry signal, with ``advantage`` set.
 
     A failed sample (error or no reward) is dropped; its group keeps the survivors, unless its

@@ -32,7 +32,9 @@ class Batch:
 
 
 @task(name="advantage", cache_policy=NO_CACHE, persist_result=False)
-def advantage(ctx: RunContext, step: int, reuse: bool = False, group_scored_envs: list[str] = ()) -> Batch:
+def advantage(
+    ctx: RunContext, step: int, reuse: bool = False, group_scored_envs: list[str] = ()
+) -> Batch:
     """Build the step's training batch (or, with ``reuse``, take its committed one).
 
     A failed sample of an individually scored env is dropped and its group kept (the advantage
@@ -45,11 +47,24 @@ def advantage(ctx: RunContext, step: int, reuse: bool = False, group_scored_envs
         return Batch(sorted(set(batch.column("group_index").to_pylist())), batch.num_rows)
     storage.remove_step("batches", step)
     rollouts = storage.read_step_table("rollouts", step)
-    batch, stats = build_batch(rollouts, partial(grpo_advantages, normalize_std=cfg.train.normalize_std),
-                               set(group_scored_envs), cfg.train.filter_zero_advantage)
+    batch, stats = build_batch(
+        rollouts,
+        partial(grpo_advantages, normalize_std=cfg.train.normalize_std),
+        set(group_scored_envs),
+        cfg.train.filter_zero_advantage,
+    )
     if stats.num_failed_samples:
-        log.warning("step %d: %d failed samples left out of the batch, by reason: %s", step,
-                    stats.num_failed_samples, dict(stats.failure_reasons))
+        log.warning(
+            "step %d: %d failed samples left out of the batch, by reason: %s",
+            step,
+            stats.num_failed_samples,
+            dict(stats.failure_reasons),
+        )
     storage.write_step_table("batches", step, batch)
-    return Batch(sorted(set(batch.column("group_index").to_pylist())), batch.num_rows,
-                 stats.num_failed_samples, stats.num_zero_advantage_groups, dict(stats.failure_reasons))
+    return Batch(
+        sorted(set(batch.column("group_index").to_pylist())),
+        batch.num_rows,
+        stats.num_failed_samples,
+        stats.num_zero_advantage_groups,
+        dict(stats.failure_reasons),
+    )

@@ -50,8 +50,14 @@ class LoadedDataset:
     first_skipped: tuple[str, ...]  # "line 7: bad JSON (...)" for the first few skipped rows
 
 
-def load_prompts(path: str | Path, *, prompt_column: str = "prompt", answer_column: str | None = "answer",
-                 format: Format = "auto", split: str | None = None) -> LoadedDataset:
+def load_prompts(
+    path: str | Path,
+    *,
+    prompt_column: str = "prompt",
+    answer_column: str | None = "answer",
+    format: Format = "auto",
+    split: str | None = None,
+) -> LoadedDataset:
     """The rows of ``path`` with a non-empty string prompt (and a str/number answer, if asked).
 
     ``format="auto"`` picks by suffix (``.jsonl``/``.ndjson``, ``.parquet``) or, for a folder, by
@@ -61,13 +67,19 @@ def load_prompts(path: str | Path, *, prompt_column: str = "prompt", answer_colu
     """
     p = Path(path).expanduser().resolve()
     if not p.exists():
-        raise InputError(f"dataset {path}: no such file or folder (datasets are read from local "
-                           "paths only; save a hub dataset with datasets' save_to_disk first)")
+        raise InputError(
+            f"dataset {path}: no such file or folder (datasets are read from local "
+            "paths only; save a hub dataset with datasets' save_to_disk first)"
+        )
     fmt = detect_format(p) if format == "auto" else format
     if fmt not in FORMATS:
-        raise InputError(f"dataset {path}: unknown format {format!r}; use one of auto, {', '.join(FORMATS)}")
+        raise InputError(
+            f"dataset {path}: unknown format {format!r}; use one of auto, {', '.join(FORMATS)}"
+        )
     stat = p.stat()
-    return _load_cached(str(p), (stat.st_mtime_ns, stat.st_size), fmt, prompt_column, answer_column, split)
+    return _load_cached(
+        str(p), (stat.st_mtime_ns, stat.st_size), fmt, prompt_column, answer_column, split
+    )
 
 
 def detect_format(p: Path) -> str:
@@ -76,50 +88,74 @@ def detect_format(p: Path) -> str:
             return "hf"
         if any(p.glob("*.parquet")):
             return "parquet"
-        raise InputError(f"dataset {p}: a folder that is neither a datasets save_to_disk folder "
-                           "(dataset_dict.json or state.json) nor a folder of *.parquet files")
+        raise InputError(
+            f"dataset {p}: a folder that is neither a datasets save_to_disk folder "
+            "(dataset_dict.json or state.json) nor a folder of *.parquet files"
+        )
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         return "jsonl"
     if suffix in (".parquet", ".pq"):
         return "parquet"
-    raise InputError(f"dataset {p}: cannot tell the format from the suffix {suffix!r}; "
-                       f"use .jsonl or .parquet, or set format to one of {', '.join(FORMATS)}")
+    raise InputError(
+        f"dataset {p}: cannot tell the format from the suffix {suffix!r}; "
+        f"use .jsonl or .parquet, or set format to one of {', '.join(FORMATS)}"
+    )
 
 
 @lru_cache(maxsize=32)
-def _load_cached(path: str, _version: tuple[int, int], fmt: str, prompt_column: str, answer_column: str | None,
-                 split: str | None) -> LoadedDataset:
+def _load_cached(
+    path: str,
+    _version: tuple[int, int],
+    fmt: str,
+    prompt_column: str,
+    answer_column: str | None,
+    split: str | None,
+) -> LoadedDataset:
     columns = [prompt_column] + ([answer_column] if answer_column else [])
     if fmt == "jsonl":
         source, records = path, _jsonl_records(Path(path))
         where = "line"
     else:
-        table = _read_parquet(Path(path), columns) if fmt == "parquet" else _read_hf(Path(path), split)
+        table = (
+            _read_parquet(Path(path), columns) if fmt == "parquet" else _read_hf(Path(path), split)
+        )
         source = path if split is None else f"{path} (split {split})"
         _require_columns(source, table.column_names, columns)
         records = _table_records(table, columns)
         where = "row"
     rows, skipped = [], []
     for index, record in records:
-        row = record if isinstance(record, str) else _prompt_row(index, record, prompt_column, answer_column)
+        row = (
+            record
+            if isinstance(record, str)
+            else _prompt_row(index, record, prompt_column, answer_column)
+        )
         if isinstance(row, PromptRow):
             rows.append(row)
         else:
             skipped.append(f"{where} {index + 1 if where == 'line' else index}: {row}")
     loaded = LoadedDataset(source, tuple(rows), len(skipped), tuple(skipped[:MAX_REPORTED]))
     if not rows:
-        detail = f"; first problems: {'; '.join(loaded.first_skipped)}" if skipped else " (it is empty)"
+        detail = (
+            f"; first problems: {'; '.join(loaded.first_skipped)}" if skipped else " (it is empty)"
+        )
         raise InputError(f"dataset {source}: no usable rows out of {len(skipped)}{detail}")
     if skipped:
-        log.warning("dataset %s: skipped %d malformed of %d rows (%s%s)", source, len(skipped),
-                    len(skipped) + len(rows), "; ".join(loaded.first_skipped),
-                    "; ..." if len(skipped) > MAX_REPORTED else "")
+        log.warning(
+            "dataset %s: skipped %d malformed of %d rows (%s%s)",
+            source,
+            len(skipped),
+            len(skipped) + len(rows),
+            "; ".join(loaded.first_skipped),
+            "; ..." if len(skipped) > MAX_REPORTED else "",
+        )
     return loaded
 
 
-def _prompt_row(index: int, record: Any, prompt_column: str,
-                answer_column: str | None) -> PromptRow | str:
+def _prompt_row(
+    index: int, record: Any, prompt_column: str, answer_column: str | None
+) -> PromptRow | str:
     """The row, or why it is malformed."""
     if not isinstance(record, dict):
         return f"expected a JSON object, got {type(record).__name__}"
@@ -171,8 +207,10 @@ def _require_columns(source: str, have: list[str], want: list[str]) -> None:
     """A column absent from a whole table is every row malformed: say which and what exists."""
     missing = [c for c in want if c not in have]
     if missing:
-        raise InputError(f"dataset {source}: no usable rows: column {missing[0]!r} is missing "
-                           f"(columns: {', '.join(have)}); set prompt_column / answer_column")
+        raise InputError(
+            f"dataset {source}: no usable rows: column {missing[0]!r} is missing "
+            f"(columns: {', '.join(have)}); set prompt_column / answer_column"
+        )
 
 
 def _read_parquet(p: Path, columns: list[str]):
@@ -192,18 +230,26 @@ def _read_hf(p: Path, split: str | None):
     try:
         import datasets
     except ImportError as exc:
-        raise InputError(f"dataset {p}: reading a save_to_disk folder needs the datasets package: "
-                           "pip install datasets") from exc
+        raise InputError(
+            f"dataset {p}: reading a save_to_disk folder needs the datasets package: "
+            "pip install datasets"
+        ) from exc
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as exc:
-        raise InputError(f"dataset {p}: not a readable datasets save_to_disk folder: {exc}") from exc
+        raise InputError(
+            f"dataset {p}: not a readable datasets save_to_disk folder: {exc}"
+        ) from exc
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             what = "names no split" if split is None else f"has no split {split!r}"
-            raise InputError(f"dataset {p}: a DatasetDict whose splits are {sorted(ds)}; the env "
-                               f"{what}: set split (and eval_split) to one of them")
+            raise InputError(
+                f"dataset {p}: a DatasetDict whose splits are {sorted(ds)}; the env "
+                f"{what}: set split (and eval_split) to one of them"
+            )
         ds = ds[split]
     elif split is not None:
-        raise InputError(f"dataset {p}: a single Dataset has no splits, but split={split!r} was set")
+        raise InputError(
+            f"dataset {p}: a single Dataset has no splits, but split={split!r} was set"
+        )
     return ds.with_format("arrow")[:]

@@ -34,17 +34,30 @@ class DatasetEnv(SingleTurnEnv):
 
     name = "dataset"
 
-    def __init__(self, path: str, *, format: str = "auto", split: str | None = None,
-                 prompt_column: str = "prompt", answer_column: str | None = "answer",
-                 eval_path: str | None = None, eval_split: str | None = None, eval_fraction: float = 0.1,
-                 prompt_template: str = "{prompt}"):
+    def __init__(
+        self,
+        path: str,
+        *,
+        format: str = "auto",
+        split: str | None = None,
+        prompt_column: str = "prompt",
+        answer_column: str | None = "answer",
+        eval_path: str | None = None,
+        eval_split: str | None = None,
+        eval_fraction: float = 0.1,
+        prompt_template: str = "{prompt}",
+    ):
         if "{prompt}" not in prompt_template:
-            raise ValueError(f"env {self.name}: prompt_template {prompt_template!r} has no {{prompt}}")
+            raise ValueError(
+                f"env {self.name}: prompt_template {prompt_template!r} has no {{prompt}}"
+            )
         columns = {"format": format, "prompt_column": prompt_column, "answer_column": answer_column}
         train = load_prompts(path, split=split, **columns)
         if eval_path is None and eval_split is None:
             if not 0 < eval_fraction < 1:
-                raise ValueError(f"env {self.name}: eval_fraction must be in (0, 1), got {eval_fraction}")
+                raise ValueError(
+                    f"env {self.name}: eval_fraction must be in (0, 1), got {eval_fraction}"
+                )
             held_out = [r for r in train.rows if in_eval_split(r.prompt, eval_fraction)]
             train_rows = [r for r in train.rows if not in_eval_split(r.prompt, eval_fraction)]
             self.num_skipped_rows = train.num_skipped
@@ -53,24 +66,32 @@ class DatasetEnv(SingleTurnEnv):
         else:
             held = load_prompts(eval_path or path, split=eval_split, **columns)
             if held.source == train.source:
-                raise ValueError(f"env {self.name}: the eval source is the training source "
-                                 f"({train.source}); set a different eval_path or eval_split")
+                raise ValueError(
+                    f"env {self.name}: the eval source is the training source "
+                    f"({train.source}); set a different eval_path or eval_split"
+                )
             held_out = list(held.rows)
             train_rows = _without_prompts(train, {r.prompt for r in held_out})
             self.num_skipped_rows = train.num_skipped + held.num_skipped
             eval_prefix = "eval:"
             how = f"{train.source} with held-out {held.source}"
         if not train_rows or not held_out:
-            raise ValueError(f"env {self.name}: {how} leaves {len(train_rows)} training and "
-                             f"{len(held_out)} held-out prompts; both need at least one")
+            raise ValueError(
+                f"env {self.name}: {how} leaves {len(train_rows)} training and "
+                f"{len(held_out)} held-out prompts; both need at least one"
+            )
         self._rows: dict[Split, list[Prompt]] = {
             "train": [self._prompt(r, "", prompt_template) for r in train_rows],
             "eval": [self._prompt(r, eval_prefix, prompt_template) for r in held_out],
         }
 
     def _prompt(self, row: PromptRow, prefix: str, template: str) -> Prompt:
-        return Prompt(self.name, f"{self.name}:{prefix}{row.index}", template.replace("{prompt}", row.prompt),
-                      row.answer)
+        return Prompt(
+            self.name,
+            f"{self.name}:{prefix}{row.index}",
+            template.replace("{prompt}", row.prompt),
+            row.answer,
+        )
 
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
         """Training: ``count`` prompts, without repeats until the set is used up. Eval: at most
@@ -95,8 +116,11 @@ def _without_prompts(loaded: LoadedDataset, held_out: set[str]) -> list[PromptRo
     """Training rows minus any whose prompt is also held out (said, not silent)."""
     rows = [r for r in loaded.rows if r.prompt not in held_out]
     if len(rows) < len(loaded.rows):
-        log.warning("dataset %s: dropped %d training rows whose prompt is also in the held-out set",
-                    loaded.source, len(loaded.rows) - len(rows))
+        log.warning(
+            "dataset %s: dropped %d training rows whose prompt is also in the held-out set",
+            loaded.source,
+            len(loaded.rows) - len(rows),
+        )
     return rows
 
 
@@ -112,15 +136,29 @@ class MathEnv(DatasetEnv):
 
     name = "math"
 
-    def __init__(self, path: str = str(DATA_DIR / "math_small.jsonl"), *, prompt_column: str = "problem",
-                 answer_column: str = "answer", prompt_template: str = MATH_TEMPLATE, **kwargs):
+    def __init__(
+        self,
+        path: str = str(DATA_DIR / "math_small.jsonl"),
+        *,
+        prompt_column: str = "problem",
+        answer_column: str = "answer",
+        prompt_template: str = MATH_TEMPLATE,
+        **kwargs,
+    ):
         if importlib.util.find_spec("math_verify") is None:
-            raise ValueError(f"env {self.name} checks answers with math-verify, which is not installed: "
-                             "pip install math-verify")
+            raise ValueError(
+                f"env {self.name} checks answers with math-verify, which is not installed: "
+                "pip install math-verify"
+            )
         if not answer_column:
             raise ValueError(f"env {self.name}: answer_column is required (the reference answers)")
-        super().__init__(path, prompt_column=prompt_column, answer_column=answer_column,
-                         prompt_template=prompt_template, **kwargs)
+        super().__init__(
+            path,
+            prompt_column=prompt_column,
+            answer_column=answer_column,
+            prompt_template=prompt_template,
+            **kwargs,
+        )
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         from math_verify import parse

@@ -80,7 +80,9 @@ class Environment(ABC):
         """
 
     @abstractmethod
-    async def rollout_group(self, prompt: Prompt, group_size: int, ctx: RolloutContext) -> list[Sample]:
+    async def rollout_group(
+        self, prompt: Prompt, group_size: int, ctx: RolloutContext
+    ) -> list[Sample]:
         """Sample and score ``group_size`` rollouts of ``prompt``."""
 
 
@@ -91,16 +93,23 @@ class SingleTurnEnv(Environment):
     def reward(self, prompt: Prompt, completion: str) -> float:
         """Score one completion (runs in a worker thread)."""
 
-    async def rollout_group(self, prompt: Prompt, group_size: int, ctx: RolloutContext) -> list[Sample]:
+    async def rollout_group(
+        self, prompt: Prompt, group_size: int, ctx: RolloutContext
+    ) -> list[Sample]:
         # Tokenising, detokenising and scoring run in a worker thread, off the producer's loop.
         prompt_ids = await asyncio.to_thread(ctx.encode, prompt.text)
         start = time.perf_counter()
         completions = await ctx.sample(prompt_ids, n=group_size)
         generate_s = time.perf_counter() - start
         samples = [
-            Sample(prompt_ids=prompt_ids, completion_ids=list(c.token_ids),
-                   completion_logprobs=list(c.logprobs), completion_text="",
-                   finish_reason=c.finish_reason, generate_s=generate_s)
+            Sample(
+                prompt_ids=prompt_ids,
+                completion_ids=list(c.token_ids),
+                completion_logprobs=list(c.logprobs),
+                completion_text="",
+                finish_reason=c.finish_reason,
+                generate_s=generate_s,
+            )
             for c in completions
         ]
         await asyncio.to_thread(self._decode_and_score, prompt, samples, ctx)
@@ -179,9 +188,17 @@ class SortLettersEnv(_ExactMatchEnv):
 
     name = "sort_letters"
 
-    def __init__(self, letters: str = "abcdefgh", min_len: int = 3, max_len: int = 5, partial_credit: bool = False):
+    def __init__(
+        self,
+        letters: str = "abcdefgh",
+        min_len: int = 3,
+        max_len: int = 5,
+        partial_credit: bool = False,
+    ):
         if not 1 <= min_len <= max_len:
-            raise ValueError(f"env sort_letters: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+            raise ValueError(
+                f"env sort_letters: need 1 <= min_len <= max_len, got {min_len}, {max_len}"
+            )
         self.letters, self.min_len, self.max_len = letters, min_len, max_len
         self.partial_credit = partial_credit
 
@@ -192,7 +209,9 @@ class SortLettersEnv(_ExactMatchEnv):
         return sum(a == b for a, b in zip(got, want, strict=False)) / max(len(got), len(want))
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
-        word = "".join(rng.choice(self.letters) for _ in range(rng.randint(self.min_len, self.max_len)))
+        word = "".join(
+            rng.choice(self.letters) for _ in range(rng.randint(self.min_len, self.max_len))
+        )
         return f"sort {word}=", "".join(sorted(word))
 
 

@@ -43,8 +43,10 @@ def host_for(run: str) -> ProducerHost:
     try:
         return _HOSTS[run]
     except KeyError:
-        raise RuntimeError(f"no rollout producer is running for run {run!r} in this process; "
-                           "step flows run inside the rl-run flow, which starts it") from None
+        raise RuntimeError(
+            f"no rollout producer is running for run {run!r} in this process; "
+            "step flows run inside the rl-run flow, which starts it"
+        ) from None
 
 
 MakeContext = Callable[[InferenceClient, SamplingStats], RolloutContext]
@@ -58,13 +60,22 @@ class ProducerHost:
     ``reusable_rollouts``); the producer's first group goes to the step after them.
     """
 
-    def __init__(self, cfg: RunConfig, envs: dict[str, Environment], make_ctx: MakeContext,
-                 inference_url: str, resumed_from: int, reused_steps: list[int] = ()):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        envs: dict[str, Environment],
+        make_ctx: MakeContext,
+        inference_url: str,
+        resumed_from: int,
+        reused_steps: list[int] = (),
+    ):
         self.cfg, self.envs = cfg, envs
         self.reused_steps = frozenset(reused_steps)
         first_step = resumed_from + 1 + len(self.reused_steps)
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-producer", daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="rollout-producer", daemon=True
+        )
         self.thread.start()
         self._taken = resumed_from
         self._closed: BaseException | None = None
@@ -76,10 +87,19 @@ class ProducerHost:
             t = cfg.train
             producer = RolloutProducer(
                 group_runner(envs, make_ctx(client, self.sampling_stats), cfg.sampling.group_size),
-                prompt_stream(envs, {e.name: e.weight for e in cfg.envs}, t.train_batch_size,
-                              cfg.run.seed, first_step=first_step),
-                train_batch_size=t.train_batch_size, max_staleness=t.max_staleness,
-                max_in_flight=t.in_flight_groups(), version=resumed_from, first_step=first_step)
+                prompt_stream(
+                    envs,
+                    {e.name: e.weight for e in cfg.envs},
+                    t.train_batch_size,
+                    cfg.run.seed,
+                    first_step=first_step,
+                ),
+                train_batch_size=t.train_batch_size,
+                max_staleness=t.max_staleness,
+                max_in_flight=t.in_flight_groups(),
+                version=resumed_from,
+                first_step=first_step,
+            )
             producer.start()
             return client, producer
 
@@ -106,11 +126,17 @@ class ProducerHost:
         finish go to the earliest step whatever order the overlapping step flows arrive in.
         """
         with self._cond:
-            ok = self._cond.wait_for(lambda: self._taken >= step - 1 or self._closed is not None, timeout_s)
+            ok = self._cond.wait_for(
+                lambda: self._taken >= step - 1 or self._closed is not None, timeout_s
+            )
             if self._closed is not None:
-                raise TrainingFinished(f"the producer is closed: step {step} gets no groups") from self._closed
+                raise TrainingFinished(
+                    f"the producer is closed: step {step} gets no groups"
+                ) from self._closed
             if not ok:
-                raise TimeoutError(f"step {step} waited for step {step - 1} to take its groups for {timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"step {step} waited for step {step - 1} to take its groups for {timeout_s:.0f}s"
+                )
         groups = self._call(self.producer.take(step, timeout_s), timeout_s + 5)
         metrics = self._call(_producer_metrics(self.producer, step), 10)
         metrics["retries_total"] = self.sampling_stats.retries
@@ -180,6 +206,11 @@ def freeze_heap() -> None:
 
 async def _producer_metrics(producer: RolloutProducer, step: int) -> dict:
     snap = producer.snapshot()
-    return {**producer.step_metrics(step), "groups_in_flight": snap["num_in_flight"],
-            "producer_blocked_s": snap["blocked_by_bound_s"], "loop_lag_p50_s": snap["loop_lag_p50_s"],
-            "loop_lag_p99_s": snap["loop_lag_p99_s"], "loop_lag_max_s": snap["loop_lag_max_s"]}
+    return {
+        **producer.step_metrics(step),
+        "groups_in_flight": snap["num_in_flight"],
+        "producer_blocked_s": snap["blocked_by_bound_s"],
+        "loop_lag_p50_s": snap["loop_lag_p50_s"],
+        "loop_lag_p99_s": snap["loop_lag_p99_s"],
+        "loop_lag_max_s": snap["loop_lag_max_s"],
+    }

@@ -27,6 +27,7 @@ from rollflow.tasks.generate.rollouts import (
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class FinishedGroup:
     """One finished group; ``index`` is its admission order (0-based, since the start)."""
@@ -71,20 +72,32 @@ class RolloutProducer:
       then raises ``TrainingFinished``. A raise from ``run_group`` stops it with ``ProducerFailed``.
     """
 
-    def __init__(self, run_group: RunGroup, prompts: Iterator[Prompt] | Callable[[], Prompt], *,
-                 train_batch_size: int, max_staleness: int, max_in_flight: int, version: int = 0,
-                 first_step: int | None = None, clock: Callable[[], float] = time.monotonic, lag_interval_s: float = 0.1):
+    def __init__(
+        self,
+        run_group: RunGroup,
+        prompts: Iterator[Prompt] | Callable[[], Prompt],
+        *,
+        train_batch_size: int,
+        max_staleness: int,
+        max_in_flight: int,
+        version: int = 0,
+        first_step: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        lag_interval_s: float = 0.1,
+    ):
         B, S, K = train_batch_size, max_staleness, max_in_flight
         if B < 1 or S < 0:
-            raise ValueError(f"need train.train_batch_size >= 1 (got {B}) and "
-                             f"train.max_staleness >= 0 (got {S})")
+            raise ValueError(
+                f"need train.train_batch_size >= 1 (got {B}) and train.max_staleness >= 0 (got {S})"
+            )
         if not B <= K <= B * (S + 1):
             raise ValueError(
                 f"groups in flight K (train.max_in_flight_groups) = {K} must satisfy "
                 f"train.train_batch_size <= K <= "
                 f"train.train_batch_size * (train.max_staleness + 1), "
                 f"i.e. {B} <= K <= {B * (S + 1)}: fewer cannot fill one step, more can never be "
-                f"admitted under the staleness bound")
+                f"admitted under the staleness bound"
+            )
         self.train_batch_size, self.max_staleness, self.max_in_flight = B, S, K
         self._run_group = run_group
         self._next_prompt = prompts.__next__ if isinstance(prompts, Iterator) else prompts
@@ -108,8 +121,10 @@ class RolloutProducer:
 
     def start(self) -> None:
         """Start admitting (call from the event loop that will run the producer)."""
-        self._service_tasks = [asyncio.create_task(self._admit_loop(), name="producer-admit"),
-                               asyncio.create_task(self._sample_lag(), name="producer-lag")]
+        self._service_tasks = [
+            asyncio.create_task(self._admit_loop(), name="producer-admit"),
+            asyncio.create_task(self._sample_lag(), name="producer-lag"),
+        ]
 
     async def __aenter__(self) -> RolloutProducer:
         self.start()
@@ -131,8 +146,9 @@ class RolloutProducer:
         tasks = [*self._tasks, *self._service_tasks]
         pending = (await asyncio.wait(tasks, timeout=timeout_s))[1] if tasks else set()
         if pending:
-            raise TimeoutError(f"{len(pending)} producer tasks still running {timeout_s:g}s "
-                               "after cancellation")
+            raise TimeoutError(
+                f"{len(pending)} producer tasks still running {timeout_s:g}s after cancellation"
+            )
 
     async def take(self, step: int, timeout_s: float) -> list[FinishedGroup]:
         """The first ``train_batch_size`` groups to finish that no step has taken yet."""
@@ -159,10 +175,13 @@ class RolloutProducer:
         self.num_emitted += len(groups)
         staleness = [step - 1 - g.version_started for g in groups]
         self._step_metrics[step] = {
-            "version": self.version, "wait_s": self._clock() - start,
+            "version": self.version,
+            "wait_s": self._clock() - start,
             "stale_dropped_total": self.num_stale_dropped,
-            "staleness_mean": fmean(staleness), "staleness_max": max(staleness),
-            "num_failed": sum(g.error is not None for g in groups)}
+            "staleness_mean": fmean(staleness),
+            "staleness_max": max(staleness),
+            "num_failed": sum(g.error is not None for g in groups),
+        }
         self._taken[step] = groups
         for old in [s for s in self._taken if s < step - self.max_staleness - 2]:
             del self._taken[old]  # only a retry of a recent step can ask again
@@ -176,9 +195,14 @@ class RolloutProducer:
             return
         self._ready = deque(g for g in self._ready if g.version_started >= oldest_ok)
         self.num_stale_dropped += len(stale)
-        log.warning("step %d: dropped %d finished groups started from versions %s, older than the "
-                    "staleness bound allows (>= %d); their admission slots are reused",
-                    step, len(stale), sorted({g.version_started for g in stale}), oldest_ok)
+        log.warning(
+            "step %d: dropped %d finished groups started from versions %s, older than the "
+            "staleness bound allows (>= %d); their admission slots are reused",
+            step,
+            len(stale),
+            sorted({g.version_started for g in stale}),
+            oldest_ok,
+        )
         self._notify()  # the freed slots let admission go on
 
     def step_metrics(self, step: int) -> dict:
@@ -189,17 +213,24 @@ class RolloutProducer:
         """Counters and event-loop lag, cheap enough to log every step."""
         lags = sorted(self._lags_s)
         pick = (lambda q: lags[min(len(lags) - 1, int(q * len(lags)))]) if lags else (lambda q: 0.0)
-        blocked = self._blocked_s + (self._clock() - self._blocked_since
-                                     if self._blocked_since is not None else 0.0)
+        blocked = self._blocked_s + (
+            self._clock() - self._blocked_since if self._blocked_since is not None else 0.0
+        )
         last = self._step_metrics[max(self._step_metrics)] if self._step_metrics else {}
         return {
-            "version": self.version, "num_in_flight": len(self._tasks),
+            "version": self.version,
+            "num_in_flight": len(self._tasks),
             "num_ready": len(self._ready),
-            "num_admitted": self.num_admitted, "num_emitted": self.num_emitted,
-            "num_failed": self.num_failed, "num_cancelled": self.num_cancelled,
+            "num_admitted": self.num_admitted,
+            "num_emitted": self.num_emitted,
+            "num_failed": self.num_failed,
+            "num_cancelled": self.num_cancelled,
             "num_stale_dropped": self.num_stale_dropped,
-            "admission_bound": self._bound(), "blocked_by_bound_s": blocked,
-            "loop_lag_p50_s": pick(0.50), "loop_lag_p99_s": pick(0.99), "loop_lag_max_s": pick(1.0),
+            "admission_bound": self._bound(),
+            "blocked_by_bound_s": blocked,
+            "loop_lag_p50_s": pick(0.50),
+            "loop_lag_p99_s": pick(0.99),
+            "loop_lag_max_s": pick(1.0),
             "staleness_mean": last.get("staleness_mean", 0.0),
             "staleness_max": last.get("staleness_max", 0),
         }
@@ -237,8 +268,9 @@ class RolloutProducer:
             prompt = self._next_prompt()
         except StopIteration:
             self._exhausted = True
-            log.warning("prompt source exhausted after %d groups: admitting no more",
-                        self.num_admitted)
+            log.warning(
+                "prompt source exhausted after %d groups: admitting no more", self.num_admitted
+            )
             self._notify()
             return
         index, version = self.num_admitted, self.version
@@ -262,14 +294,20 @@ class RolloutProducer:
             raise
         except Exception as exc:  # run_group returns recoverable errors; a raise is fatal
             self.num_cancelled += 1
-            self._stop(_failed(f"run_group raised on group {index} ({prompt.prompt_id}): "
-                               f"{type(exc).__name__}: {exc}", exc))
+            self._stop(
+                _failed(
+                    f"run_group raised on group {index} ({prompt.prompt_id}): "
+                    f"{type(exc).__name__}: {exc}",
+                    exc,
+                )
+            )
             return
         finally:
             self._tasks.discard(asyncio.current_task())
         self.num_failed += isinstance(result, str)
-        self._ready.append(FinishedGroup(index, prompt, result, version, self.version,
-                                         started_s, self._clock()))
+        self._ready.append(
+            FinishedGroup(index, prompt, result, version, self.version, started_s, self._clock())
+        )
         self._notify()
 
     def _stop(self, reason: BaseException) -> None:
@@ -305,14 +343,20 @@ class RolloutProducer:
             self._lags_s.append(max(0.0, loop.time() - t0 - self._lag_interval_s))
 
     def _timeout_message(self, step: int, timeout_s: float) -> str:
-        why = ("blocked by the staleness bound" if self.num_admitted >= self._bound()
-               else "prompt source exhausted" if self._exhausted
-               else "waiting for groups to finish")
+        why = (
+            "blocked by the staleness bound"
+            if self.num_admitted >= self._bound()
+            else "prompt source exhausted"
+            if self._exhausted
+            else "waiting for groups to finish"
+        )
         ahead = sorted(s for s in self._pending_steps if s < step)
-        return (f"take(step={step}) timed out after {timeout_s:g}s: {len(self._ready)}/"
-                f"{self.train_batch_size} groups ready, {len(self._tasks)} in flight, "
-                f"version {self.version}, admitted {self.num_admitted} of bound {self._bound()} "
-                f"({why})" + (f"; steps {ahead} are served first" if ahead else ""))
+        return (
+            f"take(step={step}) timed out after {timeout_s:g}s: {len(self._ready)}/"
+            f"{self.train_batch_size} groups ready, {len(self._tasks)} in flight, "
+            f"version {self.version}, admitted {self.num_admitted} of bound {self._bound()} "
+            f"({why})" + (f"; steps {ahead} are served first" if ahead else "")
+        )
 
 
 def _failed(message: str, cause: BaseException) -> ProducerFailed:
@@ -320,10 +364,16 @@ def _failed(message: str, cause: BaseException) -> ProducerFailed:
     return err
 
 
-def prompt_stream(envs: dict[str, Environment], weights: dict[str, float], train_batch_size: int,
-                  seed: int, first_step: int = 1) -> Iterator[Prompt]:
+def prompt_stream(
+    envs: dict[str, Environment],
+    weights: dict[str, float],
+    train_batch_size: int,
+    seed: int,
+    first_step: int = 1,
+) -> Iterator[Prompt]:
     """Training prompts in admission order: step N's draw of ``select_prompts`` (same seed as the
     synchronous generate task), then step N+1's, ...; a resumed run starts at its next step."""
     for step in itertools.count(first_step):
-        yield from select_prompts(envs, weights, train_batch_size, "train",
-                                  seed=train_prompt_seed(seed, step))
+        yield from select_prompts(
+            envs, weights, train_batch_size, "train", seed=train_prompt_seed(seed, step)
+        )

@@ -56,8 +56,17 @@ class SamplingStats:
 class Sampler:
     """The sampling call handed to environments: one vLLM request, retried until it completes."""
 
-    def __init__(self, client: InferenceClient, *, max_tokens: int, temperature: float, top_p: float,
-                 retry: RetryPolicy, stats: SamplingStats, deadline_s: float):
+    def __init__(
+        self,
+        client: InferenceClient,
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        retry: RetryPolicy,
+        stats: SamplingStats,
+        deadline_s: float,
+    ):
         self.client = client
         self.params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         self.retry, self.stats, self.deadline_s = retry, stats, deadline_s
@@ -79,7 +88,9 @@ class Sampler:
                 self.stats.retry_reasons[reason] = self.stats.retry_reasons.get(reason, 0) + 1
                 attempt += 1
                 elapsed = time.monotonic() - start
-                if (self.retry.max_tries and attempt >= self.retry.max_tries) or elapsed > self.deadline_s:
+                if (
+                    self.retry.max_tries and attempt >= self.retry.max_tries
+                ) or elapsed > self.deadline_s:
                     raise RuntimeError(
                         f"sampling failed after {attempt} tries over {elapsed:.0f}s: {exc}"
                     ) from exc
@@ -101,8 +112,10 @@ class Sampler:
             return None
         since = since or time.monotonic()
         if time.monotonic() - since > self.retry.unhealthy_grace_s:
-            raise InferenceGone(f"vLLM unreachable for {self.retry.unhealthy_grace_s:.0f}s "
-                                f"and not being restarted: {exc}") from exc
+            raise InferenceGone(
+                f"vLLM unreachable for {self.retry.unhealthy_grace_s:.0f}s "
+                f"and not being restarted: {exc}"
+            ) from exc
         return since
 
 
@@ -120,8 +133,9 @@ def train_prompt_seed(run_seed: int, step: int) -> int:
     return run_seed * 1_000_003 + step
 
 
-def select_prompts(envs: dict[str, Environment], weights: dict[str, float], count: int,
-                   split: str, seed: int) -> list[Prompt]:
+def select_prompts(
+    envs: dict[str, Environment], weights: dict[str, float], count: int, split: str, seed: int
+) -> list[Prompt]:
     """``count`` prompts drawn from the env mix by weight; the same seed gives the same prompts."""
     rng = random.Random(seed)
     names = sorted(envs)
@@ -152,8 +166,13 @@ def group_runner(envs: dict[str, Environment], ctx: RolloutContext, group_size: 
     return run_group
 
 
-async def generate_groups(envs: dict[str, Environment], prompts: list[Prompt], ctx: RolloutContext,
-                          group_size: int, max_concurrency: int) -> list[GroupResult]:
+async def generate_groups(
+    envs: dict[str, Environment],
+    prompts: list[Prompt],
+    ctx: RolloutContext,
+    group_size: int,
+    max_concurrency: int,
+) -> list[GroupResult]:
     """One entry per prompt, in order: its samples, or the error that left it without any."""
     gate = asyncio.Semaphore(max_concurrency)
     run_group = group_runner(envs, ctx, group_size)
@@ -165,27 +184,50 @@ async def generate_groups(envs: dict[str, Environment], prompts: list[Prompt], c
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def to_rows(run: str, step: int, prompts: list[Prompt], results: list[GroupResult], group_size: int,
-            versions: list[tuple[int, int]]) -> list[dict]:
+def to_rows(
+    run: str,
+    step: int,
+    prompts: list[Prompt],
+    results: list[GroupResult],
+    group_size: int,
+    versions: list[tuple[int, int]],
+) -> list[dict]:
     """Rows of ``ROLLOUT_SCHEMA``: one per sample, or ``group_size`` error rows per failed group.
 
     ``versions`` holds each group's (version_started, version_finished).
     """
     rows = []
     for gi, (prompt, result, (version_started, version_finished)) in enumerate(
-            zip(prompts, results, versions, strict=True)):
-        samples = result if isinstance(result, list) else [
-            Sample([], [], [], "", "error", error=result) for _ in range(group_size)
-        ]
+        zip(prompts, results, versions, strict=True)
+    ):
+        samples = (
+            result
+            if isinstance(result, list)
+            else [Sample([], [], [], "", "error", error=result) for _ in range(group_size)]
+        )
         for si, s in enumerate(samples):
-            rows.append({
-                "run": run, "step": step, "env": prompt.env, "prompt_id": prompt.prompt_id,
-                "group_index": gi, "sample_index": si, "prompt_text": prompt.text,
-                "completion_text": s.completion_text, "prompt_ids": s.prompt_ids,
-                "completion_ids": s.completion_ids, "completion_logprobs": s.completion_logprobs,
-                "reward": None if math.isnan(s.reward) else s.reward, "advantage": None,
-                "version_started": version_started, "version_finished": version_finished,
-                "finish_reason": s.finish_reason, "error": s.error, "generate_s": s.generate_s,
-                "reward_s": s.reward_s, "info": json.dumps({"answer": prompt.answer, **s.info}),
-            })
+            rows.append(
+                {
+                    "run": run,
+                    "step": step,
+                    "env": prompt.env,
+                    "prompt_id": prompt.prompt_id,
+                    "group_index": gi,
+                    "sample_index": si,
+                    "prompt_text": prompt.text,
+                    "completion_text": s.completion_text,
+                    "prompt_ids": s.prompt_ids,
+                    "completion_ids": s.completion_ids,
+                    "completion_logprobs": s.completion_logprobs,
+                    "reward": None if math.isnan(s.reward) else s.reward,
+                    "advantage": None,
+                    "version_started": version_started,
+                    "version_finished": version_finished,
+                    "finish_reason": s.finish_reason,
+                    "error": s.error,
+                    "generate_s": s.generate_s,
+                    "reward_s": s.reward_s,
+                    "info": json.dumps({"answer": prompt.answer, **s.info}),
+                }
+            )
     return rows

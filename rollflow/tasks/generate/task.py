@@ -75,16 +75,32 @@ def build_envs(cfg: RunConfig) -> dict[str, Environment]:
     return {spec.name: load_env(spec.name, spec.args) for spec in cfg.envs}
 
 
-def make_rollout_context(cfg: RunConfig, model_path: str, client: InferenceClient, stats: SamplingStats,
-                         *, temperature: float) -> RolloutContext:
+def make_rollout_context(
+    cfg: RunConfig,
+    model_path: str,
+    client: InferenceClient,
+    stats: SamplingStats,
+    *,
+    temperature: float,
+) -> RolloutContext:
     """Sampling with retries plus the policy's tokenizer: what environments need to roll out."""
     tok = _tokenizer(model_path)
     s, inf = cfg.sampling, cfg.inference
-    sampler = Sampler(client, max_tokens=s.max_tokens, temperature=temperature, top_p=s.top_p,
-                      retry=RetryPolicy(), stats=stats, deadline_s=inf.startup_timeout_s + inf.request_timeout_s)
-    return RolloutContext(sample=sampler, encode=_encoder(tok),
-                          decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                          eos_token_id=tok.eos_token_id)
+    sampler = Sampler(
+        client,
+        max_tokens=s.max_tokens,
+        temperature=temperature,
+        top_p=s.top_p,
+        retry=RetryPolicy(),
+        stats=stats,
+        deadline_s=inf.startup_timeout_s + inf.request_timeout_s,
+    )
+    return RolloutContext(
+        sample=sampler,
+        encode=_encoder(tok),
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        eos_token_id=tok.eos_token_id,
+    )
 
 
 def _encoder(tok):
@@ -97,16 +113,26 @@ def _encoder(tok):
     return lambda text: backend.encode(text, add_special_tokens=True).ids
 
 
-def _sample(ctx: RunContext, envs: dict[str, Environment], prompts: list, group_size: int,
-            temperature: float) -> list[GroupResult]:
+def _sample(
+    ctx: RunContext,
+    envs: dict[str, Environment],
+    prompts: list,
+    group_size: int,
+    temperature: float,
+) -> list[GroupResult]:
     """One group per prompt from the inference deployment, on a short-lived client."""
 
     async def run():
-        client = InferenceClient(ctx.inference.url, timeout_s=ctx.config.inference.request_timeout_s)
+        client = InferenceClient(
+            ctx.inference.url, timeout_s=ctx.config.inference.request_timeout_s
+        )
         try:
-            rctx = make_rollout_context(ctx.config, ctx.model_path, client, SamplingStats(),
-                                        temperature=temperature)
-            return await generate_groups(envs, prompts, rctx, group_size, ctx.config.inference.max_concurrency)
+            rctx = make_rollout_context(
+                ctx.config, ctx.model_path, client, SamplingStats(), temperature=temperature
+            )
+            return await generate_groups(
+                envs, prompts, rctx, group_size, ctx.config.inference.max_concurrency
+            )
         finally:
             await client.aclose()
 
@@ -139,26 +165,39 @@ def generate(ctx: RunContext, step: int) -> Rollouts:
     storage, cfg = ctx.storage, ctx.config
     host = host_for(cfg.run.name)
     # Malformed dataset rows are skipped when an env loads; the count travels with every step.
-    envs = {"num_skipped_rows": sum(env.num_skipped_rows for env in host.envs.values()),
-            "group_scored_envs": sorted(n for n, env in host.envs.items() if env.scoring == "group")}
+    envs = {
+        "num_skipped_rows": sum(env.num_skipped_rows for env in host.envs.values()),
+        "group_scored_envs": sorted(n for n, env in host.envs.items() if env.scoring == "group"),
+    }
     if host.reuses(step):
-        return Rollouts(**_summary(storage.read_step_table("rollouts", step).to_pylist()), reused=True, **envs)
+        return Rollouts(
+            **_summary(storage.read_step_table("rollouts", step).to_pylist()), reused=True, **envs
+        )
     storage.remove_step("rollouts", step)
     start = time.perf_counter()
     groups, producer = host.take(step, take_timeout_s(cfg))
     producer["take_wait_s"] = time.perf_counter() - start
     if all(g.error is not None for g in groups):
         raise RuntimeError(f"every group of step {step} failed; first error: {groups[0].error}")
-    rows = to_rows(cfg.run.name, step, [g.prompt for g in groups], [g.result for g in groups],
-                   cfg.sampling.group_size, [(g.version_started, g.version_finished) for g in groups])
+    rows = to_rows(
+        cfg.run.name,
+        step,
+        [g.prompt for g in groups],
+        [g.result for g in groups],
+        cfg.sampling.group_size,
+        [(g.version_started, g.version_finished) for g in groups],
+    )
     storage.write_step_table("rollouts", step, rows_to_table(rows))
     return Rollouts(**_summary(rows), reused=False, producer=producer, **envs)
 
 
 def take_timeout_s(cfg: RunConfig) -> float:
     """How long a step may wait for its groups: a whole step of every earlier overlapping step."""
-    per_step = (cfg.inference.request_timeout_s + cfg.trainer.request_timeout_s
-                + cfg.trainer.weight_sync_timeout_s)
+    per_step = (
+        cfg.inference.request_timeout_s
+        + cfg.trainer.request_timeout_s
+        + cfg.trainer.weight_sync_timeout_s
+    )
     return per_step * step_flows_in_flight(cfg)
 
 
@@ -185,8 +224,13 @@ def evaluate(ctx: RunContext) -> Evaluation:
     s = cfg.sampling
     prompts = []
     for i, name in enumerate(sorted(envs)):
-        prompts += select_prompts({name: envs[name]}, {name: 1.0}, s.num_eval_prompts, "eval",
-                                  seed=cfg.run.seed * 7919 + i)
+        prompts += select_prompts(
+            {name: envs[name]},
+            {name: 1.0},
+            s.num_eval_prompts,
+            "eval",
+            seed=cfg.run.seed * 7919 + i,
+        )
     results = _sample(ctx, envs, prompts, 1, s.eval_temperature)
     by_env: dict[str, list[float]] = defaultdict(list)
     for prompt, samples in zip(prompts, results, strict=True):

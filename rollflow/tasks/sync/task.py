@@ -50,16 +50,29 @@ def sync(ctx: RunContext, version: int, source: WeightSource) -> Synced:
             break
         except (WeightSyncError, InferenceError) as err:
             # A dead or hung trainer is no vLLM restart's to fix: fail at once, naming it.
-            if attempt or gate is None or _trainer_unreachable(err) \
-                    or not gate.wait_restart(restarts_seen, RESTART_NOTICE_S):
+            if (
+                attempt
+                or gate is None
+                or _trainer_unreachable(err)
+                or not gate.wait_restart(restarts_seen, RESTART_NOTICE_S)
+            ):
                 raise
     publish_event(ctx.storage, "weights_published", version=version)
-    return Synced(result["version"], result["pause_s"], result["broadcast_s"], result["total_s"],
-                  result["bytes"], attempt + 1)
+    return Synced(
+        result["version"],
+        result["pause_s"],
+        result["broadcast_s"],
+        result["total_s"],
+        result["bytes"],
+        attempt + 1,
+    )
 
 
 def _trainer_unreachable(err: BaseException) -> bool:
     """The trainer's half of the sync failed without an answer, or answered that it failed (503)."""
     cause = err.__cause__
-    return isinstance(cause, ServiceError) and not isinstance(cause, InferenceError) \
+    return (
+        isinstance(cause, ServiceError)
+        and not isinstance(cause, InferenceError)
         and cause.status in (None, 503)
+    )

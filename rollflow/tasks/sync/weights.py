@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 from rollflow.infra.errors import WeightSyncError
@@ -130,7 +131,9 @@ class WeightSource(Protocol):
 
     def weights_connect(self, host: str, port: int, world_size: int, timeout_s: float) -> dict: ...
 
-    def weights_broadcast(self, version: int | None = None, timeout_s: float | None = None) -> dict: ...
+    def weights_broadcast(
+        self, version: int | None = None, timeout_s: float | None = None
+    ) -> dict: ...
 
     def weights_close(self, timeout_s: float | None = None) -> dict: ...
 
@@ -144,19 +147,25 @@ def join(source: WeightSource, url: str, timeout_s: float) -> dict[str, Any]:
 
     async def run() -> dict[str, Any]:
         async with InferenceClient(url, timeout_s=timeout_s) as client:
-            connect = lambda: asyncio.to_thread(source.weights_connect, "127.0.0.1", port, 2, timeout_s)  # noqa: E731
-            return await init_weight_group(client, connect, "127.0.0.1", port, 2, timeout_s, metadata)
+            connect = partial(
+                asyncio.to_thread, source.weights_connect, "127.0.0.1", port, 2, timeout_s
+            )
+            return await init_weight_group(
+                client, connect, "127.0.0.1", port, 2, timeout_s, metadata
+            )
 
     return asyncio.run(run())
 
 
-def publish(source: WeightSource, url: str, version: int | None, timeout_s: float) -> dict[str, Any]:
+def publish(
+    source: WeightSource, url: str, version: int | None, timeout_s: float
+) -> dict[str, Any]:
     """Broadcast the trainer's weights to the server as ``version`` (None: the trainer tags them
     with its last finished step); see ``sync_weights``."""
 
     async def run() -> dict[str, Any]:
         async with InferenceClient(url, timeout_s=timeout_s) as client:
-            send = lambda: asyncio.to_thread(source.weights_broadcast, version, timeout_s)  # noqa: E731
+            send = partial(asyncio.to_thread, source.weights_broadcast, version, timeout_s)
             return await sync_weights(client, send, version, timeout_s)
 
     return asyncio.run(run())

@@ -90,8 +90,18 @@ class Dispatcher:
             return None
 
 
-def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher, ranks: list[dict], *,
-              backend: str, timeout_s: float, num_steps: int | None = None, weights_version: int = 0) -> FastAPI:
+def build_app(
+    token: str,
+    ops: RankOps,
+    trainer: Trainer,
+    dispatcher: Dispatcher,
+    ranks: list[dict],
+    *,
+    backend: str,
+    timeout_s: float,
+    num_steps: int | None = None,
+    weights_version: int = 0,
+) -> FastAPI:
     """The HTTP API on rank 0; every route but the metadata, health and end-of-step ones runs a command.
 
     Rank 0 alone keeps the step state: ``weights_version`` is the outer step whose optimizer steps
@@ -111,7 +121,9 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         """A malformed body is bad input like any other: 400, naming each field and what is wrong."""
         problems = [f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()]
-        return JSONResponse({"detail": f"{request.url.path}: " + "; ".join(problems)}, status_code=400)
+        return JSONResponse(
+            {"detail": f"{request.url.path}: " + "; ".join(problems)}, status_code=400
+        )
 
     # Taken around reading or changing the step state and queueing the command that goes with it,
     # so that a broadcast's version tag and an optimizer step are queued in the order they were read.
@@ -133,8 +145,15 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
     def health() -> dict:
         if dispatcher.watch.failure:
             raise HTTPException(503, dispatcher.watch.failure)
-        return {"ok": True, "optim_step": trainer.step, "weights_version": state["weights_version"],
-                "backend": backend, "world_size": len(ranks), "ranks": ranks, "pid": os.getpid()}
+        return {
+            "ok": True,
+            "optim_step": trainer.step,
+            "weights_version": state["weights_version"],
+            "backend": backend,
+            "world_size": len(ranks),
+            "ranks": ranks,
+            "pid": os.getpid(),
+        }
 
     @app.post("/forward")
     def forward(req: BatchRef) -> dict:
@@ -143,14 +162,19 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
     @app.post("/forward_backward")
     def forward_backward(req: ForwardBackward) -> dict:
         if req.loss.kl_coef > 0 and trainer.reference is None:
-            raise HTTPException(400, "loss.kl_coef > 0 needs the reference model, and this trainer was "
-                                     "started without one: set train.loss.kl_coef > 0 in the run's config")
+            raise HTTPException(
+                400,
+                "loss.kl_coef > 0 needs the reference model, and this trainer was "
+                "started without one: set train.loss.kl_coef > 0 in the run's config",
+            )
         return run("forward_backward", req)
 
     @app.post("/optim_step")
     def optim_step() -> dict:
         if finished.is_set():
-            raise HTTPException(409, f"training finished after step {num_steps}: no more optimizer steps")
+            raise HTTPException(
+                409, f"training finished after step {num_steps}: no more optimizer steps"
+            )
         with order:
             state["weights_version"] = None
             pending = queue("optim_step")
@@ -204,7 +228,9 @@ def build_app(token: str, ops: RankOps, trainer: Trainer, dispatcher: Dispatcher
         with order:
             version = state["weights_version"] if req.version is None else req.version
             if version is None:
-                raise HTTPException(409, "a step is training: its weights are no policy version yet")
+                raise HTTPException(
+                    409, "a step is training: its weights are no policy version yet"
+                )
             pending = queue("weights_broadcast", Broadcast(version=version))
         return {"version": version, **result(pending)}
 

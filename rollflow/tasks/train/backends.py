@@ -64,15 +64,27 @@ class FSDP2Backend:
 
     name = "fsdp2"
 
-    def __init__(self, policy: PackedPolicy, device: torch.device, *, lr: float, weight_decay: float,
-                 max_grad_norm: float, warmup_steps: int, mixed_precision: bool):
+    def __init__(
+        self,
+        policy: PackedPolicy,
+        device: torch.device,
+        *,
+        lr: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        warmup_steps: int,
+        mixed_precision: bool,
+    ):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         world = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if mixed_precision else MixedPrecisionPolicy())
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision
+            else MixedPrecisionPolicy()
+        )
         policy.to(device)
         # One rank holds everything anyway: keep parameters gathered between forward and backward.
         reshard = world > 1
@@ -82,7 +94,9 @@ class FSDP2Backend:
         self.module = policy
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_schedule(warmup_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_schedule(warmup_steps)
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -135,8 +149,12 @@ class FSDP2Backend:
 
         state = self._state()
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
         self.scheduler.load_state_dict(json.loads((folder / "scheduler.json").read_text()))
 
     def close(self) -> None:
@@ -158,8 +176,18 @@ class DeepSpeedBackend:
 
     name = "deepspeed"
 
-    def __init__(self, policy: PackedPolicy, device: torch.device, *, zero_stage: int, lr: float,
-                 weight_decay: float, max_grad_norm: float, warmup_steps: int, mixed_precision: bool):
+    def __init__(
+        self,
+        policy: PackedPolicy,
+        device: torch.device,
+        *,
+        zero_stage: int,
+        lr: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        warmup_steps: int,
+        mixed_precision: bool,
+    ):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
@@ -179,7 +207,10 @@ class DeepSpeedBackend:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_schedule(warmup_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=config,
+            model=policy,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=config,
             dist_init_required=False,
         )
         self.zero_stage = zero_stage
@@ -233,7 +264,9 @@ class DeepSpeedBackend:
                 grads[hf_name(name)] = full.detach().float().cpu()
         if self.zero_stage == 2:
             # In place: DeepSpeed's per-parameter views hold these very dicts.
-            for live, kept in zip((optimizer.all_grad_tensors, optimizer.averaged_gradients), saved, strict=True):
+            for live, kept in zip(
+                (optimizer.all_grad_tensors, optimizer.averaged_gradients), saved, strict=True
+            ):
                 live.clear()
                 live.update(kept)
             optimizer.set_gradient_accumulation_boundary(boundary)
@@ -243,8 +276,12 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(str(folder / "deepspeed"), tag="state", save_latest=False)
 
     def load(self, folder: Path) -> None:
-        self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state", load_optimizer_states=True,
-                                    load_lr_scheduler_states=True)
+        self.engine.load_checkpoint(
+            str(folder / "deepspeed"),
+            tag="state",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
 
     def close(self) -> None:
         # ZeRO-3 ranks sometimes abort at exit unless the engine is destroyed first.
@@ -253,11 +290,25 @@ class DeepSpeedBackend:
             destroy()
 
 
-def make_backend(name: str, policy: PackedPolicy, device: torch.device, *, zero_stage: int, lr: float,
-                 weight_decay: float, max_grad_norm: float, warmup_steps: int) -> Backend:
+def make_backend(
+    name: str,
+    policy: PackedPolicy,
+    device: torch.device,
+    *,
+    zero_stage: int,
+    lr: float,
+    weight_decay: float,
+    max_grad_norm: float,
+    warmup_steps: int,
+) -> Backend:
     """The configured backend; bf16 mixed precision on CUDA, fp32 on CPU."""
-    common = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                  warmup_steps=warmup_steps, mixed_precision=device.type == "cuda")
+    common = dict(
+        lr=lr,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        warmup_steps=warmup_steps,
+        mixed_precision=device.type == "cuda",
+    )
     if name == "fsdp2":
         return FSDP2Backend(policy, device, **common)
     if name == "deepspeed":

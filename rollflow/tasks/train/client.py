@@ -41,7 +41,9 @@ class TrainerClient:
     def url(self) -> str:
         return self.endpoint.url
 
-    def _post(self, path: str, body: BaseModel | None = None, timeout_s: float | None = None) -> Any:
+    def _post(
+        self, path: str, body: BaseModel | None = None, timeout_s: float | None = None
+    ) -> Any:
         payload = body.model_dump(mode="json") if body is not None else None
         return call(self.endpoint, path, payload, timeout_s=timeout_s or self.timeout_s)
 
@@ -65,12 +67,26 @@ class TrainerClient:
         """The trainer's own log-probs of batch ``step``, written to ``logprobs/step=N``."""
         return self._post("/forward", BatchRef(step=step, group_indices=group_indices))
 
-    def forward_backward(self, step: int, group_indices: list[int] | None = None, *, loss: LossConfig,
-                         old_logprobs: str = "inference", num_loss_tokens: int | None = None) -> dict[str, Any]:
+    def forward_backward(
+        self,
+        step: int,
+        group_indices: list[int] | None = None,
+        *,
+        loss: LossConfig,
+        old_logprobs: str = "inference",
+        num_loss_tokens: int | None = None,
+    ) -> dict[str, Any]:
         """Accumulate the gradients of ``loss`` over batch ``step`` (restricted to the groups)."""
-        return self._post("/forward_backward", ForwardBackward(
-            step=step, group_indices=group_indices, loss=loss, old_logprobs=old_logprobs,
-            num_loss_tokens=num_loss_tokens))
+        return self._post(
+            "/forward_backward",
+            ForwardBackward(
+                step=step,
+                group_indices=group_indices,
+                loss=loss,
+                old_logprobs=old_logprobs,
+                num_loss_tokens=num_loss_tokens,
+            ),
+        )
 
     def optim_step(self) -> dict[str, Any]:
         return self._post("/optim_step")
@@ -104,13 +120,20 @@ class TrainerClient:
         """Name, shape and dtype of every tensor a weight sync carries, in wire order."""
         return self._get("/weights/metadata", timeout_s)
 
-    def weights_connect(self, host: str, port: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+    def weights_connect(
+        self, host: str, port: int, world_size: int, timeout_s: float
+    ) -> dict[str, Any]:
         """Rank 0 joins the weight group as its rank 0 (hosting its store), or answers 502 after
         the group's own ``timeout_s``; the call's deadline leaves it time to say so."""
-        return self._post("/weights/connect", WeightConnect(host=host, port=port, world_size=world_size,
-                                                            timeout_s=timeout_s), timeout_s + ANSWER_MARGIN_S)
+        return self._post(
+            "/weights/connect",
+            WeightConnect(host=host, port=port, world_size=world_size, timeout_s=timeout_s),
+            timeout_s + ANSWER_MARGIN_S,
+        )
 
-    def weights_broadcast(self, version: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+    def weights_broadcast(
+        self, version: int | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         """Send the weights as ``version`` (None: the last finished step's); ``bytes``, ``version``."""
         return self._post("/weights/broadcast", Broadcast(version=version), timeout_s)
 

@@ -52,7 +52,9 @@ class ControlGroup:
         """Every rank's ``obj``, in rank order, on every rank."""
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(sizes, torch.tensor([data.numel()]), group=self.group, async_op=True))
+        self._wait(
+            dist.all_gather(sizes, torch.tensor([data.numel()]), group=self.group, async_op=True)
+        )
         longest = max(int(s) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data

@@ -30,28 +30,52 @@ SERVICE_MODULE = "rollflow.tasks.train.service"
 TORCH_EXTENSIONS_DIR = Path("~/.cache/rollflow/torch_extensions").expanduser()
 
 
-def launcher_argv(backend: str, num_ranks: int, args_file: str | Path, master_port: int) -> list[str]:
+def launcher_argv(
+    backend: str, num_ranks: int, args_file: str | Path, master_port: int
+) -> list[str]:
     """The launcher command line: torchrun for FSDP2, the deepspeed launcher for DeepSpeed.
 
     Both are run as modules of this interpreter (``torchrun`` is ``torch.distributed.run``,
     ``deepspeed`` is ``deepspeed.launcher.runner``), so the ranks get the same environment.
     """
     if backend == "fsdp2":
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_ranks}", "--nnodes=1",
-                "--master-addr=127.0.0.1", f"--master-port={master_port}", "--max-restarts=0",
-                "-m", SERVICE_MODULE, str(args_file)]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={num_ranks}",
+            "--nnodes=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={master_port}",
+            "--max-restarts=0",
+            "-m",
+            SERVICE_MODULE,
+            str(args_file),
+        ]
     if backend == "deepspeed":
-        return [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={num_ranks}",
-                "--master_addr=127.0.0.1", f"--master_port={master_port}", "--module", SERVICE_MODULE,
-                str(args_file)]
+        return [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            f"--num_gpus={num_ranks}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={master_port}",
+            "--module",
+            SERVICE_MODULE,
+            str(args_file),
+        ]
     raise ValueError(f"unknown trainer backend {backend!r}; expected 'fsdp2' or 'deepspeed'")
 
 
-def launcher_env(num_ranks: int, token: str, device: str, num_cpus: int | None = None) -> dict[str, str]:
+def launcher_env(
+    num_ranks: int, token: str, device: str, num_cpus: int | None = None
+) -> dict[str, str]:
     """Per-rank threads (the deepspeed launcher leaves OMP_NUM_THREADS unset; the ranks share
     ``num_cpus`` cores, default all), the run's token, a persistent cache for DeepSpeed's compiled
     ops, and CPU mode where no GPU is to be used."""
-    threads = os.environ.get("ROLLFLOW_TRAINER_THREADS") or str(max(1, (num_cpus or os.cpu_count() or 1) // num_ranks))
+    threads = os.environ.get("ROLLFLOW_TRAINER_THREADS") or str(
+        max(1, (num_cpus or os.cpu_count() or 1) // num_ranks)
+    )
     env = {
         "ROLLFLOW_TOKEN": token,
         "ROLLFLOW_TRAINER_THREADS": threads,
@@ -68,12 +92,16 @@ def launcher_env(num_ranks: int, token: str, device: str, num_cpus: int | None =
 class TrainerProcess:
     """One trainer service: launcher + ranks, reachable through ``client``."""
 
-    def __init__(self, args: ServiceArgs, *, token: str, log_dir: str | Path, beside_inference: bool = False):
+    def __init__(
+        self, args: ServiceArgs, *, token: str, log_dir: str | Path, beside_inference: bool = False
+    ):
         self.log_dir = Path(log_dir)
         tr = args.trainer
         self.startup_timeout_s = tr.startup_timeout_s
         log_path = self.log_dir / "trainer.log"
-        self.args = args.model_copy(update={"port": args.port or free_port(args.host), "log_path": str(log_path)})
+        self.args = args.model_copy(
+            update={"port": args.port or free_port(args.host), "log_path": str(log_path)}
+        )
         self.endpoint = Endpoint("trainer", f"http://{self.args.host}:{self.args.port}", token)
         self.client = TrainerClient(self.endpoint, tr.request_timeout_s)
         args_file = self.log_dir / "trainer-args.json"
@@ -81,10 +109,16 @@ class TrainerProcess:
         if device == "auto":
             device = "cuda" if _has_cuda() else "cpu"
         self.process = ManagedProcess(
-            "trainer", launcher_argv(tr.backend, tr.num_ranks, args_file, free_port()), log_path,
+            "trainer",
+            launcher_argv(tr.backend, tr.num_ranks, args_file, free_port()),
+            log_path,
             # Beside vLLM on a host without a GPU, the ranks keep to the trainer's share of the cores.
-            env=launcher_env(tr.num_ranks, token, device,
-                             len(cpu_split()[1]) if beside_inference and device == "cpu" else None),
+            env=launcher_env(
+                tr.num_ranks,
+                token,
+                device,
+                len(cpu_split()[1]) if beside_inference and device == "cpu" else None,
+            ),
         )
         self._args_file = args_file
         self.ranks: list[dict[str, Any]] = []
@@ -110,14 +144,18 @@ class TrainerProcess:
         """Raise ``ServiceError`` naming the dead rank, if one died (``timeout_s``: the probe's)."""
         if not self.process.is_alive():
             cause = _failure_in_log(self.process.log_path)
-            raise ServiceError(f"the trainer has exited (code {self.process.proc.returncode})"
-                                   f"{': ' + cause if cause else ''}; last lines of {self.process.log_path}:\n"
-                                   f"{log_tail(self.process.log_path, 15)}")
+            raise ServiceError(
+                f"the trainer has exited (code {self.process.proc.returncode})"
+                f"{': ' + cause if cause else ''}; last lines of {self.process.log_path}:\n"
+                f"{log_tail(self.process.log_path, 15)}"
+            )
         try:
             self.client.health(timeout_s=timeout_s)
         except ServiceError as exc:
             if exc.status is None:
-                raise ServiceError(f"the trainer does not answer at {self.endpoint.url}: {exc}") from None
+                raise ServiceError(
+                    f"the trainer does not answer at {self.endpoint.url}: {exc}"
+                ) from None
             raise ServiceError(f"the trainer is unhealthy: {exc}", exc.status) from None
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -142,7 +180,9 @@ def _failure_in_log(path: Path) -> str | None:
     if found:
         return found[-1]
     # torchrun: "rank      : 0 (local_rank: 0)" then "exitcode  : -9 (pid: 29834)  (SIGKILL)"
-    root = re.findall(r"rank\s+:\s+(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s+:\s+(-?\d+) \(pid: (\d+)\)", text)
+    root = re.findall(
+        r"rank\s+:\s+(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s+:\s+(-?\d+) \(pid: (\d+)\)", text
+    )
     if root:
         rank, code, pid = root[-1]
         return f"trainer rank {rank} (pid {pid}) died (exit code {code})"

@@ -72,7 +72,10 @@ class PerEnvMoments:
                 mine.setdefault(env, Moments()).merge(Moments.from_json(moments))
 
     def to_json(self) -> dict[str, dict[str, list[float]]]:
-        return {name: {env: m.to_json() for env, m in by_env.items()} for name, by_env in self.table.items()}
+        return {
+            name: {env: m.to_json() for env, m in by_env.items()}
+            for name, by_env in self.table.items()
+        }
 
     def flat(self) -> dict[str, float]:
         """``{"name/env/mean": ..., "name/env/std": ..., "name/env/max": ...}``."""
@@ -92,7 +95,17 @@ def effective_sample_size(weight_sum: float, weight_sq_sum: float, n: float) -> 
 
 
 # Step-level scalars averaged over a step's optimizer steps (each already a global token mean).
-MEAN_KEYS = ("loss", "grad_norm", "clip_fraction", "entropy", "mismatch_kl", "ess", "kl", "tis_weight", "lr")
+MEAN_KEYS = (
+    "loss",
+    "grad_norm",
+    "clip_fraction",
+    "entropy",
+    "mismatch_kl",
+    "ess",
+    "kl",
+    "tis_weight",
+    "lr",
+)
 
 
 def summarize_optimizer_steps(results: list[dict]) -> dict[str, float]:
@@ -103,7 +116,11 @@ def summarize_optimizer_steps(results: list[dict]) -> dict[str, float]:
     """
     if not results:
         return {"num_optim_steps": 0, "num_loss_tokens": 0}
-    out = {k: sum(r[k] for r in results) / len(results) for k in MEAN_KEYS if all(k in r for r in results)}
+    out = {
+        k: sum(r[k] for r in results) / len(results)
+        for k in MEAN_KEYS
+        if all(k in r for r in results)
+    }
     busy_s = sum(r["forward_backward_s"] + r["optim_step_s"] for r in results)
     out["num_optim_steps"] = len(results)
     out["num_loss_tokens"] = sum(r["num_loss_tokens"] for r in results)

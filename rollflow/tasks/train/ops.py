@@ -42,16 +42,30 @@ from rollflow.tasks.train.protocol import (
 from rollflow.tasks.train.trainer import SUM_KEYS, Trainer
 
 LOCAL_CHECKPOINTS = Path("~/.cache/rollflow/checkpoints").expanduser()
-BATCH_COLUMNS = ["env", "group_index", "sample_index", "prompt_ids", "completion_ids", "completion_logprobs",
-                 "advantage"]
+BATCH_COLUMNS = [
+    "env",
+    "group_index",
+    "sample_index",
+    "prompt_ids",
+    "completion_ids",
+    "completion_logprobs",
+    "advantage",
+]
 
 
 class RankOps:
     """One rank's side of every command: ``run(op, args)`` parses ``args`` into the op's request
     model (``protocol.py``, the same the HTTP route parsed) and runs it."""
 
-    def __init__(self, trainer: Trainer, control: ControlGroup, storage: RunStorage, *,
-                 micro_batch_tokens: int, row_tokens: int | None):
+    def __init__(
+        self,
+        trainer: Trainer,
+        control: ControlGroup,
+        storage: RunStorage,
+        *,
+        micro_batch_tokens: int,
+        row_tokens: int | None,
+    ):
         self.trainer, self.control, self.storage = trainer, control, storage
         self.rank, self.world_size = control.rank, control.world_size
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
@@ -106,7 +120,9 @@ class RankOps:
         if missing:
             raise InputError(f"batch step={step} lacks columns {missing}")
         if groups is not None:
-            table = table.filter(pc.is_in(table["group_index"], value_set=pa.array(groups, type=pa.int32())))
+            table = table.filter(
+                pc.is_in(table["group_index"], value_set=pa.array(groups, type=pa.int32()))
+            )
             absent = sorted(set(groups) - set(table["group_index"].to_pylist()))
             if absent:
                 raise InputError(f"batch step={step} has no rows for groups {absent}")
@@ -118,17 +134,35 @@ class RankOps:
         for i, r in enumerate(rows):
             key = (r["group_index"], r["sample_index"])
             _check_row(step, i, r, old.get(key) if old_logprobs else None, old_logprobs)
-            seqs.append(Sequence(list(r["prompt_ids"]), list(r["completion_ids"]), list(r["completion_logprobs"]),
-                                 float(r["advantage"]), r["env"] or "", key, old.get(key)))
+            seqs.append(
+                Sequence(
+                    list(r["prompt_ids"]),
+                    list(r["completion_ids"]),
+                    list(r["completion_logprobs"]),
+                    float(r["advantage"]),
+                    r["env"] or "",
+                    key,
+                    old.get(key),
+                )
+            )
         return seqs
 
     def _old_logprobs(self, step: int) -> dict[tuple[int, int], list[float]]:
         table = self._table("logprobs", step)
-        return {(g, s): lp for g, s, lp in zip(table["group_index"].to_pylist(), table["sample_index"].to_pylist(),
-                                               table["logprobs"].to_pylist(), strict=True)}
+        return {
+            (g, s): lp
+            for g, s, lp in zip(
+                table["group_index"].to_pylist(),
+                table["sample_index"].to_pylist(),
+                table["logprobs"].to_pylist(),
+                strict=True,
+            )
+        }
 
     def my_micro_batches(self, seqs: list[Sequence]) -> list[PackedBatch]:
-        plan = plan_micro_batches([s.num_tokens for s in seqs], self.world_size, self.micro_batch_tokens)
+        plan = plan_micro_batches(
+            [s.num_tokens for s in seqs], self.world_size, self.micro_batch_tokens
+        )
         return [pack([seqs[i] for i in mb], self.row_tokens) for mb in plan[self.rank]]
 
     # ---------------------------------------------------------------------------- commands
@@ -137,16 +171,25 @@ class RankOps:
         """Trainer log-probs of the batch's completions, written to ``logprobs/step=N`` (rank 0)."""
         start = time.perf_counter()
         mbs: list[PackedBatch] = []
-        self._agree(lambda: mbs.extend(self.my_micro_batches(
-            self.sequences(req.step, req.group_indices, old_logprobs=False))))
+        self._agree(
+            lambda: mbs.extend(
+                self.my_micro_batches(
+                    self.sequences(req.step, req.group_indices, old_logprobs=False)
+                )
+            )
+        )
         mine = self.trainer.forward(mbs)
         everyone = self.control.all_gather([[list(k), lp] for k, lp in mine])
         if self.rank != 0:
             return {}
         rows = sorted((tuple(k), lp) for part in everyone for k, lp in part)
-        table = pa.table({"group_index": pa.array([k[0] for k, _ in rows], pa.int32()),
-                          "sample_index": pa.array([k[1] for k, _ in rows], pa.int32()),
-                          "logprobs": pa.array([lp for _, lp in rows], pa.list_(pa.float32()))})
+        table = pa.table(
+            {
+                "group_index": pa.array([k[0] for k, _ in rows], pa.int32()),
+                "sample_index": pa.array([k[1] for k, _ in rows], pa.int32()),
+                "logprobs": pa.array([lp for _, lp in rows], pa.list_(pa.float32())),
+            }
+        )
         self.storage.remove_step("logprobs", req.step)
         self._cache.pop(("logprobs", req.step), None)
         uri = self.storage.write_step_table("logprobs", req.step, table)
@@ -194,7 +237,11 @@ class RankOps:
         return {"uri": uri, "checkpoint_s": time.perf_counter() - start}
 
     def load_checkpoint(self, req: StepRef) -> dict:
-        local = self.storage.local_copy("checkpoints", req.step, LOCAL_CHECKPOINTS) if self.rank == 0 else None
+        local = (
+            self.storage.local_copy("checkpoints", req.step, LOCAL_CHECKPOINTS)
+            if self.rank == 0
+            else None
+        )
         folder = self.control.broadcast(str(local) if local is not None else None)
         self.trainer.load_checkpoint(folder)
         return {"optim_step": self.trainer.step, "path": folder}
@@ -259,17 +306,23 @@ class RankOps:
 def _check_row(step: int, i: int, r: dict, old: list[float] | None, want_old: bool) -> None:
     where = f"batch step={step} row {i} (group {r['group_index']}, sample {r['sample_index']})"
     if not r["prompt_ids"]:
-        raise InputError(f"{where}: empty prompt_ids; every sequence needs at least one prompt token")
+        raise InputError(
+            f"{where}: empty prompt_ids; every sequence needs at least one prompt token"
+        )
     if not r["completion_ids"]:
         raise InputError(f"{where}: empty completion_ids; filter such rows in the advantage stage")
     if len(r["completion_logprobs"] or []) != len(r["completion_ids"]):
-        raise InputError(f"{where}: {len(r['completion_logprobs'] or [])} completion_logprobs for "
-                           f"{len(r['completion_ids'])} completion_ids")
+        raise InputError(
+            f"{where}: {len(r['completion_logprobs'] or [])} completion_logprobs for "
+            f"{len(r['completion_ids'])} completion_ids"
+        )
     if r["advantage"] is None or not math.isfinite(r["advantage"]):
         raise InputError(f"{where}: advantage is {r['advantage']}; it must be a finite number")
     if want_old and (old is None or len(old) != len(r["completion_ids"])):
-        raise InputError(f"{where}: no trainer log-probs of matching length in logprobs/step={step}; "
-                           "call forward on this batch first")
+        raise InputError(
+            f"{where}: no trainer log-probs of matching length in logprobs/step={step}; "
+            "call forward on this batch first"
+        )
 
 
 def _merge_forward_backward(parts: list[dict], denominator: float, elapsed_s: float) -> dict:

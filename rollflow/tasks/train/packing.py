@@ -78,7 +78,9 @@ def plan_micro_batches(lengths: list[int], world_size: int, budget: int) -> list
 
     All ranks get the same number of micro-batches, the largest any rank needs.
     """
-    per_rank = [micro_batches(share, lengths, budget) for share in split_across_ranks(lengths, world_size)]
+    per_rank = [
+        micro_batches(share, lengths, budget) for share in split_across_ranks(lengths, world_size)
+    ]
     count = max(1, *(len(m) for m in per_rank))
     return [m + [[] for _ in range(count - len(m))] for m in per_rank]
 
@@ -117,7 +119,9 @@ class PackedBatch:
         return self.to_B_T(torch.ones_like(self.inference_logprobs_N))
 
     def to(self, device: torch.device) -> PackedBatch:
-        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        moved = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()
+        }
         return PackedBatch(**moved)
 
 

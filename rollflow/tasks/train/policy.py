@@ -30,8 +30,10 @@ class PackedPolicy(nn.Module):
     def __init__(self, hf_model: nn.Module, temperature: float = 1.0):
         super().__init__()
         if getattr(hf_model.config, "final_logit_softcapping", None):
-            raise ValueError(f"{type(hf_model).__name__} soft-caps its logits; the trainer's log-prob "
-                             "kernel computes plain lm_head logits and would be wrong for it")
+            raise ValueError(
+                f"{type(hf_model).__name__} soft-caps its logits; the trainer's log-prob "
+                "kernel computes plain lm_head logits and would be wrong for it"
+            )
         self.hf = hf_model
         self.temperature = temperature
 
@@ -46,14 +48,24 @@ class PackedPolicy(nn.Module):
             raise ValueError(f"{type(self.hf).__name__}: no `.layers` on its base model to shard")
         return list(layers)
 
-    def forward(self, input_ids_R_P: torch.Tensor, position_ids_R_P: torch.Tensor,
-                hidden_index_N: torch.Tensor, targets_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.hf.base_model(input_ids=input_ids_R_P, position_ids=position_ids_R_P,
-                                 attention_mask=None, use_cache=False)
+    def forward(
+        self,
+        input_ids_R_P: torch.Tensor,
+        position_ids_R_P: torch.Tensor,
+        hidden_index_N: torch.Tensor,
+        targets_N: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.hf.base_model(
+            input_ids=input_ids_R_P,
+            position_ids=position_ids_R_P,
+            attention_mask=None,
+            use_cache=False,
+        )
         hidden_RP_H = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         hidden_N_H = hidden_RP_H.index_select(0, hidden_index_N)
-        return selective_logprobs_entropy(hidden_N_H, self.lm_head_weight, targets_N,
-                                          temperature=self.temperature)
+        return selective_logprobs_entropy(
+            hidden_N_H, self.lm_head_weight, targets_N, temperature=self.temperature
+        )
 
 
 def attention_implementation(device: torch.device) -> str:
@@ -68,7 +80,9 @@ def attention_implementation(device: torch.device) -> str:
     return "sdpa"
 
 
-def load_hf_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_hf_model(
+    path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """The HF model in ``dtype`` on CPU (backends move or shard it), with an attention that packs."""
     config = AutoConfig.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(
@@ -79,4 +93,4 @@ def load_hf_model(path: str | Path, device: torch.device, dtype: torch.dtype = t
 
 def hf_name(key: str) -> str:
     """A wrapper state-dict key as the HF model names it."""
-    return key[len(PREFIX):] if key.startswith(PREFIX) else key
+    return key[len(PREFIX) :] if key.startswith(PREFIX) else key

@@ -23,20 +23,27 @@ class ServiceArgs(_Body):
     """Everything the ranks need at start (one JSON file, read by every rank)."""
 
     model_path: str
-    checkpoint_step: int | None = Field(None, description="model_path is that checkpoint: load its trainer state")
+    checkpoint_step: int | None = Field(
+        None, description="model_path is that checkpoint: load its trainer state"
+    )
     storage_root: str
     storage_options: dict[str, Any] = {}
     run: str
     seed: int = 0
-    num_steps: int | None = Field(None, description="The run's last outer step: training_finished follows it")
+    num_steps: int | None = Field(
+        None, description="The run's last outer step: training_finished follows it"
+    )
     train: TrainSection = Field(default_factory=TrainSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     reference_model_path: str | None = Field(
-        None, description="The KL term's frozen policy; default: the checkpoint's record, else model_path"
+        None,
+        description="The KL term's frozen policy; default: the checkpoint's record, else model_path",
     )
     host: str = "127.0.0.1"
     port: int = 0
-    dead_rank_grace_s: float = Field(10.0, description="After a rank died: how long rank 0 answers 503 naming it")
+    dead_rank_grace_s: float = Field(
+        10.0, description="After a rank died: how long rank 0 answers 503 naming it"
+    )
     log_path: str = ""
 
     @property
@@ -54,7 +61,9 @@ class BatchRef(_Body):
 class ForwardBackward(BatchRef):
     loss: LossConfig = Field(default_factory=LossConfig)
     old_logprobs: Literal["inference", "trainer"] = "inference"
-    num_loss_tokens: int | None = Field(None, gt=0, description="Denominator of the whole optimizer step")
+    num_loss_tokens: int | None = Field(
+        None, gt=0, description="Denominator of the whole optimizer step"
+    )
 
 
 class StepRef(_Body):

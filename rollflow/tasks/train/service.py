@@ -66,7 +66,10 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
             try:
                 ops.control.broadcast(cmd)
             except Exception as err:
-                fail = dispatcher.watch.poll() or f"trainer rank 0 could not reach the other ranks: {err}"
+                fail = (
+                    dispatcher.watch.poll()
+                    or f"trainer rank 0 could not reach the other ranks: {err}"
+                )
                 dispatcher.watch.fail(fail)
                 if pending:
                     pending.resolve(error=ServiceError(fail, 503))
@@ -131,7 +134,9 @@ def _reference_path(args: ServiceArgs) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="rollflow trainer service (one rank)")
     parser.add_argument("args_file", help="ServiceArgs as a JSON file")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    parser.add_argument(
+        "--local_rank", type=int, default=None, help="set by the deepspeed launcher"
+    )
     ns = parser.parse_args(argv)
     args = ServiceArgs.model_validate_json(Path(ns.args_file).read_text())
     token = os.environ.get("ROLLFLOW_TOKEN")
@@ -139,20 +144,38 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("ROLLFLOW_TOKEN is not set: the trainer refuses to run without the run's token")
     torch.set_num_threads(_threads())
     rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s"
+    )
     device = _init_distributed(args)
     control = ControlGroup(args.trainer.request_timeout_s)
     ranks = control.all_gather(rank_identity())
-    spec = TrainerSpec(model_path=args.model_path, train=args.train, trainer=args.trainer, seed=args.seed,
-                       reference_model_path=_reference_path(args))
+    spec = TrainerSpec(
+        model_path=args.model_path,
+        train=args.train,
+        trainer=args.trainer,
+        seed=args.seed,
+        reference_model_path=_reference_path(args),
+    )
     trainer = Trainer(spec, device)
     if args.checkpoint_step is not None:
         trainer.load_checkpoint(args.model_path)
     storage = RunStorage(args.storage_root, args.run, args.storage_options)
-    ops = RankOps(trainer, control, storage, micro_batch_tokens=args.trainer.micro_batch_tokens,
-                  row_tokens=None if device.type == "cuda" else CPU_ROW_TOKENS)
-    log.info("rank %d/%d ready: %s on %s, %d threads", rank, len(ranks), args.trainer.backend, device,
-             torch.get_num_threads())
+    ops = RankOps(
+        trainer,
+        control,
+        storage,
+        micro_batch_tokens=args.trainer.micro_batch_tokens,
+        row_tokens=None if device.type == "cuda" else CPU_ROW_TOKENS,
+    )
+    log.info(
+        "rank %d/%d ready: %s on %s, %d threads",
+        rank,
+        len(ranks),
+        args.trainer.backend,
+        device,
+        torch.get_num_threads(),
+    )
     if rank != 0:
         serve(ops, None)
     else:
@@ -163,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     log.info("rank %d: done", rank)
 
 
-def _serve_rank0(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, ranks: list[dict]) -> None:
+def _serve_rank0(
+    args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, ranks: list[dict]
+) -> None:
     hint = f"; see {args.log_path}" if args.log_path else ""
     watch = PeerWatch(ranks, log_hint=hint).start()
     dispatcher = Dispatcher(watch)
@@ -174,14 +199,26 @@ def _serve_rank0(args: ServiceArgs, token: str, ops: RankOps, trainer: Trainer, 
             os._exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    app = build_app(token, ops, trainer, dispatcher, ranks, backend=args.trainer.backend,
-                    timeout_s=args.trainer.request_timeout_s, num_steps=args.num_steps,
-                    weights_version=args.checkpoint_step or 0)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    app = build_app(
+        token,
+        ops,
+        trainer,
+        dispatcher,
+        ranks,
+        backend=args.trainer.backend,
+        timeout_s=args.trainer.request_timeout_s,
+        num_steps=args.num_steps,
+        weights_version=args.checkpoint_step or 0,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    )
     threading.Thread(target=server.run, name="http", daemon=True).start()
     serve(ops, dispatcher)
     if watch.failure:
-        log.error("%s; answering 503 for %.0fs, then exiting", watch.failure, args.dead_rank_grace_s)
+        log.error(
+            "%s; answering 503 for %.0fs, then exiting", watch.failure, args.dead_rank_grace_s
+        )
         time.sleep(args.dead_rank_grace_s)
         os._exit(1)
     server.should_exit = True

@@ -31,7 +31,11 @@ def minibatches(group_indices: list[int], train: TrainSection) -> list[list[int]
     """The step's groups in ``train_batch_size / mini_batch_size`` near-equal slices, in order
     (fewer when filters left fewer groups than slices); each is one optimizer step."""
     count = train.train_batch_size // train.mini_batch_size
-    return [part.tolist() for part in np.array_split(np.array(group_indices, dtype=int), count) if len(part)]
+    return [
+        part.tolist()
+        for part in np.array_split(np.array(group_indices, dtype=int), count)
+        if len(part)
+    ]
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)

@@ -34,8 +34,19 @@ from rollflow.tasks.train.packing import PackedBatch
 from rollflow.tasks.train.policy import PackedPolicy, load_hf_model
 
 # Step sums a forward_backward returns per rank; the service adds them over ranks.
-SUM_KEYS = ("loss_sum", "pg_loss_sum", "num_loss_tokens", "num_tokens", "clipped_tokens", "entropy_sum",
-            "mismatch_kl_sum", "kl_sum", "tis_weight_sum", "is_weight_sum", "is_weight_sq_sum")
+SUM_KEYS = (
+    "loss_sum",
+    "pg_loss_sum",
+    "num_loss_tokens",
+    "num_tokens",
+    "clipped_tokens",
+    "entropy_sum",
+    "mismatch_kl_sum",
+    "kl_sum",
+    "tis_weight_sum",
+    "is_weight_sum",
+    "is_weight_sq_sum",
+)
 
 
 @dataclass(frozen=True)
@@ -62,12 +73,20 @@ class Trainer:
         self.metadata = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
         t = spec.train
         self.backend: Backend = make_backend(
-            spec.trainer.backend, PackedPolicy(hf), device, zero_stage=spec.trainer.zero_stage or 1, lr=t.lr,
-            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, warmup_steps=t.lr_warmup_steps,
+            spec.trainer.backend,
+            PackedPolicy(hf),
+            device,
+            zero_stage=spec.trainer.zero_stage or 1,
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            warmup_steps=t.lr_warmup_steps,
         )
         self.reference = None
         if spec.reference_model_path is not None:
-            self.reference = PackedPolicy(load_hf_model(spec.reference_model_path, device)).to(device).eval()
+            self.reference = (
+                PackedPolicy(load_hf_model(spec.reference_model_path, device)).to(device).eval()
+            )
             self.reference.requires_grad_(False)
         self.step = 0  # optimizer steps taken
         self._pending_micro_batches = 0
@@ -75,10 +94,14 @@ class Trainer:
     # ------------------------------------------------------------------------------ compute
 
     def _run(self, mb: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.backend.module(mb.input_ids_R_P, mb.position_ids_R_P, mb.hidden_index_N, mb.targets_N)
+        return self.backend.module(
+            mb.input_ids_R_P, mb.position_ids_R_P, mb.hidden_index_N, mb.targets_N
+        )
 
     @torch.no_grad()
-    def forward(self, micro_batches: list[PackedBatch]) -> list[tuple[tuple[int, int], list[float]]]:
+    def forward(
+        self, micro_batches: list[PackedBatch]
+    ) -> list[tuple[tuple[int, int], list[float]]]:
         """Log-probs of every completion token with the current weights, per sequence key."""
         out = []
         for mb in micro_batches:
@@ -91,7 +114,9 @@ class Trainer:
                 out.append((seq.key, logp_B_T[b, : len(seq.completion_ids)].tolist()))
         return out
 
-    def forward_backward(self, micro_batches: list[PackedBatch], cfg: LossConfig, denominator: float) -> dict[str, Any]:
+    def forward_backward(
+        self, micro_batches: list[PackedBatch], cfg: LossConfig, denominator: float
+    ) -> dict[str, Any]:
         """Accumulate gradients of the loss over this rank's micro-batches; return step sums.
 
         ``denominator``: the loss tokens of the whole optimizer step on all ranks.
@@ -112,15 +137,17 @@ class Trainer:
             _accumulate(sums, per_env, mb, out, logp_N.detach(), cfg)
         return {"sums": sums, "per_env": per_env.to_json()}
 
-    def _loss_inputs(self, mb: PackedBatch, logp_N: torch.Tensor, entropy_N: torch.Tensor,
-                     cfg: LossConfig) -> LossInputs:
+    def _loss_inputs(
+        self, mb: PackedBatch, logp_N: torch.Tensor, entropy_N: torch.Tensor, cfg: LossConfig
+    ) -> LossInputs:
         logp_N = logp_N.float()
         old_N = mb.old_logprobs_N if mb.old_logprobs_N is not None else mb.inference_logprobs_N
         ref_B_T = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_N, _ = self.reference(mb.input_ids_R_P, mb.position_ids_R_P, mb.hidden_index_N,
-                                          mb.targets_N)
+                ref_N, _ = self.reference(
+                    mb.input_ids_R_P, mb.position_ids_R_P, mb.hidden_index_N, mb.targets_N
+                )
             ref_B_T = mb.to_B_T(ref_N.float())
         # Without an entropy bonus its value is a metric only: no gradient through it.
         entropy_N = entropy_N.float() if cfg.entropy_coef > 0 else entropy_N.detach().float()
@@ -167,12 +194,22 @@ class Trainer:
         folder.mkdir(parents=True, exist_ok=True)
         if getattr(self.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)  # safetensors refuses shared tensors; HF re-ties it
-        save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors",
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            folder / "model.safetensors",
+            metadata={"format": "pt"},
+        )
         self.config.save_pretrained(folder)
         source = Path(self.spec.model_path)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+            "tokenizer.model",
+            "vocab.json",
+            "merges.txt",
+        ):
             if (source / name).exists() and not (folder / name).exists():
                 shutil.copy(source / name, folder / name)
         return folder
@@ -194,8 +231,12 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         save_file(rng, state_dir / f"rng-rank{self.rank}.safetensors")
         if self.rank == 0:
-            state = {"step": self.step, "backend": self.backend.name, "world_size": self.world_size,
-                     "reference_model": self.spec.reference_model_path}
+            state = {
+                "step": self.step,
+                "backend": self.backend.name,
+                "world_size": self.world_size,
+                "reference_model": self.spec.reference_model_path,
+            }
             (state_dir / "state.json").write_text(json.dumps(state, indent=2))
         dist.barrier()
 
@@ -204,8 +245,10 @@ class Trainer:
         state_dir = Path(folder) / "trainer"
         state = json.loads((state_dir / "state.json").read_text())
         if state["backend"] != self.backend.name:
-            raise ValueError(f"{folder} holds {state['backend']} trainer state; this trainer runs "
-                             f"{self.backend.name}: set trainer.backend = {state['backend']!r} to resume it")
+            raise ValueError(
+                f"{folder} holds {state['backend']} trainer state; this trainer runs "
+                f"{self.backend.name}: set trainer.backend = {state['backend']!r} to resume it"
+            )
         self.backend.load(state_dir)
         rng_file = state_dir / f"rng-rank{self.rank}.safetensors"
         if rng_file.exists():  # absent when resuming on more ranks than saved
@@ -223,8 +266,14 @@ class Trainer:
         self.backend.close()
 
 
-def _accumulate(sums: dict[str, float], per_env: PerEnvMoments, mb: PackedBatch, out, logp_N: torch.Tensor,
-                cfg: LossConfig) -> None:
+def _accumulate(
+    sums: dict[str, float],
+    per_env: PerEnvMoments,
+    mb: PackedBatch,
+    out,
+    logp_N: torch.Tensor,
+    cfg: LossConfig,
+) -> None:
     """Add one micro-batch's sums and per-sequence statistics (by environment)."""
     sums["loss_sum"] += float(out.loss_sum.detach())
     sums["pg_loss_sum"] += out.pg_loss_sum
@@ -247,7 +296,11 @@ def _accumulate(sums: dict[str, float], per_env: PerEnvMoments, mb: PackedBatch,
     for b, seq in enumerate(mb.sequences):
         n = s["num_tokens"][b]
         kl = s["kl"][b] if "kl" in s else 0.0
-        per_env.add("loss", seq.env, (s["pg_loss"][b] + cfg.kl_coef * kl - cfg.entropy_coef * s["entropy"][b]) / n)
+        per_env.add(
+            "loss",
+            seq.env,
+            (s["pg_loss"][b] + cfg.kl_coef * kl - cfg.entropy_coef * s["entropy"][b]) / n,
+        )
         per_env.add("clip_fraction", seq.env, s["clipped_tokens"][b] / n)
         per_env.add("entropy", seq.env, s["entropy"][b] / n)
         per_env.add("mismatch_kl", seq.env, s["mismatch_kl"][b] / n)

@@ -34,13 +34,24 @@ Pairs = list[tuple[str, str]]
 
 
 def cache_key(spec: TinyModelSpec, recipe: dict) -> str:
-    blob = json.dumps({"v": WARM_START_VERSION, "spec": spec.model_dump(), "recipe": recipe}, sort_keys=True)
+    blob = json.dumps(
+        {"v": WARM_START_VERSION, "spec": spec.model_dump(), "recipe": recipe}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def prepare_tiny_model(spec: TinyModelSpec, *, train_pairs: Pairs, eval_pairs: Pairs, target: float,
-                       max_steps: int, lr: float, cache_dir: str | Path, recipe: dict,
-                       progress: Callable[[str], None] = print) -> Path:
+def prepare_tiny_model(
+    spec: TinyModelSpec,
+    *,
+    train_pairs: Pairs,
+    eval_pairs: Pairs,
+    target: float,
+    max_steps: int,
+    lr: float,
+    cache_dir: str | Path,
+    recipe: dict,
+    progress: Callable[[str], None] = print,
+) -> Path:
     """The path of a warm-started tiny model, built now or taken from the cache."""
     root = Path(cache_dir).expanduser()
     final = root / f"tiny-{cache_key(spec, recipe)}"
@@ -53,12 +64,25 @@ def prepare_tiny_model(spec: TinyModelSpec, *, train_pairs: Pairs, eval_pairs: P
     tokenizer = build_char_tokenizer(spec.alphabet)
     model = build_tiny_llama(spec, vocab_size=len(tokenizer))
     start = time.perf_counter()
-    steps, acc = warm_start(model, tokenizer, train_pairs, eval_pairs, target=target, max_steps=max_steps,
-                            lr=lr, seed=spec.seed, progress=progress)
-    progress(f"model: warm start reached held-out accuracy {acc:.2f} after {steps} steps "
-             f"({time.perf_counter() - start:.0f}s)")
+    steps, acc = warm_start(
+        model,
+        tokenizer,
+        train_pairs,
+        eval_pairs,
+        target=target,
+        max_steps=max_steps,
+        lr=lr,
+        seed=spec.seed,
+        progress=progress,
+    )
+    progress(
+        f"model: warm start reached held-out accuracy {acc:.2f} after {steps} steps "
+        f"({time.perf_counter() - start:.0f}s)"
+    )
     save_hf_dir(model, tokenizer, tmp)
-    (tmp / "warm_start.json").write_text(json.dumps({"steps": steps, "accuracy": acc, "recipe": recipe}))
+    (tmp / "warm_start.json").write_text(
+        json.dumps({"steps": steps, "accuracy": acc, "recipe": recipe})
+    )
     try:
         os.rename(tmp, final)  # atomic: a cached model is whole or absent
     except OSError:  # another process built it first
@@ -66,9 +90,20 @@ def prepare_tiny_model(spec: TinyModelSpec, *, train_pairs: Pairs, eval_pairs: P
     return final
 
 
-def warm_start(model, tokenizer, train_pairs: Pairs, eval_pairs: Pairs, *, target: float, max_steps: int,
-               lr: float, seed: int = 0, batch_size: int = 64, eval_every: int = 25,
-               progress: Callable[[str], None] = print) -> tuple[int, float]:
+def warm_start(
+    model,
+    tokenizer,
+    train_pairs: Pairs,
+    eval_pairs: Pairs,
+    *,
+    target: float,
+    max_steps: int,
+    lr: float,
+    seed: int = 0,
+    batch_size: int = 64,
+    eval_every: int = 25,
+    progress: Callable[[str], None] = print,
+) -> tuple[int, float]:
     """Train on answers until held-out greedy accuracy >= target; returns (steps, accuracy)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -88,7 +123,9 @@ def warm_start(model, tokenizer, train_pairs: Pairs, eval_pairs: Pairs, *, targe
         acc = greedy_accuracy(model, tokenizer, eval_pairs, max_new_tokens=longest)
         if time.monotonic() - shown >= 20:  # progress on long warm starts, quiet on short ones
             shown = time.monotonic()
-            progress(f"model: warm start step {step}: held-out accuracy {acc:.2f} (target {target:.2f})")
+            progress(
+                f"model: warm start step {step}: held-out accuracy {acc:.2f} (target {target:.2f})"
+            )
     model.eval()
     return step, acc
 
@@ -120,15 +157,20 @@ def greedy_accuracy(model, tokenizer, pairs: Pairs, max_new_tokens: int = 8) -> 
     ids = torch.full((len(prompts), P), PAD_ID)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p)
-        attn[i, P - len(p):] = 1
+        ids[i, P - len(p) :] = torch.tensor(p)
+        attn[i, P - len(p) :] = 1
     out = torch.zeros((len(prompts), 0), dtype=torch.long)
     done = torch.zeros(len(prompts), dtype=torch.bool)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     past = None
     for _ in range(max_new_tokens):
-        step = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, past_key_values=past,
-                     use_cache=True)
+        step = model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=position_ids,
+            past_key_values=past,
+            use_cache=True,
+        )
         past = step.past_key_values
         nxt = step.logits[:, -1].argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, EOS_ID), nxt)

@@ -14,18 +14,36 @@ def _rows(groups):
     rows = []
     for g, samples in enumerate(groups):
         for s, (reward, error) in enumerate(samples):
-            rows.append({"run": "r", "step": 1, "env": "add", "prompt_id": f"p{g}", "group_index": g,
-                         "sample_index": s, "prompt_ids": [1], "completion_ids": [5, 2],
-                         "completion_logprobs": [-1.0, -1.0], "reward": reward, "error": error})
+            rows.append(
+                {
+                    "run": "r",
+                    "step": 1,
+                    "env": "add",
+                    "prompt_id": f"p{g}",
+                    "group_index": g,
+                    "sample_index": s,
+                    "prompt_ids": [1],
+                    "completion_ids": [5, 2],
+                    "completion_logprobs": [-1.0, -1.0],
+                    "reward": reward,
+                    "error": error,
+                }
+            )
     return rows_to_table(rows)
 
 
 def test_partial_groups_keep_survivors_and_zero_advantage_groups_drop():
-    table = _rows([
-        [(1.0, None), (0.0, None), (None, "reward: ValueError: x")],  # partial: 2 survivors
-        [(1.0, None), (1.0, None), (1.0, None)],                      # all equal: no signal
-        [(None, "rollout: RuntimeError: dead"), (None, "rollout: RuntimeError: dead"), (None, "rollout: x")],
-    ])
+    table = _rows(
+        [
+            [(1.0, None), (0.0, None), (None, "reward: ValueError: x")],  # partial: 2 survivors
+            [(1.0, None), (1.0, None), (1.0, None)],  # all equal: no signal
+            [
+                (None, "rollout: RuntimeError: dead"),
+                (None, "rollout: RuntimeError: dead"),
+                (None, "rollout: x"),
+            ],
+        ]
+    )
     batch, stats = build_batch(table, grpo_advantages)
     assert batch.column("group_index").to_pylist() == [0, 0]
     assert batch.column("advantage").to_pylist() == [0.5, -0.5]

@@ -52,14 +52,14 @@ def test_malformed_jsonl_rows_are_skipped_counted_and_reported(tmp_path, caplog)
     path = tmp_path / "mixed.jsonl"
     lines = [
         json.dumps({"q": "ok1", "a": "1"}),
-        "{not json",                              # line 2: bad JSON
-        json.dumps({"a": "3"}),                   # line 3: missing prompt
-        json.dumps({"q": 7, "a": "4"}),           # line 4: prompt of the wrong type
-        json.dumps({"q": "   ", "a": "5"}),       # line 5: empty prompt
-        json.dumps({"q": "x", "a": [1]}),         # line 6: answer of the wrong type
-        json.dumps(["q", "a"]),                   # line 7: not an object
-        json.dumps({"q": "ok2", "a": True}),      # line 8: a bool is not an answer
-        json.dumps({"q": "ok3"}),                 # line 9: missing answer
+        "{not json",  # line 2: bad JSON
+        json.dumps({"a": "3"}),  # line 3: missing prompt
+        json.dumps({"q": 7, "a": "4"}),  # line 4: prompt of the wrong type
+        json.dumps({"q": "   ", "a": "5"}),  # line 5: empty prompt
+        json.dumps({"q": "x", "a": [1]}),  # line 6: answer of the wrong type
+        json.dumps(["q", "a"]),  # line 7: not an object
+        json.dumps({"q": "ok2", "a": True}),  # line 8: a bool is not an answer
+        json.dumps({"q": "ok3"}),  # line 9: missing answer
         json.dumps({"q": "ok4", "a": "4"}),
     ]
     path.write_bytes(("\n".join(lines) + "\n").encode() + b'{"q": "\xff"}\n')  # line 11: not UTF-8
@@ -69,8 +69,11 @@ def test_malformed_jsonl_rows_are_skipped_counted_and_reported(tmp_path, caplog)
     assert loaded.num_skipped == 9
     assert loaded.first_skipped == (
         "line 2: bad JSON (Expecting property name enclosed in double quotes at column 2)",
-        "line 3: missing 'q'", "line 4: 'q' is int, not a string", "line 5: empty 'q'",
-        "line 6: 'a' is list, not a string or number")
+        "line 3: missing 'q'",
+        "line 4: 'q' is int, not a string",
+        "line 5: empty 'q'",
+        "line 6: 'a' is list, not a string or number",
+    )
     [record] = [r for r in caplog.records if "skipped" in r.getMessage()]
     message = record.getMessage()
     assert str(path) in message and "skipped 9 malformed of 11 rows" in message
@@ -79,8 +82,13 @@ def test_malformed_jsonl_rows_are_skipped_counted_and_reported(tmp_path, caplog)
 
 @pytest.mark.parametrize("fmt", ["parquet", "hf"])
 def test_malformed_table_rows_are_skipped_counted_and_reported(tmp_path, fmt, caplog):
-    records = [{"q": "ok1", "a": "1"}, {"q": None, "a": "2"}, {"q": "", "a": "3"},
-               {"q": "ok2", "a": None}, {"q": "ok3", "a": "3"}]
+    records = [
+        {"q": "ok1", "a": "1"},
+        {"q": None, "a": "2"},
+        {"q": "", "a": "3"},
+        {"q": "ok2", "a": None},
+        {"q": "ok3", "a": "3"},
+    ]
     with caplog.at_level(logging.WARNING, logger="rollflow.tasks.generate.dataset"):
         loaded = load_prompts(write(tmp_path, fmt, records), prompt_column="q", answer_column="a")
     assert texts(loaded) == [("ok1", "1"), ("ok3", "3")]
@@ -135,8 +143,12 @@ def test_folder_of_parquet_files(tmp_path):
 def test_hf_dataset_dict_needs_a_named_split(tmp_path):
     import datasets
 
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "t", "answer": "1"}]),
-                               "test": datasets.Dataset.from_list([{"prompt": "e", "answer": "2"}])})
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{"prompt": "t", "answer": "1"}]),
+            "test": datasets.Dataset.from_list([{"prompt": "e", "answer": "2"}]),
+        }
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     assert texts(load_prompts(tmp_path / "dd", split="test")) == [("e", "2")]
     with pytest.raises(InputError, match=r"splits are \['test', 'train'\]; the env names no split"):

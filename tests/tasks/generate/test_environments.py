@@ -32,8 +32,8 @@ def test_sort_letters_partial_credit_counts_right_positions_over_the_longer_stri
     env, p = SortLettersEnv(partial_credit=True), Prompt("sort_letters", "x", "sort dcab=", "abcd")
     assert env.reward(p, " abcd ") == 1.0
     assert env.reward(p, "abdd") == 0.75
-    assert env.reward(p, "ab") == 0.5            # too short: the missing positions are wrong
-    assert env.reward(p, "abcdabcd") == 0.5      # too long: the extra positions are wrong
+    assert env.reward(p, "ab") == 0.5  # too short: the missing positions are wrong
+    assert env.reward(p, "abcdabcd") == 0.5  # too long: the extra positions are wrong
     assert env.reward(p, "") == 0.0
     assert SortLettersEnv().reward(p, "abdd") == 0.0  # exact match by default
 
@@ -73,14 +73,20 @@ class _Flaky(SingleTurnEnv):
 
 
 def test_raising_reward_marks_only_that_sample():
-    completions = [SimpleNamespace(token_ids=[10, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),
-                   SimpleNamespace(token_ids=[11, 2], logprobs=[-0.3, -0.4], finish_reason="stop")]
+    completions = [
+        SimpleNamespace(token_ids=[10, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),
+        SimpleNamespace(token_ids=[11, 2], logprobs=[-0.3, -0.4], finish_reason="stop"),
+    ]
 
     async def sample(prompt_ids, n):
         return completions[:n]
 
-    ctx = RolloutContext(sample=sample, encode=lambda t: [1, 5], eos_token_id=2,
-                         decode=lambda ids: {10: "ok", 11: "boom"}[ids[0]])
+    ctx = RolloutContext(
+        sample=sample,
+        encode=lambda t: [1, 5],
+        eos_token_id=2,
+        decode=lambda ids: {10: "ok", 11: "boom"}[ids[0]],
+    )
     samples = asyncio.run(_Flaky().rollout_group(Prompt("flaky", "0", "q", "a"), 2, ctx))
     assert samples[0].reward == 1.0 and samples[0].error is None
     assert math.isnan(samples[1].reward) and "ZeroDivisionError: user bug" in samples[1].error

@@ -41,8 +41,13 @@ class FakeGroups:
 
 def assert_accounting(p: RolloutProducer) -> None:
     s = p.snapshot()
-    assert s["num_admitted"] == (s["num_in_flight"] + s["num_ready"] + s["num_emitted"]
-                                 + s["num_cancelled"] + s["num_stale_dropped"]), s
+    assert s["num_admitted"] == (
+        s["num_in_flight"]
+        + s["num_ready"]
+        + s["num_emitted"]
+        + s["num_cancelled"]
+        + s["num_stale_dropped"]
+    ), s
     assert s["num_admitted"] <= s["admission_bound"], s
 
 
@@ -77,8 +82,13 @@ def test_admission_bound_fifo_and_exactly_once(max_staleness, overlap):
 
     async def main():
         fake = FakeGroups(seed=100 + max_staleness, fail_every=7)
-        p = RolloutProducer(fake, numbered_prompts(), train_batch_size=B,
-                            max_staleness=max_staleness, max_in_flight=B * (max_staleness + 1))
+        p = RolloutProducer(
+            fake,
+            numbered_prompts(),
+            train_batch_size=B,
+            max_staleness=max_staleness,
+            max_in_flight=B * (max_staleness + 1),
+        )
         fake.producer = p
         async with p:
             watcher = asyncio.create_task(watch_accounting(p))
@@ -122,8 +132,13 @@ def test_admission_bound_fifo_and_exactly_once(max_staleness, overlap):
 
 def test_staleness_zero_waits_for_the_sync():
     async def main():
-        p = RolloutProducer(FakeGroups(seed=1), numbered_prompts(), train_batch_size=4,
-                            max_staleness=0, max_in_flight=4)
+        p = RolloutProducer(
+            FakeGroups(seed=1),
+            numbered_prompts(),
+            train_batch_size=4,
+            max_staleness=0,
+            max_in_flight=4,
+        )
         async with p:
             await p.take(1, timeout_s=2)
             await asyncio.sleep(0.05)
@@ -146,8 +161,9 @@ def test_take_timeout_names_what_it_waited_for():
         await asyncio.Event().wait()
 
     async def main():
-        p = RolloutProducer(hang, numbered_prompts(), train_batch_size=4, max_staleness=1,
-                            max_in_flight=6)
+        p = RolloutProducer(
+            hang, numbered_prompts(), train_batch_size=4, max_staleness=1, max_in_flight=6
+        )
         async with p:
             t0 = time.monotonic()
             with pytest.raises(TimeoutError) as err:
@@ -156,8 +172,14 @@ def test_take_timeout_names_what_it_waited_for():
         return str(err.value)
 
     msg = asyncio.run(main())
-    for part in ["take(step=3)", "0.1s", "0/4 groups ready", "6 in flight", "version 0",
-                 "admitted 6 of bound 8"]:
+    for part in [
+        "take(step=3)",
+        "0.1s",
+        "0/4 groups ready",
+        "6 in flight",
+        "version 0",
+        "admitted 6 of bound 8",
+    ]:
         assert part in msg, msg
 
 
@@ -166,8 +188,9 @@ def test_finish_ends_every_waiter_and_leaves_no_tasks():
         await asyncio.Event().wait()
 
     async def main():
-        p = RolloutProducer(hang, numbered_prompts(), train_batch_size=4, max_staleness=1,
-                            max_in_flight=8)
+        p = RolloutProducer(
+            hang, numbered_prompts(), train_batch_size=4, max_staleness=1, max_in_flight=8
+        )
         p.start()
         waiters = [asyncio.create_task(p.take(s, timeout_s=30)) for s in (1, 2)]
         await asyncio.sleep(0.02)
@@ -188,8 +211,13 @@ def test_finish_ends_every_waiter_and_leaves_no_tasks():
 
 def test_finish_before_a_task_starts_still_counts_it():
     async def main():
-        p = RolloutProducer(FakeGroups(seed=2), numbered_prompts(), train_batch_size=2,
-                            max_staleness=0, max_in_flight=2)
+        p = RolloutProducer(
+            FakeGroups(seed=2),
+            numbered_prompts(),
+            train_batch_size=2,
+            max_staleness=0,
+            max_in_flight=2,
+        )
         p.start()
         await asyncio.sleep(0)  # the admission loop has created tasks that have not run yet
         await p.finish()
@@ -204,8 +232,9 @@ def test_a_raise_from_run_group_fails_takes_with_the_cause():
         raise InferenceGone("vLLM unreachable for 20s")
 
     async def main():
-        async with RolloutProducer(dead, numbered_prompts(), train_batch_size=2, max_staleness=0,
-                                   max_in_flight=2) as p:
+        async with RolloutProducer(
+            dead, numbered_prompts(), train_batch_size=2, max_staleness=0, max_in_flight=2
+        ) as p:
             with pytest.raises(ProducerFailed, match="InferenceGone") as err:
                 await p.take(1, timeout_s=5)
             assert isinstance(err.value.__cause__, InferenceGone)
@@ -216,8 +245,9 @@ def test_a_raise_from_run_group_fails_takes_with_the_cause():
 def test_steps_are_served_lowest_first_and_a_retake_returns_the_same_groups():
     async def main():
         fake = FakeGroups(seed=3)
-        async with RolloutProducer(fake, numbered_prompts(), train_batch_size=3, max_staleness=1,
-                                   max_in_flight=6) as p:
+        async with RolloutProducer(
+            fake, numbered_prompts(), train_batch_size=3, max_staleness=1, max_in_flight=6
+        ) as p:
             later = asyncio.create_task(p.take(2, timeout_s=5))
             await asyncio.sleep(0)
             first = await p.take(1, timeout_s=5)
@@ -231,8 +261,14 @@ def test_steps_are_served_lowest_first_and_a_retake_returns_the_same_groups():
 
 def test_event_loop_lag_is_sampled():
     async def main():
-        async with RolloutProducer(FakeGroups(seed=4), numbered_prompts(), train_batch_size=1,
-                                   max_staleness=0, max_in_flight=1, lag_interval_s=0.02) as p:
+        async with RolloutProducer(
+            FakeGroups(seed=4),
+            numbered_prompts(),
+            train_batch_size=1,
+            max_staleness=0,
+            max_in_flight=1,
+            lag_interval_s=0.02,
+        ) as p:
             await asyncio.sleep(0.05)
             time.sleep(0.15)  # block the loop, as CPU work on it would
             await asyncio.sleep(0.05)
@@ -243,17 +279,21 @@ def test_event_loop_lag_is_sampled():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("B,S,K,keys", [
-    (4, 1, 3, ["train.train_batch_size", "train.max_in_flight_groups", "4 <= K <= 8"]),
-    (4, 1, 9, ["train.max_staleness", "4 <= K <= 8"]),
-    (4, 0, 5, ["4 <= K <= 4"]),
-    (0, 0, 1, ["train.train_batch_size"]),
-    (2, -1, 2, ["train.max_staleness"]),
-])
+@pytest.mark.parametrize(
+    "B,S,K,keys",
+    [
+        (4, 1, 3, ["train.train_batch_size", "train.max_in_flight_groups", "4 <= K <= 8"]),
+        (4, 1, 9, ["train.max_staleness", "4 <= K <= 8"]),
+        (4, 0, 5, ["4 <= K <= 4"]),
+        (0, 0, 1, ["train.train_batch_size"]),
+        (2, -1, 2, ["train.max_staleness"]),
+    ],
+)
 def test_validation_errors_name_the_keys(B, S, K, keys):
     with pytest.raises(ValueError) as err:
-        RolloutProducer(FakeGroups(0), numbered_prompts(), train_batch_size=B, max_staleness=S,
-                        max_in_flight=K)
+        RolloutProducer(
+            FakeGroups(0), numbered_prompts(), train_batch_size=B, max_staleness=S, max_in_flight=K
+        )
     assert all(k in str(err.value) for k in keys), str(err.value)
 
 
@@ -261,8 +301,10 @@ def test_prompt_stream_follows_the_per_step_seed():
     envs, weights = {"add": AddEnv()}, {"add": 1.0}
     stream = prompt_stream(envs, weights, 4, seed=7, first_step=3)
     got = [next(stream) for _ in range(8)]
-    want = [*select_prompts(envs, weights, 4, "train", seed=7 * 1_000_003 + 3),
-            *select_prompts(envs, weights, 4, "train", seed=7 * 1_000_003 + 4)]
+    want = [
+        *select_prompts(envs, weights, 4, "train", seed=7 * 1_000_003 + 3),
+        *select_prompts(envs, weights, 4, "train", seed=7 * 1_000_003 + 4),
+    ]
     assert got == want
 
 
@@ -297,8 +339,9 @@ def test_a_group_overtaken_past_the_bound_is_dropped_counted_and_replaced():
                 return [Sample([1], [2], [-0.1], "x", "stop", reward=0.0)]
             return await fast(prompt, version)
 
-        p = RolloutProducer(run_group, numbered_prompts(), train_batch_size=2, max_staleness=1,
-                            max_in_flight=4)
+        p = RolloutProducer(
+            run_group, numbered_prompts(), train_batch_size=2, max_staleness=1, max_in_flight=4
+        )
         async with p:
             one = await p.take(1, timeout_s=2)
             p.set_version(1)

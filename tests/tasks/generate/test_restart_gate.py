@@ -35,8 +35,15 @@ def url_and_gate():
 
 
 def sampler(client: InferenceClient, stats: SamplingStats) -> Sampler:
-    return Sampler(client, max_tokens=4, temperature=1.0, top_p=1.0, stats=stats, deadline_s=60,
-                   retry=RetryPolicy(initial_s=0.01, max_s=0.05, unhealthy_grace_s=GRACE_S))
+    return Sampler(
+        client,
+        max_tokens=4,
+        temperature=1.0,
+        top_p=1.0,
+        stats=stats,
+        deadline_s=60,
+        retry=RetryPolicy(initial_s=0.01, max_s=0.05, unhealthy_grace_s=GRACE_S),
+    )
 
 
 def test_requests_cut_by_a_restart_wait_at_the_gate_and_complete_on_the_new_server(url_and_gate):
@@ -44,7 +51,9 @@ def test_requests_cut_by_a_restart_wait_at_the_gate_and_complete_on_the_new_serv
     port = int(url.rsplit(":", 1)[1])
     arrivals: list[float] = []  # when each request reached the new server
     old = FakeOpenAI(latency_s=1.0, port=port)
-    new = FakeOpenAI(port=port, faults=lambda prompt, attempt: arrivals.append(time.monotonic()) or "ok")
+    new = FakeOpenAI(
+        port=port, faults=lambda prompt, attempt: arrivals.append(time.monotonic()) or "ok"
+    )
     opened_at: list[float] = []
 
     def supervisor() -> None:  # the server dies; noticed 0.3 s later; down for 2 x the grace
@@ -86,7 +95,9 @@ def test_requests_cut_by_a_restart_wait_at_the_gate_and_complete_on_the_new_serv
 def test_a_failed_restart_ends_the_requests_waiting_at_the_gate_at_once(url_and_gate):
     url, gate = url_and_gate
     gate.close(deadline_s=60)
-    threading.Timer(0.5, gate.fail, args=("the vLLM server died and could not be restarted",)).start()
+    threading.Timer(
+        0.5, gate.fail, args=("the vLLM server died and could not be restarted",)
+    ).start()
 
     async def main():
         async with InferenceClient(url, timeout_s=10) as client:

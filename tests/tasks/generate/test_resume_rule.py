@@ -10,27 +10,39 @@ from rollflow.tasks.generate.task import reusable_rollouts, reused_steps
 
 
 def _ctx(tmp_path, max_staleness: int) -> RunContext:
-    cfg = load_config("configs/quickstart.toml", [f"run.storage={tmp_path}",
-                                                  f"train.max_staleness={max_staleness}"])
+    cfg = load_config(
+        "configs/quickstart.toml",
+        [f"run.storage={tmp_path}", f"train.max_staleness={max_staleness}"],
+    )
     ep = Endpoint("x", "http://127.0.0.1:1", "t")
     return RunContext(config=cfg, model_path="unused", trainer=ep, inference=ep)
 
 
 def _commit(ctx: RunContext, step: int, version: int) -> None:
-    row = {"run": "r", "step": step, "group_index": 0, "sample_index": 0, "version_started": version,
-           "version_finished": version}
+    row = {
+        "run": "r",
+        "step": step,
+        "group_index": 0,
+        "sample_index": 0,
+        "version_started": version,
+        "version_finished": version,
+    }
     ctx.storage.write_step_table("rollouts", step, rows_to_table([row]))
 
 
-@pytest.mark.parametrize(("max_staleness", "step", "version", "resumed_from", "reused"), [
-    (0, 3, 2, 2, True),    # on-policy: step C+1 sampled by version C
-    (0, 4, 3, 2, False),   # sampled by a version the resumed trainer never had
-    (1, 4, 2, 2, True),    # one step off: version C still fresh enough for step C+2
-    (1, 5, 2, 2, False),   # too stale for step C+3
-    (2, 5, 2, 2, True),
-])
-def test_committed_rollouts_reused_only_within_the_bound(tmp_path, max_staleness, step, version,
-                                                         resumed_from, reused):
+@pytest.mark.parametrize(
+    ("max_staleness", "step", "version", "resumed_from", "reused"),
+    [
+        (0, 3, 2, 2, True),  # on-policy: step C+1 sampled by version C
+        (0, 4, 3, 2, False),  # sampled by a version the resumed trainer never had
+        (1, 4, 2, 2, True),  # one step off: version C still fresh enough for step C+2
+        (1, 5, 2, 2, False),  # too stale for step C+3
+        (2, 5, 2, 2, True),
+    ],
+)
+def test_committed_rollouts_reused_only_within_the_bound(
+    tmp_path, max_staleness, step, version, resumed_from, reused
+):
     ctx = _ctx(tmp_path, max_staleness)
     _commit(ctx, step, version)
     assert reusable_rollouts(ctx, step, resumed_from) == reused

@@ -50,12 +50,28 @@ def test_aborts_and_disconnects_are_retried_counted_and_nothing_is_lost():
 
     async def main(url: str):
         client = InferenceClient(url, timeout_s=10)
-        sampler = Sampler(client, max_tokens=4, temperature=1.0, top_p=1.0, stats=stats, deadline_s=30,
-                          retry=RetryPolicy(initial_s=0.005, max_s=0.02))
-        ctx = RolloutContext(sample=sampler, encode=lambda text: [int(text[1:]) + 10],
-                             decode=lambda ids: "x" * len(ids), eos_token_id=2)
-        producer = RolloutProducer(group_runner({env.name: env}, ctx, G), prompts, train_batch_size=B,
-                                   max_staleness=S, max_in_flight=B * (S + 1))
+        sampler = Sampler(
+            client,
+            max_tokens=4,
+            temperature=1.0,
+            top_p=1.0,
+            stats=stats,
+            deadline_s=30,
+            retry=RetryPolicy(initial_s=0.005, max_s=0.02),
+        )
+        ctx = RolloutContext(
+            sample=sampler,
+            encode=lambda text: [int(text[1:]) + 10],
+            decode=lambda ids: "x" * len(ids),
+            eos_token_id=2,
+        )
+        producer = RolloutProducer(
+            group_runner({env.name: env}, ctx, G),
+            prompts,
+            train_batch_size=B,
+            max_staleness=S,
+            max_in_flight=B * (S + 1),
+        )
         taken = []
         async with producer:
             # No sync after the last step: every admitted group is taken, none is left in flight.
@@ -74,12 +90,19 @@ def test_aborts_and_disconnects_are_retried_counted_and_nothing_is_lost():
     assert len({g.prompt.prompt_id for g in taken}) == len(taken)
     for g in taken:
         assert g.error is None and len(g.result) == G
-        assert all(s.error is None and s.reward == 1.0 and s.finish_reason == "stop" for s in g.result)
+        assert all(
+            s.error is None and s.reward == 1.0 and s.finish_reason == "stop" for s in g.result
+        )
         ids = [int(g.prompt.prompt_id) + 10]
         assert server.attempts[tuple(ids)] == {"abort": 2, "disconnect": 3, "ok": 1}[kind(ids)]
     kinds = [kind([int(g.prompt.prompt_id) + 10]) for g in taken]
     assert kinds.count("abort") > 0 and kinds.count("disconnect") > 0
-    assert stats.retry_reasons == {"RequestAborted": kinds.count("abort"),
-                                   "InferenceUnavailable": kinds.count("disconnect")}
+    assert stats.retry_reasons == {
+        "RequestAborted": kinds.count("abort"),
+        "InferenceUnavailable": kinds.count("disconnect"),
+    }
     assert stats.retries == kinds.count("abort") + kinds.count("disconnect")
-    assert server.injected == {"abort": kinds.count("abort"), "disconnect": 2 * kinds.count("disconnect")}
+    assert server.injected == {
+        "abort": kinds.count("abort"),
+        "disconnect": 2 * kinds.count("disconnect"),
+    }

@@ -12,7 +12,6 @@ import json
 import time
 
 import pytest
-from conftest import PROMPT_IDS, greedy_reference
 from transformers import AutoModelForCausalLM
 
 from rollflow.infra.errors import WeightSyncError
@@ -20,6 +19,8 @@ from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.service import free_port
 from rollflow.infra.weights.group import WeightSender, weight_metadata
 from rollflow.tasks.sync.weights import init_weight_group, join, leave, publish
+
+from conftest import PROMPT_IDS, greedy_reference
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +68,9 @@ def test_absent_trainer_makes_init_fail_within_timeout(vllm_server):
                 return None
 
             with pytest.raises(WeightSyncError, match="could not join"):
-                await init_weight_group(client, trainer_never_joins, "127.0.0.1", free_port(), 2, 3.0, [])
+                await init_weight_group(
+                    client, trainer_never_joins, "127.0.0.1", free_port(), 2, 3.0, []
+                )
             assert time.monotonic() - start < 15
             # The server survives, and the same client (whose pooled connection the server closed
             # after the failed RPC) still samples.
@@ -79,7 +82,9 @@ def test_absent_trainer_makes_init_fail_within_timeout(vllm_server):
 
 def test_in_flight_sync_makes_vllm_match_transformers_on_new_weights(vllm_server, vllm_model_dirs):
     new_model, expected = greedy_reference(vllm_model_dirs[1], PROMPT_IDS, 24)
-    old_weights = list(AutoModelForCausalLM.from_pretrained(vllm_model_dirs[0]).state_dict().items())
+    old_weights = list(
+        AutoModelForCausalLM.from_pretrained(vllm_model_dirs[0]).state_dict().items()
+    )
     source = SenderSource(list(new_model.state_dict().items()))
     url = vllm_server.url
     before = greedy(url)

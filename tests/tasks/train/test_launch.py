@@ -27,7 +27,9 @@ Root Cause (first observed failure):
 
 def test_rank_zeros_own_report_wins(tmp_path):
     log = tmp_path / "trainer.log"
-    log.write_text("trainer[0] ERROR trainer rank 1 (pid 42) died; see trainer.log\n" + TORCHRUN_ROOT_CAUSE)
+    log.write_text(
+        "trainer[0] ERROR trainer rank 1 (pid 42) died; see trainer.log\n" + TORCHRUN_ROOT_CAUSE
+    )
     assert _failure_in_log(log) == "trainer rank 1 (pid 42) died"
 
 
@@ -44,9 +46,13 @@ def test_no_failure_recorded(tmp_path):
     assert _failure_in_log(tmp_path / "missing.log") is None
 
 
-@pytest.mark.parametrize(("cpus", "inference", "trainer"), [
-    ({0, 1}, [0], [1]), ({0}, [0], [0]), (set(range(8)), [0, 1, 2, 3], [4, 5, 6, 7])])
-def test_cpu_split_gives_vllm_and_the_trainer_their_own_cores(monkeypatch, cpus, inference, trainer):
+@pytest.mark.parametrize(
+    ("cpus", "inference", "trainer"),
+    [({0, 1}, [0], [1]), ({0}, [0], [0]), (set(range(8)), [0, 1, 2, 3], [4, 5, 6, 7])],
+)
+def test_cpu_split_gives_vllm_and_the_trainer_their_own_cores(
+    monkeypatch, cpus, inference, trainer
+):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
     assert cpu_split() == (inference, trainer)
 
@@ -57,13 +63,17 @@ def test_ranks_beside_vllm_on_a_cpu_host_keep_to_the_trainers_cores(monkeypatch,
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
 
     def threads(num_ranks: int, beside_inference: bool = False) -> str:
-        args = ServiceArgs(model_path="m", storage_root="runs", run="t",
-                           trainer=TrainerSection(device="cpu", num_ranks=num_ranks))
+        args = ServiceArgs(
+            model_path="m",
+            storage_root="runs",
+            run="t",
+            trainer=TrainerSection(device="cpu", num_ranks=num_ranks),
+        )
         proc = TrainerProcess(args, token="t", log_dir=tmp_path, beside_inference=beside_inference)
         return proc.process.env["OMP_NUM_THREADS"]
 
-    assert threads(num_ranks=1) == "8"                          # alone: every core
-    assert threads(num_ranks=1, beside_inference=True) == "4"   # beside vLLM: its half
+    assert threads(num_ranks=1) == "8"  # alone: every core
+    assert threads(num_ranks=1, beside_inference=True) == "4"  # beside vLLM: its half
     assert threads(num_ranks=2, beside_inference=True) == "2"
-    monkeypatch.setenv("ROLLFLOW_TRAINER_THREADS", "3")         # the user's choice wins
+    monkeypatch.setenv("ROLLFLOW_TRAINER_THREADS", "3")  # the user's choice wins
     assert threads(num_ranks=1, beside_inference=True) == "3"

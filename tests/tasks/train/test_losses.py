@@ -166,9 +166,7 @@ def test_tis_scales_the_policy_gradient(cap, weight, capped):
 
 def test_mismatch_kl_is_against_inference_logprobs_when_given():
     logp = _logp([[-1.0]])
-    without = loss(
-        "ppo", LossInputs(logp, _t([[-1.0]]), _t([1.0]), _t([[1.0]])), LossConfig()
-    )
+    without = loss("ppo", LossInputs(logp, _t([[-1.0]]), _t([1.0]), _t([[1.0]])), LossConfig())
     with_inf = loss(
         "ppo",
         LossInputs(logp, _t([[-1.0]]), _t([1.0]), _t([[1.0]]), inference_logprobs_B_T=_t([[-1.5]])),
@@ -316,6 +314,4 @@ def test_invalid_config_and_missing_inputs_are_named():
     with pytest.raises(ValueError, match="kind"):
         LossConfig(kind="grpo")
     with pytest.raises(ValueError, match="old_logprobs_B_T"):
-        loss(
-            "ppo", LossInputs(_t([[0.0]]), _t([[0.0, 0.0]]), _t([1.0]), _t([[1.0]])), LossConfig()
-        )
+        loss("ppo", LossInputs(_t([[0.0]]), _t([[0.0, 0.0]]), _t([1.0]), _t([[1.0]])), LossConfig())

@@ -2,10 +2,11 @@ import random
 
 import pytest
 import torch
-from trainer_support import load, make_rows, sequences, token_logprobs
 
 from rollflow.tasks.train.packing import micro_batches, pack, plan_micro_batches, split_across_ranks
 from rollflow.tasks.train.policy import PackedPolicy, load_hf_model
+
+from trainer_support import load, make_rows, sequences, token_logprobs
 
 
 def _lengths(n: int, seed: int) -> list[int]:
@@ -38,7 +39,9 @@ def test_every_rank_gets_the_same_number_of_micro_batches(n, world):
     assert len({len(p) for p in plan}) == 1
     assert sorted(i for p in plan for mb in p for i in mb) == list(range(n))
     if n < world:
-        assert any(mb == [] for p in plan for mb in p)  # a rank with nothing runs an empty micro-batch
+        assert any(
+            mb == [] for p in plan for mb in p
+        )  # a rank with nothing runs an empty micro-batch
 
 
 def test_pack_restarts_positions_and_points_each_target_at_its_predictor():
@@ -54,7 +57,9 @@ def test_pack_restarts_positions_and_points_each_target_at_its_predictor():
     # The [B, T] layout holds each row's completion in order.
     targets_B_T = mb.to_B_T(mb.targets_N.float())
     for b, seq in enumerate(mb.sequences):
-        assert targets_B_T[b, : len(seq.completion_ids)].tolist() == [float(t) for t in seq.completion_ids]
+        assert targets_B_T[b, : len(seq.completion_ids)].tolist() == [
+            float(t) for t in seq.completion_ids
+        ]
 
 
 def test_empty_micro_batch_is_a_dummy_with_no_loss_tokens():
@@ -75,4 +80,7 @@ def test_packed_rows_attend_within_each_sequence_only(tiny_model_dir, row_tokens
         for b, seq in enumerate(mb.sequences):
             row = next(r for r in rows if (r["group_index"], r["sample_index"]) == seq.key)
             expected, _ = token_logprobs(plain, row)
-            assert torch.allclose(logp_B_T[b, : len(expected)], expected, atol=1e-5), (row_tokens, b)
+            assert torch.allclose(logp_B_T[b, : len(expected)], expected, atol=1e-5), (
+                row_tokens,
+                b,
+            )

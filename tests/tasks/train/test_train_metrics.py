@@ -39,9 +39,22 @@ def test_ess_is_one_for_equal_weights_and_small_for_one_dominant():
 def test_step_summary_is_flat_floats_with_tokens_per_second():
     per_env = PerEnvMoments()
     per_env.add("entropy", "sort", 1.0)
-    result = {"loss": 0.5, "grad_norm": 2.0, "clip_fraction": 0.1, "entropy": 1.0, "mismatch_kl": 0.01,
-              "ess": 0.9, "kl": 0.0, "tis_weight": 1.0, "lr": 1e-4, "num_loss_tokens": 10, "num_tokens": 30,
-              "forward_backward_s": 0.2, "optim_step_s": 0.1, "per_env": per_env.to_json()}
+    result = {
+        "loss": 0.5,
+        "grad_norm": 2.0,
+        "clip_fraction": 0.1,
+        "entropy": 1.0,
+        "mismatch_kl": 0.01,
+        "ess": 0.9,
+        "kl": 0.0,
+        "tis_weight": 1.0,
+        "lr": 1e-4,
+        "num_loss_tokens": 10,
+        "num_tokens": 30,
+        "forward_backward_s": 0.2,
+        "optim_step_s": 0.1,
+        "per_env": per_env.to_json(),
+    }
     out = summarize_optimizer_steps([result, {**result, "loss": 1.5}])
     assert out["loss"] == 1.0 and out["num_optim_steps"] == 2 and out["num_tokens"] == 60
     assert out["tokens_per_s"] == pytest.approx(60 / 0.6)

@@ -6,11 +6,12 @@ Multi-rank runs of the same checks, through the real launchers, are in test_trai
 import pytest
 import torch
 import torch.distributed as dist
-from trainer_support import adamw_step, load, make_rows, max_abs, max_abs_diff, reference, sequences
 
 from rollflow.infra.config import LossConfig, TrainSection
 from rollflow.tasks.train.packing import pack, plan_micro_batches
 from rollflow.tasks.train.trainer import Trainer, TrainerSpec
+
+from trainer_support import adamw_step, load, make_rows, max_abs, max_abs_diff, reference, sequences
 
 CPU = torch.device("cpu")
 
@@ -26,7 +27,12 @@ def one_rank(tmp_path_factory):
 
 def _trainer(model_dir, reference_model_path=None, **train) -> Trainer:
     train = TrainSection(**{"lr": 1e-3, "max_grad_norm": 1e9, **train})
-    return Trainer(TrainerSpec(model_path=str(model_dir), train=train, reference_model_path=reference_model_path), CPU)
+    return Trainer(
+        TrainerSpec(
+            model_path=str(model_dir), train=train, reference_model_path=reference_model_path
+        ),
+        CPU,
+    )
 
 
 def _micro_batches(rows, budget, row_tokens=32):
@@ -41,7 +47,10 @@ def _tokens(rows):
 
 @pytest.mark.parametrize(
     "cfg",
-    [LossConfig(eps_low=0.1, eps_high=0.2, entropy_coef=0.01), LossConfig(kind="gspo", eps_low=0.02, eps_high=0.03)],
+    [
+        LossConfig(eps_low=0.1, eps_high=0.2, entropy_coef=0.01),
+        LossConfig(kind="gspo", eps_low=0.02, eps_high=0.03),
+    ],
     ids=["ppo", "gspo"],
 )
 def test_gradients_equal_the_single_sequence_reference(tiny_model_dir, cfg):
@@ -84,15 +93,22 @@ def test_optim_step_is_clip_then_adamw(tiny_model_dir, tmp_path):
     trainer.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
     out = trainer.optim_step()
     ref = reference(tiny_model_dir, rows, cfg)
-    assert out["grad_norm"] == pytest.approx(adamw_step(ref["model"], lr=1e-2, max_grad_norm=0.05), rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(
+        adamw_step(ref["model"], lr=1e-2, max_grad_norm=0.05), rel=1e-5
+    )
     assert out["grad_norm"] > 0.05  # the clip was active
     trainer.export_hf(tmp_path / "hf")
     exported = dict(load(tmp_path / "hf").named_parameters())
     expected = dict(ref["model"].named_parameters())
     # Adam's first update is lr * g / (|g| + eps): for entries with |g| near eps, fp32 rounding of
     # the gradient moves it by a visible fraction of lr.
-    assert max_abs_diff({k: v.detach() for k, v in exported.items()},
-                        {k: v.detach() for k, v in expected.items()}) < 1e-3 * 1e-2
+    assert (
+        max_abs_diff(
+            {k: v.detach() for k, v in exported.items()},
+            {k: v.detach() for k, v in expected.items()},
+        )
+        < 1e-3 * 1e-2
+    )
 
 
 def test_kl_to_the_reference_model(tiny_model_dir, tmp_path):
@@ -115,7 +131,9 @@ def test_forward_returns_each_sequences_logprobs(tiny_model_dir):
     got = dict(trainer.forward(_micro_batches(rows, 30, row_tokens=16)))
     ref = reference(tiny_model_dir, rows)
     for r, expected in zip(rows, ref["logprobs"], strict=True):
-        assert torch.allclose(torch.tensor(got[(r["group_index"], r["sample_index"])]), expected, atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(got[(r["group_index"], r["sample_index"])]), expected, atol=1e-5
+        )
 
 
 def test_checkpoint_round_trip_continues_identically(tiny_model_dir, tmp_path):
@@ -125,7 +143,9 @@ def test_checkpoint_round_trip_continues_identically(tiny_model_dir, tmp_path):
     a.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
     a.optim_step()
     a.save_checkpoint(tmp_path / "ckpt")
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == [
+        "model.safetensors"
+    ]
     b = _trainer(tmp_path / "ckpt", lr_warmup_steps=3)
     b.load_checkpoint(tmp_path / "ckpt")
     assert b.step == 1 and b.backend.current_lr() == pytest.approx(a.backend.current_lr())

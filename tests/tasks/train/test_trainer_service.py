@@ -21,15 +21,6 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_support import (
-    adamw_step,
-    load,
-    make_rows,
-    max_abs,
-    max_abs_diff,
-    reference,
-    write_batch,
-)
 
 from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
 from rollflow.infra.errors import ServiceError
@@ -41,9 +32,24 @@ from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.launch import TrainerProcess
 from rollflow.tasks.train.protocol import ServiceArgs
 
+from trainer_support import (
+    adamw_step,
+    load,
+    make_rows,
+    max_abs,
+    max_abs_diff,
+    reference,
+    write_batch,
+)
+
 pytestmark = pytest.mark.slow
 
-CONFIGS = {"fsdp2": ("fsdp2", None), "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2), "zero3": ("deepspeed", 3)}
+CONFIGS = {
+    "fsdp2": ("fsdp2", None),
+    "zero1": ("deepspeed", 1),
+    "zero2": ("deepspeed", 2),
+    "zero3": ("deepspeed", 3),
+}
 WHOLE_SUITE = ("fsdp2", "zero3")
 LR, MAX_GRAD_NORM = 1e-2, 0.05
 PPO = LossConfig(eps_low=0.1, eps_high=0.2, entropy_coef=0.01)
@@ -72,11 +78,22 @@ def service(request, tiny_model_dir, tmp_path_factory):
     storage = RunStorage(str(root / "runs"), "t")
     write_batch(storage, 1, make_rows(22, seed=11))
     write_batch(storage, 2, make_rows(9, seed=12, step=2))
-    args = ServiceArgs(model_path=str(tiny_model_dir), storage_root=str(root / "runs"), run="t",
-                       train=TrainSection(lr=LR, max_grad_norm=MAX_GRAD_NORM),
-                       trainer=TrainerSection(backend=backend, num_ranks=2, zero_stage=stage, micro_batch_tokens=48,
-                                              device="cpu", request_timeout_s=120, startup_timeout_s=600),
-                       dead_rank_grace_s=3)
+    args = ServiceArgs(
+        model_path=str(tiny_model_dir),
+        storage_root=str(root / "runs"),
+        run="t",
+        train=TrainSection(lr=LR, max_grad_norm=MAX_GRAD_NORM),
+        trainer=TrainerSection(
+            backend=backend,
+            num_ranks=2,
+            zero_stage=stage,
+            micro_batch_tokens=48,
+            device="cpu",
+            request_timeout_s=120,
+            startup_timeout_s=600,
+        ),
+        dead_rank_grace_s=3,
+    )
     proc = TrainerProcess(args, token=secrets.token_hex(8), log_dir=root / "logs")
     start = time.monotonic()
     proc.start()
@@ -85,12 +102,18 @@ def service(request, tiny_model_dir, tmp_path_factory):
     yield Service(request.param, proc, storage, root)
     pids = proc.process.pids()
     proc.stop(timeout_s=30)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 def _whole_suite(service):
     if service.name not in WHOLE_SUITE:
-        pytest.skip("the whole suite runs on fsdp2 and zero3; this configuration runs the exactness test")
+        pytest.skip(
+            "the whole suite runs on fsdp2 and zero3; this configuration runs the exactness test"
+        )
 
 
 def test_two_ranks_match_one_process_on_the_whole_batch(service):
@@ -106,13 +129,19 @@ def test_two_ranks_match_one_process_on_the_whole_batch(service):
     after = dict(load(service.export("after-ppo")).named_parameters())
     expected = dict(ref["model"].named_parameters())
     # Adam's first update is lr * g / (|g| + eps): fp32 rounding moves near-zero entries by ~1e-3 lr.
-    assert max_abs_diff({k: v.detach() for k, v in after.items()},
-                        {k: v.detach() for k, v in expected.items()}) < 1e-3 * LR
+    assert (
+        max_abs_diff(
+            {k: v.detach() for k, v in after.items()}, {k: v.detach() for k, v in expected.items()}
+        )
+        < 1e-3 * LR
+    )
     # Metrics: every row counted once, per environment and overall.
     n_all, *_ = fb["per_env"]["clip_fraction"]["all"]
     assert n_all == len(rows)
     assert {e for e in fb["per_env"]["entropy"]} == {"all", "sort", "add"}
-    assert 0 < fb["ess"] <= 1 and fb["num_loss_tokens"] == sum(len(r["completion_ids"]) for r in rows)
+    assert 0 < fb["ess"] <= 1 and fb["num_loss_tokens"] == sum(
+        len(r["completion_ids"]) for r in rows
+    )
 
 
 def test_forward_then_gspo_with_truncated_importance_sampling(service):
@@ -163,7 +192,9 @@ def test_checkpoint_round_trip_is_sharding_aware_and_exact(service):
     saved = service.client.save_checkpoint(5)
     folder = service.storage.local_copy("checkpoints", 5, service.root / "cache")
     assert saved["uri"].endswith("checkpoints/step=5")
-    assert [p.name for p in folder.glob("*.safetensors")] == ["model.safetensors"]  # vLLM loads the top
+    assert [p.name for p in folder.glob("*.safetensors")] == [
+        "model.safetensors"
+    ]  # vLLM loads the top
     assert (folder / "trainer" / "state.json").exists()
     load(folder)  # transformers loads the HF export as it is
 
@@ -197,11 +228,17 @@ def test_exported_model_is_served_by_vllm(service):
     prompt = [1, 10, 11, 12, 13]
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=2,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
+        expected = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     srv = InferenceServer(export, max_model_len=64, log_path=service.root / "vllm.log")
     srv.start()
     try:
+
         async def go():
             async with InferenceClient(srv.url, timeout_s=60) as client:
                 return await client.complete(prompt, max_tokens=8, temperature=0.0)

@@ -7,10 +7,21 @@ from rollflow.tasks.train.warm_start import warm_start
 
 def test_answers_longer_than_eight_tokens_can_reach_the_target():
     tok = build_char_tokenizer()
-    model = build_tiny_llama(TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok))
+    model = build_tiny_llama(
+        TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok)
+    )
     pairs = [(f"q{i}=", "abcdefghijkl") for i in range(8)]  # one 12-character answer
-    steps, acc = warm_start(model, tok, pairs, pairs, target=1.0, max_steps=400, lr=1e-2, eval_every=25,
-                            progress=lambda _: None)
+    steps, acc = warm_start(
+        model,
+        tok,
+        pairs,
+        pairs,
+        target=1.0,
+        max_steps=400,
+        lr=1e-2,
+        eval_every=25,
+        progress=lambda _: None,
+    )
     assert acc == 1.0 and steps < 400
 
 
@@ -24,11 +35,20 @@ def test_greedy_accuracy_decodes_what_hf_generate_decodes_from_left_padded_promp
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
-    model = build_tiny_llama(TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok))
-    prompts = ["sort ab=", "sort dcbahg=", "1+2=", "sort hhgfedcbaa="]  # different lengths: left padding
+    model = build_tiny_llama(
+        TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok)
+    )
+    prompts = [
+        "sort ab=",
+        "sort dcbahg=",
+        "1+2=",
+        "sort hhgfedcbaa=",
+    ]  # different lengths: left padding
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
-    out = model.generate(**enc, max_new_tokens=10, do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    rows = out[:, enc.input_ids.shape[1]:].tolist()
+    out = model.generate(
+        **enc, max_new_tokens=10, do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    rows = out[:, enc.input_ids.shape[1] :].tolist()
     answers = [tok.decode(r[: r.index(EOS_ID)] if EOS_ID in r else r) for r in rows]
     assert len(set(answers)) > 1  # a random model, but not a constant one
     pairs = list(zip(prompts, answers, strict=True))

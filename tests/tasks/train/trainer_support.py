@@ -13,15 +13,21 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollflow.infra.config import LossConfig
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
-from rollflow.infra.config import LossConfig
 from rollflow.tasks.train.losses import LossInputs, compute_loss
 from rollflow.tasks.train.packing import Sequence
 
 
-def make_rows(n: int, seed: int = 0, envs: tuple[str, ...] = ("sort", "add"), step: int = 1,
-              max_prompt: int = 12, max_completion: int = 9) -> list[dict]:
+def make_rows(
+    n: int,
+    seed: int = 0,
+    envs: tuple[str, ...] = ("sort", "add"),
+    step: int = 1,
+    max_prompt: int = 12,
+    max_completion: int = 9,
+) -> list[dict]:
     """Batch rows (the Parquet schema) with prompt and completion lengths that vary widely."""
     rng = random.Random(seed)
     rows = []
@@ -29,11 +35,30 @@ def make_rows(n: int, seed: int = 0, envs: tuple[str, ...] = ("sort", "add"), st
         g, s = divmod(i, 4)
         prompt = [1] + [rng.randint(4, 40) for _ in range(rng.randint(1, max_prompt - 1))]
         completion = [rng.randint(4, 40) for _ in range(rng.randint(0, max_completion - 1))] + [2]
-        rows.append(dict(run="t", step=step, env=envs[g % len(envs)], prompt_id=str(g), group_index=g,
-                         sample_index=s, prompt_text="", completion_text="", prompt_ids=prompt,
-                         completion_ids=completion, completion_logprobs=[rng.uniform(-4, -0.5) for _ in completion],
-                         reward=0.0, advantage=rng.uniform(-1, 1), version_started=0, version_finished=0,
-                         finish_reason="stop", error=None, generate_s=0.0, reward_s=0.0, info="{}"))
+        rows.append(
+            dict(
+                run="t",
+                step=step,
+                env=envs[g % len(envs)],
+                prompt_id=str(g),
+                group_index=g,
+                sample_index=s,
+                prompt_text="",
+                completion_text="",
+                prompt_ids=prompt,
+                completion_ids=completion,
+                completion_logprobs=[rng.uniform(-4, -0.5) for _ in completion],
+                reward=0.0,
+                advantage=rng.uniform(-1, 1),
+                version_started=0,
+                version_finished=0,
+                finish_reason="stop",
+                error=None,
+                generate_s=0.0,
+                reward_s=0.0,
+                info="{}",
+            )
+        )
     return rows
 
 
@@ -42,12 +67,23 @@ def write_batch(storage: RunStorage, step: int, rows: list[dict]) -> None:
 
 
 def sequences(rows: list[dict]) -> list[Sequence]:
-    return [Sequence(r["prompt_ids"], r["completion_ids"], r["completion_logprobs"], r["advantage"], r["env"],
-                     (r["group_index"], r["sample_index"])) for r in rows]
+    return [
+        Sequence(
+            r["prompt_ids"],
+            r["completion_ids"],
+            r["completion_logprobs"],
+            r["advantage"],
+            r["env"],
+            (r["group_index"], r["sample_index"]),
+        )
+        for r in rows
+    ]
 
 
 def load(model_dir: str | Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.float32, attn_implementation="eager"
+    )
 
 
 def token_logprobs(model: torch.nn.Module, row: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,13 +91,18 @@ def token_logprobs(model: torch.nn.Module, row: dict) -> tuple[torch.Tensor, tor
     p = len(row["prompt_ids"])
     ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
     logp_T_V = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-    logp_T = logp_T_V[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)[p - 1:]
+    logp_T = logp_T_V[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)[p - 1 :]
     entropy_T = -(logp_T_V.exp() * logp_T_V).sum(-1)[p - 1 : -1]
     return logp_T, entropy_T
 
 
-def reference(model_dir: str | Path, rows: list[dict], cfg: LossConfig | None = None,
-              old: dict | None = None, ref_dir: str | Path | None = None) -> dict:
+def reference(
+    model_dir: str | Path,
+    rows: list[dict],
+    cfg: LossConfig | None = None,
+    old: dict | None = None,
+    ref_dir: str | Path | None = None,
+) -> dict:
     """Loss, gradients (HF names) and per-row log-probs of one process on the whole batch."""
     cfg = cfg or LossConfig()
     model = load(model_dir)
@@ -76,9 +117,15 @@ def reference(model_dir: str | Path, rows: list[dict], cfg: LossConfig | None = 
         if ref_model is not None:
             with torch.no_grad():
                 ref = token_logprobs(ref_model, r)[0][None]
-        inputs = LossInputs(logp[None], old_t, torch.tensor([r["advantage"]], dtype=torch.float32),
-                            torch.ones_like(logp)[None], inference_logprobs_B_T=inference, ref_logprobs_B_T=ref,
-                            entropy_B_T=entropy[None] if cfg.entropy_coef > 0 else entropy[None].detach())
+        inputs = LossInputs(
+            logp[None],
+            old_t,
+            torch.tensor([r["advantage"]], dtype=torch.float32),
+            torch.ones_like(logp)[None],
+            inference_logprobs_B_T=inference,
+            ref_logprobs_B_T=ref,
+            entropy_B_T=entropy[None] if cfg.entropy_coef > 0 else entropy[None].detach(),
+        )
         out = compute_loss(inputs, cfg)
         (out.loss_sum / total).backward()
         loss += float(out.loss_sum.detach()) / total
@@ -87,7 +134,9 @@ def reference(model_dir: str | Path, rows: list[dict], cfg: LossConfig | None = 
     return {"loss": loss, "grads": grads, "logprobs": logprobs, "model": model}
 
 
-def adamw_step(model: torch.nn.Module, lr: float, max_grad_norm: float, weight_decay: float = 0.0) -> float:
+def adamw_step(
+    model: torch.nn.Module, lr: float, max_grad_norm: float, weight_decay: float = 0.0
+) -> float:
     """The update the trainer's first optimizer step should make: clip, then AdamW."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay).step()
@@ -95,7 +144,7 @@ def adamw_step(model: torch.nn.Module, lr: float, max_grad_norm: float, weight_d
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
