@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import gc
 import io
 import json
 import pstats
@@ -67,7 +66,7 @@ def child(setting: dict) -> dict:
     from rollflow.infra.inference.client import InferenceClient
     from rollflow.infra.models.tiny import build_char_tokenizer
     from rollflow.infra.schema import rows_to_table
-    from rollflow.tasks.generate.host import freeze_heap
+    from rollflow.tasks.generate.host import freeze_heap, unfreeze_heap
     from rollflow.tasks.generate.producer import RolloutProducer, prompt_stream
     from rollflow.tasks.generate.rollouts import SamplingStats, group_runner, to_rows
     from rollflow.tasks.generate.task import build_envs, make_rollout_context
@@ -183,7 +182,7 @@ def child(setting: dict) -> dict:
     snap = on_loop(snapshot())
     on_loop(producer.finish())
     on_loop(client.aclose())
-    gc.unfreeze()
+    unfreeze_heap()
     result = {
         **setting,
         "lag_p50_s": snap["loop_lag_p50_s"],
