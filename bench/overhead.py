@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/overhead.py                 # 30 steps at max_staleness 0 and 1, ~8 min
     .venv/bin/python bench/overhead.py --steps 20 --staleness 0
+    git worktree add /tmp/before HEAD~3 && .venv/bin/python bench/overhead.py --compare /tmp/before
 
 Method 1, inside a real run (``rollflow run configs/quickstart.toml``: vLLM, trainer service,
 Prefect flows) of a tiny step: the quickstart model, 16 groups × 4 completions of ≤ 8 tokens,
@@ -16,7 +17,10 @@ train → sync and nothing else. From the run's metrics and rollouts, per step a
   when the previous sync publishes the weights: the longest request of the step (``max(generate_s)``
   over its rollouts; with S ≥ 1 generation overlaps training and is off the path);
 - control plane = step − service time: Prefect flow and task runs, the producer hand-off, the
-  advantage task (reads the step's rollouts, writes its batch), metrics, events and the commit.
+  advantage task (reads the step's rollouts, writes its batch), metrics, events and the commit;
+- CPU per step of each process of the run (the private Prefect API, the run process, vLLM, the
+  trainer), sampled with psutil from the first to the last measured step: on 2 shared cores the
+  API's CPU is taken from the trainer and vLLM even where its latency is hidden.
 
 Method 2, the Prefect machinery alone, in this process against a private Prefect API (as
 ``rollflow run`` starts one): a flow run of five no-op tasks (the step flow's generate,
@@ -51,14 +55,51 @@ TINY = [
 ]
 
 
-def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
-    name = f"overhead-s{staleness}"
+# How a process of the run is told apart, by its command line (first match wins).
+ROLES = (
+    ("prefect API", "prefect_server:create_app"),
+    ("run process", "rollflow.cli"),
+    ("trainer", "rollflow.tasks.train.service"),
+    ("vLLM", "vllm"),
+    ("vLLM", "VLLM::"),
+)
+
+
+def _role(proc) -> str | None:
+    try:
+        line = " ".join(proc.cmdline()) or proc.name()
+    except Exception:  # noqa: BLE001 - gone, or a zombie
+        return None
+    return next((role for role, mark in ROLES if mark in line), None)
+
+
+def _cpu_by_role(root) -> dict[str, float]:
+    """CPU seconds (user + system) of the run's processes so far, summed by role."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        role = _role(proc)
+        try:
+            cpu = sum(proc.cpu_times()[:2])
+        except psutil.Error:
+            continue
+        if role:
+            out[role] = out.get(role, 0.0) + cpu
+    return out
+
+
+def run_one(storage: Path, staleness: int, steps: int, warmup: int, tree: Path = ROOT) -> dict:
+    """One run of the tiny step with the rollflow of ``tree``; its figures per measured step."""
+    import psutil
+
+    name = f"overhead-s{staleness}-{abs(hash(str(tree))) % 10_000}"
     cmd = [
         sys.executable,
         "-m",
         "rollflow.cli",
         "run",
-        "configs/quickstart.toml",
+        str(ROOT / "configs/quickstart.toml"),
         f"run.name={name}",
         f"run.storage={storage}",
         f"run.num_steps={steps + warmup}",
@@ -67,12 +108,27 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
     ]
     env = {
         **os.environ,
-        "PREFECT_HOME": str(storage / "prefect"),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PREFECT_HOME": str(storage / f"prefect-{name}"),
+        "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
-    if proc.returncode:
-        sys.exit(f"S={staleness} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    log = open(storage / f"{name}.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT, env=env)
+    root = psutil.Process(proc.pid)
+    metrics = storage / name / "metrics"
+    first, last = f"step={warmup}.parquet", f"step={steps + warmup - 1}.parquet"
+    cpu: dict[str, dict[str, float]] = {}
+    deadline = time.monotonic() + 3600
+    while proc.poll() is None and time.monotonic() < deadline:
+        # CPU when the first measured step begins (its predecessor's metrics row) and when the
+        # last measured one ends: the window the per-step means cover.
+        for mark in (first, last):
+            if mark not in cpu and (metrics / mark).exists():
+                cpu[mark] = _cpu_by_role(root)
+        time.sleep(0.05)
+    returncode = proc.wait(timeout=60)
+    log.close()
+    if returncode or len(cpu) < 2:
+        sys.exit(f"S={staleness} ({tree}) failed:\n{(storage / f'{name}.log').read_text()[-4000:]}")
     m = duckdb.sql(f"""
         select m.step, m.step_s, m.train_s, m.train_phase_s, m.sync_s, m.generate_phase_s, m.advantage_phase_s,
                m.sync_phase_s, m.trainer_wait_for_data_s, g.gen_s
@@ -83,8 +139,10 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
         order by m.step""").df()
     on_path = m.gen_s if staleness == 0 else m.gen_s * 0
     service = m.train_s + m.sync_s + on_path
+    cpu_per_step = {r: (cpu[last].get(r, 0.0) - cpu[first].get(r, 0.0)) / len(m) for r in cpu[last]}
     return {
         "S": staleness,
+        "tree": tree,
         "steps": len(m),
         "step_s": m.step_s.mean(),
         "train_s": m.train_s.mean(),
@@ -95,6 +153,7 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int) -> dict:
         "control_s": (m.step_s - service).mean(),
         "trainer_idle": (m.step_s - m.train_s - m.sync_s).sum() / m.step_s.sum(),
         "advantage_s": m.advantage_phase_s.mean(),
+        "cpu_per_step_s": cpu_per_step,
     }
 
 
@@ -144,16 +203,25 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--noop-repeats", type=int, default=20)
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        help="another rollflow checkout (e.g. a git worktree of an earlier commit): each setting "
+        "runs with both, alternating, and the table shows both",
+    )
     args = parser.parse_args()
     machine = Machine()
+    trees = [ROOT] + ([args.compare.resolve()] if args.compare else [])
     with tempfile.TemporaryDirectory(prefix="rollflow-bench-overhead-") as tmp:
         rows = []
         for s in args.staleness:
-            rows.append(run_one(Path(tmp), s, args.steps, args.warmup))
-            print(f"S={s}: done", file=sys.stderr, flush=True)
+            for tree in trees:
+                rows.append(run_one(Path(tmp), s, args.steps, args.warmup, tree))
+                print(f"S={s} ({tree}): done", file=sys.stderr, flush=True)
         noop = prefect_noop(args.noop_repeats, Path(tmp))
 
     ms = lambda s: f"{s * 1000:.0f}"  # noqa: E731
+    label = lambda r: "this tree" if r["tree"] == ROOT else str(r["tree"])  # noqa: E731
     print(
         f"\ncontrol plane on the critical path: quickstart model, 16 groups × 4 per step, "
         f"{args.steps} steps measured after {args.warmup}; means per step (ms)"
@@ -162,6 +230,7 @@ def main() -> None:
     print(
         table(
             [
+                "checkout",
                 "max_staleness",
                 "step",
                 "train (trainer)",
@@ -176,6 +245,7 @@ def main() -> None:
             ],
             [
                 [
+                    label(r),
                     r["S"],
                     ms(r["step_s"]),
                     ms(r["train_s"]),
@@ -187,6 +257,25 @@ def main() -> None:
                     f"{r['control_s'] / r['step_s']:.0%}",
                     f"{r['trainer_idle']:.0%}",
                     ms(r["advantage_s"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    roles = sorted({role for r in rows for role in r["cpu_per_step_s"]})
+    print(
+        "\nCPU per step by process (ms of CPU, user + system; the machine has "
+        f"{os.cpu_count()} cores, so a step of T ms has {os.cpu_count()}·T ms of CPU):\n"
+    )
+    print(
+        table(
+            ["checkout", "max_staleness", *roles, "Prefect API share of the step's cores"],
+            [
+                [
+                    label(r),
+                    r["S"],
+                    *(ms(r["cpu_per_step_s"].get(role, 0.0)) for role in roles),
+                    f"{r['cpu_per_step_s'].get('prefect API', 0.0) / (r['step_s'] * os.cpu_count()):.0%}",
                 ]
                 for r in rows
             ],

@@ -77,14 +77,32 @@ def _guard_dies_with_parent() -> None:
 
 
 class ManagedProcess:
-    """A subprocess in its own process group, with a log file, a health wait and a bounded stop."""
+    """A subprocess in its own process group, with a log file, a health wait and a bounded stop.
+
+    ``niceness`` lowers the scheduling priority of the service and everything it starts (added
+    to this process's own): on a host whose cores the services share, work that is off the
+    critical path yields the cores to the work that is on it.
+    """
 
     def __init__(
-        self, name: str, argv: list[str], log_path: str | Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        niceness: int = 0,
     ):
         self.name, self.argv, self.log_path = name, list(argv), Path(log_path)
         self.env = {**os.environ, **(env or {})}
+        self.niceness = niceness
         self.proc: subprocess.Popen | None = None
+
+    def _in_child(self) -> None:
+        # Runs in the child between fork and exec.
+        _guard_dies_with_parent()
+        if self.niceness:
+            with contextlib.suppress(OSError):
+                os.nice(self.niceness)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +114,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_guard_dies_with_parent,
+                preexec_fn=self._in_child,
             )
 
     def is_alive(self) -> bool:
