@@ -272,9 +272,7 @@ def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:
 
 
 def _log_dir(storage: RunStorage) -> Path:
-    if storage.is_local:
-        return Path(storage.path("logs"))
-    return Path("~/.cache/rollflow/logs").expanduser() / storage.run
+    return storage.log_dir()
 
 
 def _fmt_env(total: float, by_env: dict[str, float]) -> str:
