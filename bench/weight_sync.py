@@ -182,7 +182,7 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
 
     from rollflow.infra.inference.client import InferenceClient
     from rollflow.infra.inference.server import InferenceServer
-    from rollflow.tasks.sync.weights import init_weight_group, sync_weights
+    from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, sync_weights
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).float()
     named = [(n, t.detach()) for n, t in model.state_dict().items()]
@@ -199,11 +199,10 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
     async def go() -> list[dict]:
         async with InferenceClient(server.url, timeout_s=120) as client:
             await init_weight_group(
-                client,
+                [(client, 1)],
                 lambda: asyncio.to_thread(sender.connect),
-                "127.0.0.1",
+                GroupSpec.single(),
                 port,
-                2,
                 TIMEOUT_S,
                 weight_metadata(named),
             )
@@ -219,7 +218,7 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
             for version in range(1, syncs + 1):
                 stats.append(
                     await sync_weights(
-                        client,
+                        [client],
                         lambda v=version: asyncio.to_thread(sender.broadcast, named, v),
                         version,
                         TIMEOUT_S,

@@ -80,7 +80,7 @@ def rl_run(config: dict) -> dict:
             config=cfg,
             model_path=str(base_model),
             trainer=services.trainer.endpoint,
-            inference=services.inference_ep,
+            inference=services.inference_endpoints,
         )
         if resumed_from == 0 and not storage.read_metrics():
             ev = evaluate(ctx)
@@ -100,7 +100,7 @@ def rl_run(config: dict) -> dict:
             partial(
                 make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature
             ),
-            services.inference.url,
+            services.inference_urls,
             resumed_from,
             reused,
         )

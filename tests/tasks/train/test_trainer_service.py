@@ -275,7 +275,7 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     the service answers, and a restarted server joins again and gets the last step's weights."""
     _whole_suite(service)
     with pytest.raises(ServiceError, match="HTTP 502") as err:  # nobody joins
-        service.client.weights_connect("127.0.0.1", free_port(), 2, timeout_s=2)
+        service.client.weights_connect("127.0.0.1", free_port(), 2, 2, "cpu", 1 << 20)
     assert err.value.status == 502 and service.client.health()["ok"]
 
     _join_weight_group(service, timeout_s=5).close()  # the receiver dies before the broadcast
@@ -289,7 +289,12 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     service.client.end_step(3)  # the last finished step: the version-less tag
     metadata = service.client.metadata()
     got: dict = {}
-    thread = threading.Thread(target=lambda: got.update(version=receiver.receive(metadata)[0]))
+
+    def receive() -> None:
+        version, named = receiver.receive(metadata)
+        got.update(version=version, tensors=len(list(named)))  # the buckets arrive as read
+
+    thread = threading.Thread(target=receive)
     thread.start()
     sent = service.client.weights_broadcast()
     thread.join(30)
@@ -302,10 +307,12 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
 def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
     """A weight group of the service (rank 0 sends) and one receiver, as a vLLM worker joins it."""
     port = free_port()
-    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=timeout_s)
+    receiver = WeightReceiverGroup(
+        "127.0.0.1", port, 1, 2, timeout_s=timeout_s, bucket_bytes=1 << 20
+    )
     joiner = threading.Thread(target=receiver.connect)
     joiner.start()
-    service.client.weights_connect("127.0.0.1", port, 2, timeout_s=timeout_s)
+    service.client.weights_connect("127.0.0.1", port, 2, timeout_s, "cpu", 1 << 20)
     joiner.join(30)
     return receiver
 
