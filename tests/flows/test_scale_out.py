@@ -1,0 +1,95 @@
+"""Scale-out on CPU with the GPU path's code: two vLLM servers, a 2-rank trainer, one weight group.
+
+The run's own ``RunServices`` places everything by the placement plan; the weights change by
+real training steps (``forward_backward`` + ``optim_step`` on committed batches) and reach both
+servers through one broadcast. After every sync both servers' greedy completions must equal
+transformers' on the trainer's exported weights. Then one server is killed: its supervisor
+restarts it, the group forms anew with both, and both serve the trainer's weights again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import psutil
+import pytest
+
+from rollflow.flows.services import RunServices
+from rollflow.infra.config import LossConfig, load_config
+from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.placement import Machine
+from rollflow.infra.storage import RunStorage
+from rollflow.tasks.sync import weights
+
+from conftest import PROMPT_IDS, greedy_reference
+from trainer_support import make_rows, write_batch
+
+pytestmark = pytest.mark.slow
+
+
+def greedy(url: str) -> list[int]:
+    async def go():
+        async with InferenceClient(url, timeout_s=60) as client:
+            return (await client.complete(PROMPT_IDS, max_tokens=16, temperature=0.0))[0].token_ids
+
+    return asyncio.run(go())
+
+
+def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_model_dirs, tmp_path):
+    model = vllm_model_dirs[0]
+    cfg = load_config(
+        None,
+        [
+            f"model.path='{model}'",
+            "envs=[{name='sort_letters'}]",
+            f"run.storage='{tmp_path / 'runs'}'",
+            "run.name='scale'",
+            "inference.num_servers=2",
+            "inference.max_restarts=1",
+            "trainer.num_ranks=2",
+            "trainer.weight_bucket_mb=0.0625",  # 64 KiB: every sync spans many buckets
+            "train.lr=0.05",  # large steps, so that greedy outputs change
+        ],
+    )
+    storage = RunStorage(cfg.run.storage, cfg.run.name)
+    services = RunServices(cfg, model, None, tmp_path / "logs", machine=Machine(gpus=0))
+    assert services.group.world_size == 3 and services.plan.wire.backend == "gloo"
+    with services:
+        urls = services.inference_urls
+        assert len(urls) == 2 and len(set(urls)) == 2
+        t = services.trainer
+        outputs = []
+
+        def train_and_sync(step: int) -> None:
+            write_batch(storage, step, make_rows(16, seed=step, step=step, max_prompt=6))
+            t.forward_backward(step, loss=LossConfig())
+            t.optim_step()
+            t.end_step(step)
+            stats = weights.publish(t, urls, step, cfg.trainer.weight_sync_timeout_s)
+            assert stats["version"] == step
+            exported = tmp_path / f"export-{step}"
+            t.export_hf(str(exported))
+            _, expected = greedy_reference(exported, PROMPT_IDS, 16)
+            got = [greedy(url) for url in urls]
+            assert got == [expected, expected], f"step {step}: {got} != {expected}"
+            outputs.append(expected)
+
+        before = greedy(urls[0])
+        for step in (1, 2):
+            train_and_sync(step)
+        assert outputs[0] != before, "training did not change the greedy completion"
+
+        # Kill server 1: the supervisor restarts it and the group forms anew with both servers.
+        victim = psutil.Process(services.supervisors[1].server.pids()[0])
+        victim.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while services.supervisors[1].restarts == 0:
+            assert time.monotonic() < deadline, "server 1 was not restarted within 300 s"
+            services.check_alive()
+            time.sleep(1)
+        assert services.supervisors[0].restarts == 0
+        assert greedy(urls[0]) == outputs[-1] and greedy(urls[1]) == outputs[-1]
+        train_and_sync(3)  # and the re-formed group syncs both
+    assert all(not s.server.is_alive() for s in services.supervisors)
