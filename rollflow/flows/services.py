@@ -14,6 +14,7 @@ the calling thread because the kernel kills them when the thread that spawned th
 from __future__ import annotations
 
 import secrets
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
 from rollflow.tasks.sync.weights import GroupSpec
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.tasks.train.launch import TrainerProcess
+from rollflow.tasks.train.launch import TrainerProcess, node_argv
 from rollflow.tasks.train.protocol import ServiceArgs
 
 TEARDOWN_DEADLINE_S = 30.0
@@ -97,6 +98,15 @@ class RunServices:
         )
         self.trainer = self.trainer_proc.client
         self.trainer_proc.start()  # loads while vLLM starts
+        for node in plan.trainer_nodes[1:]:  # the other trainer nodes are the user's to start
+            cmd = node_argv(
+                cfg.trainer, node.node, self.trainer_proc.args_file, cfg.trainer.master_port
+            )
+            env = "".join(f"{k}={v} " for k, v in sorted(node.env.items()))
+            self.progress(
+                f"trainer: waiting up to {cfg.trainer.startup_timeout_s:.0f}s for node {node.node} "
+                f"of {cfg.trainer.num_nodes}; on it, run: {env}{shlex.join(cmd)}"
+            )
         storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
         self.supervisors = [
             InferenceSupervisor(

@@ -10,7 +10,11 @@ restarts it, the group forms anew with both, and both serve the trainer's weight
 from __future__ import annotations
 
 import asyncio
+import re
+import shlex
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -20,10 +24,12 @@ from rollflow.flows.services import RunServices
 from rollflow.infra.config import LossConfig, load_config
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.placement import Machine
+from rollflow.infra.service import free_port
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
 
 from conftest import PROMPT_IDS, greedy_reference
+from run_support import ROOT, assert_every_step_once, env_for, write_config
 from trainer_support import make_rows, write_batch
 
 pytestmark = pytest.mark.slow
@@ -93,3 +99,44 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
         assert greedy(urls[0]) == outputs[-1] and greedy(urls[1]) == outputs[-1]
         train_and_sync(3)  # and the re-formed group syncs both
     assert all(not s.server.is_alive() for s in services.supervisors)
+
+
+def test_a_run_on_a_two_node_trainer_completes(tmp_path, model_cache):
+    """``rollflow run`` with trainer.num_nodes = 2 starts node 0 and prints node 1's command; run
+    as printed (here, on the same host), node 1 joins and the run completes, each step once."""
+    config = write_config(tmp_path, model_cache, name="twonode", steps=2)
+    overrides = [
+        "trainer.num_nodes=2",
+        "trainer.num_ranks=1",
+        f"trainer.master_port={free_port()}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env_for(tmp_path),
+        cwd=ROOT,
+    )
+    node1, output = None, []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            found = re.search(r"for node 1 of 2; on it, run: (.*)$", line)
+            if found and node1 is None:
+                node1 = subprocess.Popen(
+                    shlex.split(found.group(1)),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=env_for(tmp_path),
+                    cwd=ROOT,
+                )
+        assert proc.wait(timeout=600) == 0, "".join(output)[-4000:]
+        assert node1 is not None, "node 1's command was not printed"
+        assert node1.wait(timeout=60) == 0  # its ranks ended with the run
+    finally:
+        for p in (proc, node1):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert "1 rank(s) × 2 nodes" in "".join(output)
+    assert_every_step_once(tmp_path / "runs" / "twonode", 2)

@@ -176,16 +176,16 @@ class TrainerProcess:
             log_path,
             env=env,
         )
-        self._args_file = args_file
+        self.args_file = args_file
         self.ranks: list[dict[str, Any]] = []
 
     def start(self) -> TrainerProcess:
         """Launch the ranks; returns at once (they load while other services start)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._args_file.write_text(self.args.model_dump_json())
+        self.args_file.write_text(self.args.model_dump_json())
         tr = self.args.trainer
         if tr.backend == "deepspeed" and tr.num_nodes > 1:
-            self._args_file.with_name("trainer-hostfile").write_text(
+            self.args_file.with_name("trainer-hostfile").write_text(
                 hostfile_text(tr.num_nodes, tr.num_ranks)
             )
         self.process.start()

@@ -44,11 +44,12 @@ from trainer_support import (
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = {
-    "fsdp2": ("fsdp2", None),
-    "zero1": ("deepspeed", 1),
-    "zero2": ("deepspeed", 2),
-    "zero3": ("deepspeed", 3),
+CONFIGS = {  # name: (backend, ZeRO stage, trainer nodes; 2 ranks in all)
+    "fsdp2": ("fsdp2", None, 1),
+    "fsdp2-2nodes": ("fsdp2", None, 2),  # two torchrun launchers on 127.0.0.1, one rank each
+    "zero1": ("deepspeed", 1, 1),
+    "zero2": ("deepspeed", 2, 1),
+    "zero3": ("deepspeed", 3, 1),
 }
 WHOLE_SUITE = ("fsdp2", "zero3")
 LR, MAX_GRAD_NORM = 1e-2, 0.05
@@ -73,7 +74,7 @@ class Service:
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def service(request, tiny_model_dir, tmp_path_factory):
-    backend, stage = CONFIGS[request.param]
+    backend, stage, nodes = CONFIGS[request.param]
     root = tmp_path_factory.mktemp(request.param)
     storage = RunStorage(str(root / "runs"), "t")
     write_batch(storage, 1, make_rows(22, seed=11))
@@ -85,7 +86,9 @@ def service(request, tiny_model_dir, tmp_path_factory):
         train=TrainSection(lr=LR, max_grad_norm=MAX_GRAD_NORM),
         trainer=TrainerSection(
             backend=backend,
-            num_ranks=2,
+            num_ranks=2 // nodes,
+            num_nodes=nodes,
+            master_port=free_port(),
             zero_stage=stage,
             micro_batch_tokens=48,
             device="cpu",
@@ -94,14 +97,23 @@ def service(request, tiny_model_dir, tmp_path_factory):
         ),
         dead_rank_grace_s=3,
     )
-    proc = TrainerProcess(args, token=secrets.token_hex(8), log_dir=root / "logs")
+    token = secrets.token_hex(8)
+    proc = TrainerProcess(args, token=token, log_dir=root / "logs")
+    # The other node's launcher, as `rollflow plan` prints it: started by the user, not the run.
+    others = [
+        TrainerProcess(args, token="", log_dir=root / "logs", node_rank=n) for n in range(1, nodes)
+    ]
     start = time.monotonic()
     proc.start()
+    for other in others:
+        other.start()
     proc.wait_healthy()
     print(f"\n{request.param}: 2 ranks healthy after {time.monotonic() - start:.0f}s")
     yield Service(request.param, proc, storage, root)
-    pids = proc.process.pids()
+    pids = proc.process.pids() + [p for o in others for p in o.process.pids()]
     proc.stop(timeout_s=30)
+    for other in others:
+        other.stop(timeout_s=30)
     assert not [
         p
         for p in pids
