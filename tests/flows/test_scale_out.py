@@ -140,3 +140,57 @@ def test_a_run_on_a_two_node_trainer_completes(tmp_path, model_cache):
                 p.kill()
     assert "1 rank(s) × 2 nodes" in "".join(output)
     assert_every_step_once(tmp_path / "runs" / "twonode", 2)
+
+
+def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, tmp_path):
+    """vLLM on CPU with tensor parallelism 2 (the plan's thread binding): both workers join the
+    group as ranks 1 and 2, and after one sync the server serves the trainer's weights."""
+    from rollflow.infra.inference.server import InferenceServer
+    from rollflow.infra.placement import make_plan
+    from rollflow.infra.weights.group import WeightSender, weight_metadata
+
+    served, new = vllm_model_dirs
+    cfg = load_config(
+        None,
+        [
+            f"model.path='{served}'",
+            "envs=[{name='sort_letters'}]",
+            "inference.tensor_parallel_size=2",
+        ],
+    )
+    plan = make_plan(cfg, Machine(gpus=0, cpus=2))
+    assert plan.weight_world_size == 3 and plan.servers[0].weight_ranks == (1, 2)
+    server = InferenceServer(
+        served,
+        max_model_len=64,
+        extra_args=plan.server_args(0),
+        extra_env=plan.servers[0].env,
+        log_path=tmp_path / "vllm-tp2.log",
+    )
+    model, expected = greedy_reference(new, PROMPT_IDS, 16)
+    named = list(model.state_dict().items())
+
+    class Source:
+        sender = None
+
+        def metadata(self):
+            return weight_metadata(named)
+
+        def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
+            self.sender = WeightSender(host, port, world_size, timeout_s, wire_device, bucket_bytes)
+            self.sender.connect()
+
+        def weights_broadcast(self, version=None, timeout_s=None):
+            return {"version": version, "bytes": self.sender.broadcast(named, version)}
+
+        def weights_close(self, timeout_s=None):
+            self.sender.close()
+
+    source = Source()
+    with server:
+        spec = weights.GroupSpec.from_plan(plan, cfg.trainer.weight_bucket_mb)
+        joined = weights.join(source, [(server.url, 1)], spec, timeout_s=60)
+        assert sorted(joined["ranks"]) == [1, 2]
+        weights.publish(source, [server.url], 1, timeout_s=60)
+        assert greedy(server.url) == expected
+        weights.leave(source, [server.url], timeout_s=10)
