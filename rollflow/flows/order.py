@@ -25,7 +25,7 @@ class StepOrder:
 
     def __init__(self, run: str, resumed_from: int):
         self.run = run
-        self._released = self._committed = resumed_from
+        self._released = self._committed = self._synced = resumed_from
         self._released_at = self._last_step_end = time.perf_counter()
         self._closed: BaseException | None = None
         self._cond = threading.Condition()
@@ -53,6 +53,23 @@ class StepOrder:
         with self._cond:
             if step > self._released:
                 self._released, self._released_at = step, time.perf_counter()
+            self._cond.notify_all()
+
+    # -------------------------------------------------------------------- sync
+
+    def wait_sync_turn(self, step: int, timeout_s: float) -> None:
+        """Block until step ``step - 1``'s sync is done: weights reach vLLM in step order even
+        when a step's sync runs after it released the trainer."""
+        self._wait(
+            lambda: self._synced >= step - 1,
+            timeout_s,
+            f"step {step} waited for step {step - 1}'s weight sync",
+        )
+
+    def synced(self, step: int) -> None:
+        """``step``'s sync is done (or it had none)."""
+        with self._cond:
+            self._synced = max(self._synced, step)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ commit

@@ -2,9 +2,10 @@
 
 Step flows overlap (see ``rl_run.run_steps``): step N+1's flow takes its groups from the rollout
 producer while step N trains, never further ahead than ``max_staleness``. Two orders hold
-(``order.StepOrder``): step N trains once step N-1 released the trainer, the moment its weights
-are out (after its checkpoint or evaluation, when it has one: those must see step N-1's
-weights); and step N commits after step N-1 committed. So step N-1's metrics and commit run
+(``order.StepOrder``): step N trains once step N-1 released the trainer: when its training ended
+and its weights were captured for the sync (``trainer.background_sync``: the broadcast then runs
+while step N trains), or after its checkpoint or evaluation, when it has one (those must see
+step N-1's weights); step N's sync follows step N-1's; and step N commits after step N-1. So step N-1's metrics and commit run
 while step N trains. The step commits when its checkpoint's ``_SUCCESS`` is written; a step
 killed before that is redone on resume, and its half-written folders are replaced, not added to.
 """
@@ -56,12 +57,20 @@ def train_step(ctx: RunContext, step: int) -> dict:
         m.record_trainer_wait(order.wait_trainer(step, deadline_s))
     with m.timed("train_phase_s"):
         trained = train(run, step, batch.group_indices)
+    holds_trainer = evaluates or checkpoints  # they must see this step's weights
+    if not holds_trainer and (not syncs or cfg.trainer.background_sync):
+        if syncs:
+            with m.timed("capture_s"):
+                trainer_client(ctx).weights_capture(step)  # the sync below sends this copy
+        order.release(step)  # the next step trains while this one's weights go to vLLM
     with m.timed("sync_phase_s"):
+        order.wait_sync_turn(step, deadline_s)
         synced = sync(run, step, trainer_client(ctx)) if syncs else None
+        order.synced(step)
         if synced:
             host.set_version(step)  # vLLM serves it now: the producer admits the groups it unblocks
-    if not (evaluates or checkpoints):
-        order.release(step)
+    if not holds_trainer:
+        order.release(step)  # (a no-op where it released above)
     m.record_rollouts(rollouts)
     m.record_batch(batch)
     m.record_train(trained)

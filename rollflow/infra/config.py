@@ -288,6 +288,12 @@ class TrainerSection(_Section):
         description="Weight group transport: auto picks NCCL when trainer and vLLM are both on "
         "GPUs, else gloo through host memory.",
     )
+    background_sync: bool = Field(
+        True,
+        description="Capture the weights when a step's training ends and release the trainer; "
+        "the broadcast then runs while the next step trains (steps that checkpoint or evaluate "
+        "still hold the trainer until their sync).",
+    )
     weight_bucket_mb: float = Field(
         256,
         gt=0,

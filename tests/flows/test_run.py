@@ -144,3 +144,32 @@ def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_
     assert end["groups_in_flight"] + end["groups_ready"] > 0
     assert exited - end["time"] < 30
     assert not processes_marked(str(tmp_path)), "service processes outlived the run"
+
+
+def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path, model_cache):
+    """trainer.background_sync with no checkpoint or evaluation in steps 1-3: each step's weights
+    are captured and the next step trains while they are broadcast; syncs still land in step
+    order and every rollout respects max_staleness = 1."""
+    import duckdb
+
+    config = write_config(tmp_path, model_cache, name="bgsync", steps=4)
+    out = run_cli(
+        config, tmp_path, "train.max_staleness=1", "run.eval_every=0", "run.checkpoint_every=4"
+    )
+    assert "step 4/4" in out
+    run_dir = tmp_path / "runs" / "bgsync"
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in events if e["event"] == "weights_published"] == [1, 2, 3, 4]
+    metrics = duckdb.sql(
+        f"select step, capture_s from read_parquet('{run_dir}/metrics/*.parquet', "
+        f"union_by_name=true) where step > 0 order by step"
+    ).fetchall()
+    assert [s for s, c in metrics if c is not None] == [1, 2, 3]  # step 4 checkpoints: it holds
+    versions = duckdb.sql(
+        f"select step, min(version_started), max(version_finished) "
+        f"from '{run_dir}/rollouts/*/*.parquet' group by step order by step"
+    ).fetchall()
+    assert [v[0] for v in versions] == [1, 2, 3, 4]
+    for step, v_min, v_fin in versions:
+        assert step - 2 <= v_min and v_fin <= step - 1
+    assert (run_dir / "checkpoints" / "step=4" / "_SUCCESS").exists()

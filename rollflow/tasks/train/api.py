@@ -221,10 +221,29 @@ def build_app(
     def connect(req: WeightConnect) -> dict:
         return run("weights_connect", req)
 
+    @app.post("/weights/capture")
+    def capture(req: Broadcast) -> dict:
+        """Keep the current weights as ``req.version`` (default: the last finished step's) for a
+        later ``/weights/broadcast`` of that version, which then leaves the ranks free to train."""
+        with order:
+            version = state["weights_version"] if req.version is None else req.version
+            if version is None:
+                raise HTTPException(
+                    409, "a step is training: its weights are no policy version yet"
+                )
+            pending = queue("weights_capture", Broadcast(version=version))
+        return result(pending)
+
     @app.post("/weights/broadcast")
     def broadcast(req: Broadcast) -> dict:
         if ops.sender is None:
             raise HTTPException(409, "weight group not connected: call /weights/connect first")
+        if req.version is not None:
+            # Captured at the end of its step: sent from this thread while the ranks go on.
+            with _as_http_errors():
+                sent = ops.send_captured(req.version)
+            if sent is not None:
+                return {"version": req.version, **sent}
         with order:
             version = state["weights_version"] if req.version is None else req.version
             if version is None:

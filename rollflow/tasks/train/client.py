@@ -144,6 +144,11 @@ class TrainerClient:
             timeout_s + ANSWER_MARGIN_S,
         )
 
+    def weights_capture(self, version: int | None = None) -> dict[str, Any]:
+        """Keep the weights as ``version`` on the trainer; its broadcast then runs off the ranks'
+        command loop, so the next step can train meanwhile (``capture_s``, ``bytes``)."""
+        return self._post("/weights/capture", Broadcast(version=version))
+
     def weights_broadcast(
         self, version: int | None = None, timeout_s: float | None = None
     ) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from rollflow.infra.errors import InputError, StorageError, WeightSyncError
 from rollflow.infra.storage import RunStorage
@@ -70,6 +72,10 @@ class RankOps:
         self.rank, self.world_size = control.rank, control.world_size
         self.micro_batch_tokens, self.row_tokens = micro_batch_tokens, row_tokens
         self.sender: WeightSender | None = None  # rank 0 only
+        # Rank 0: the weights captured at the end of a step, sent later off the command loop
+        # (``send_captured``), while the next step trains; the lock serialises sender use.
+        self.captured: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self.sender_lock = threading.Lock()
         self._cache: dict[tuple[str, int], pa.Table] = {}
         self._commands: dict[str, tuple[Any, type | None]] = {
             "ping": (lambda _: {}, None),
@@ -81,6 +87,7 @@ class RankOps:
             "export_hf": (self.export_hf, ExportHF),
             "gradients": (self.gradients, Gradients),
             "weights_connect": (self.weights_connect, WeightConnect),
+            "weights_capture": (self.weights_capture, Broadcast),
             "weights_broadcast": (self.weights_broadcast, Broadcast),
             "weights_close": (lambda _: self.weights_close(), None),
         }
@@ -270,11 +277,47 @@ class RankOps:
             save_file({k: v.contiguous() for k, v in grads.items()}, req.path)
         return {"path": req.path, "num_tensors": len(grads)}
 
+    def weights_capture(self, req: Broadcast) -> dict:
+        """A collective: gather the full weights; rank 0 keeps a copy tagged ``req.version`` that
+        ``send_captured`` sends later, so that the trainer can go on meanwhile."""
+        start = time.perf_counter()
+        named = self.trainer.named_weights()
+        if self.rank != 0:
+            return {}
+        owned = self.trainer.detached(named)
+        with self.sender_lock:
+            self.captured = (req.version, owned)
+        return {
+            "version": req.version,
+            "capture_s": time.perf_counter() - start,
+            "bytes": sum(t.numel() * t.element_size() for _, t in owned),
+        }
+
+    def send_captured(self, version: int) -> dict | None:
+        """Rank 0, on an HTTP worker thread (not the command loop): broadcast the weights captured
+        as ``version`` and drop them. None when no capture of that version is held."""
+        start = time.perf_counter()
+        with self.sender_lock:
+            if self.captured is None or self.captured[0] != version:
+                return None
+            if self.sender is None:
+                raise WeightSyncError("weight group not connected: call /weights/connect first")
+            named = self.captured[1]
+            try:
+                num_bytes = self.sender.broadcast(named, version)
+            except Exception as err:
+                self.sender.close()
+                self.sender = None
+                raise WeightSyncError(f"weight broadcast v{version} failed: {err}") from err
+            self.captured = None
+        return {"bytes": num_bytes, "broadcast_s": time.perf_counter() - start, "captured": True}
+
     def weights_connect(self, req: WeightConnect) -> dict:
         if self.rank == 0:
-            if self.sender is not None:
-                self.sender.close()
-            self.sender = None
+            with self.sender_lock:
+                if self.sender is not None:
+                    self.sender.close()
+                self.sender = None
             # The plan's wire: NCCL from this rank's GPU, or gloo from host memory.
             device = self.trainer.device if req.wire_device == "cuda" else "cpu"
             sender = WeightSender(
@@ -292,18 +335,22 @@ class RankOps:
         named = self.trainer.named_weights()  # a collective: every rank helps gather
         if self.rank != 0:
             return {}
-        try:
-            num_bytes = self.sender.broadcast(named, req.version)
-        except Exception as err:  # the group is broken now: a restarted server connects anew
-            self.sender.close()
-            self.sender = None
-            raise WeightSyncError(f"weight broadcast v{req.version} failed: {err}") from err
+        with self.sender_lock:
+            if self.sender is None:
+                raise WeightSyncError("weight group not connected: call /weights/connect first")
+            try:
+                num_bytes = self.sender.broadcast(named, req.version)
+            except Exception as err:  # the group is broken now: a restarted server connects anew
+                self.sender.close()
+                self.sender = None
+                raise WeightSyncError(f"weight broadcast v{req.version} failed: {err}") from err
         return {"bytes": num_bytes, "broadcast_s": time.perf_counter() - start}
 
     def weights_close(self) -> dict:
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
+        with self.sender_lock:
+            if self.sender is not None:
+                self.sender.close()
+                self.sender = None
         return {"ok": True}
 
 

@@ -183,6 +183,20 @@ class Trainer:
             raise RuntimeError(f"the backend's full state dict lacks {missing[:5]}")
         return [(m["name"], full[m["name"]]) for m in self.metadata]
 
+    def detached(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``named`` made safe to keep while training goes on: tensors that share memory with
+        this rank's live parameters (a backend's full state dict on CPU may return them as they
+        are) are copied; the others are already fresh gathers."""
+        live = {
+            (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            for p in self.backend.module.parameters()
+        }
+        live.discard(0)  # partitioned (ZeRO-3) placeholders hold no memory
+        return [
+            (n, t.detach().clone() if t.untyped_storage().data_ptr() in live else t.detach())
+            for n, t in named
+        ]
+
     # -------------------------------------------------------------------------- checkpoints
 
     def export_hf(self, folder: str | Path) -> Path | None:

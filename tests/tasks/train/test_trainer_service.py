@@ -282,6 +282,38 @@ def test_weights_broadcast_gathers_the_shards(service):
     assert max_abs_diff(got, load_file(service.export("sent") / "model.safetensors")) == 0.0
 
 
+def test_captured_weights_are_sent_while_the_ranks_train(service):
+    """Background sync: the weights captured at a step's end are what the broadcast sends, even
+    when the ranks train the next step during it (the capture is a copy, not the live weights)."""
+    _whole_suite(service)
+    receiver = _join_weight_group(service, timeout_s=60)
+    before = load_file(service.export("capture-before") / "model.safetensors")
+    captured = service.client.weights_capture(7)
+    assert captured["version"] == 7 and captured["bytes"] > 0
+    metadata = service.client.metadata()
+    got: dict = {}
+
+    def receive() -> None:
+        version, named = receiver.receive(metadata)
+        got.update({n: t.clone() for n, t in named}, version=version)
+
+    receiving = threading.Thread(target=receive)
+    receiving.start()
+    sent: dict = {}
+    sending = threading.Thread(target=lambda: sent.update(service.client.weights_broadcast(7)))
+    sending.start()
+    service.client.forward_backward(2, loss=PPO)  # the ranks train meanwhile
+    service.client.optim_step()
+    sending.join(60)
+    receiving.join(60)
+    service.client.weights_close()
+    receiver.close()
+    assert sent["captured"] and got.pop("version") == 7
+    after = load_file(service.export("capture-after") / "model.safetensors")
+    assert max_abs_diff(after, before) > 0, "the optimizer step changed nothing"
+    assert max_abs_diff({k: got[k] for k in before}, before) == 0.0
+
+
 def test_a_failed_weight_group_leaves_the_service_usable(service):
     """vLLM gone mid-sync, or never joining, is the weight plane's failure (502), not the ranks':
     the service answers, and a restarted server joins again and gets the last step's weights."""
