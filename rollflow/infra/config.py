@@ -175,8 +175,17 @@ class TrainSection(_Section):
         ge=1,
         description="Groups generating at once (K); default train_batch_size * (max_staleness + 1).",
     )
+    advantage: str = Field(
+        "grpo",
+        description="Advantage estimator: grpo, dr_grpo, rloo, pass_at_k, or "
+        "package.module:function (one group's rewards in, one float per sample out).",
+    )
+    advantage_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the estimator, e.g. {k = 4} for pass_at_k.",
+    )
     normalize_std: bool = Field(
-        False, description="Divide group advantages by the group's reward std."
+        False, description="grpo only: divide group advantages by the group's reward std."
     )
     filter_zero_advantage: bool = Field(
         True, description="Drop groups whose advantages are all zero."
