@@ -222,6 +222,17 @@ class TrainSection(_Section):
     filter_zero_advantage: bool = Field(
         True, description="Drop groups whose advantages are all zero."
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: a finished group whose advantages are all zero is "
+        "replaced by a newly sampled one before a step takes it, under the same staleness bound.",
+    )
+    max_resampled_groups: int | None = Field(
+        None,
+        ge=0,
+        description="Dynamic sampling's budget: groups replaced per step at most (default: "
+        "train_batch_size, i.e. at most twice the sampling).",
+    )
     loss: LossConfig = Field(
         default_factory=LossConfig,
         description='The policy loss ([train.loss]); a string is its kind: train.loss = "gspo".',
