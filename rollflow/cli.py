@@ -153,9 +153,11 @@ def _check_beyond_config(cfg) -> None:
     """What a dry run checks besides the config: every env loads (its dataset included) and every
     metric sink's package is installed. The model is not touched: it need not exist here."""
     from rollflow.infra.metrics_sinks import check_sinks_available
+    from rollflow.tasks.advantage.advantages import advantage_fn
     from rollflow.tasks.generate.environments import load_env
 
     check_sinks_available(cfg.metrics.sinks)
+    advantage_fn(cfg.train)  # the estimator loads and takes its arguments
     for spec in cfg.envs:
         env = load_env(spec.name, spec.args)
         skipped = (

@@ -27,6 +27,8 @@ PRODUCER_KEYS = (
     "loop_lag_max_s",
     "retries_total",
     "inference_restarts",
+    "resampled",
+    "resampled_total",
 )
 
 
@@ -59,7 +61,13 @@ class StepMetrics:
                 "num_skipped_rows": r.num_skipped_rows,
             }
         )
-        self.row.update({k: r.producer[k] for k in PRODUCER_KEYS if k in r.producer})
+        self.row.update(
+            {
+                k: v
+                for k, v in r.producer.items()
+                if k in PRODUCER_KEYS or k.startswith("inference/")  # per server, when several
+            }
+        )
 
     def record_batch(self, b: Batch) -> None:
         self.row.update(

@@ -146,12 +146,44 @@ class LossConfig(_Section):
         description="Truncated importance sampling cap C: min(exp(old - inference), C); unset = off. "
         "At least 1, so that on-policy tokens (weight 1) are never scaled down.",
     )
+    is_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="Rollout correction between sampler and trainer: the importance ratio "
+        "exp(old - inference) per token, per sequence (product over its tokens), or the "
+        "sequence's geometric mean; tis_cap truncates it, mask_low/mask_high drop what leaves the band.",
+    )
+    mask_low: float | None = Field(
+        None,
+        ge=0,
+        description="Tokens (or sequences, at sequence/geometric level) whose importance ratio is "
+        "below this are dropped from the loss; unset = no lower bound.",
+    )
+    mask_high: float | None = Field(
+        None,
+        gt=0,
+        description="... above this are dropped from the loss; unset = no upper bound.",
+    )
     kl_coef: float = Field(
         0.0,
         ge=0,
         description="k3 KL penalty to the initial policy (the trainer loads a reference model).",
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+
+    @model_validator(mode="after")
+    def _mask_band(self) -> LossConfig:
+        if self.mask_low is not None and self.mask_high is not None:
+            if not self.mask_low < 1 < self.mask_high:
+                raise ValueError(
+                    f"train.loss.mask_low < 1 < train.loss.mask_high must hold (got "
+                    f"{self.mask_low}, {self.mask_high}): on-policy tokens (ratio 1) must be kept"
+                )
+        return self
+
+    @property
+    def corrects(self) -> bool:
+        """Whether any rollout correction (truncation or masking) is on."""
+        return self.tis_cap is not None or self.mask_low is not None or self.mask_high is not None
 
 
 class TrainSection(_Section):
@@ -175,11 +207,31 @@ class TrainSection(_Section):
         ge=1,
         description="Groups generating at once (K); default train_batch_size * (max_staleness + 1).",
     )
+    advantage: str = Field(
+        "grpo",
+        description="Advantage estimator: grpo, dr_grpo, rloo, pass_at_k, or "
+        "package.module:function (one group's rewards in, one float per sample out).",
+    )
+    advantage_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the estimator, e.g. {k = 4} for pass_at_k.",
+    )
     normalize_std: bool = Field(
-        False, description="Divide group advantages by the group's reward std."
+        False, description="grpo only: divide group advantages by the group's reward std."
     )
     filter_zero_advantage: bool = Field(
         True, description="Drop groups whose advantages are all zero."
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: a finished group whose advantages are all zero is "
+        "replaced by a newly sampled one before a step takes it, under the same staleness bound.",
+    )
+    max_resampled_groups: int | None = Field(
+        None,
+        ge=0,
+        description="Dynamic sampling's budget: groups replaced per step at most (default: "
+        "train_batch_size, i.e. at most twice the sampling).",
     )
     loss: LossConfig = Field(
         default_factory=LossConfig,
@@ -381,11 +433,11 @@ class RunConfig(_Section):
                 f"({t.train_batch_size}) and train_batch_size * (max_staleness + 1) ({high}): fewer "
                 "cannot fill a step, more can never be admitted under the staleness bound"
             )
-        if t.loss.tis_cap is not None and t.old_logprobs == "inference":
+        if t.loss.corrects and t.old_logprobs == "inference":
             raise ValueError(
-                "train.loss.tis_cap has no effect with train.old_logprobs = 'inference' (the ratio's old "
-                "log-probs are then the sampler's own, so every TIS weight is 1): set "
-                "train.old_logprobs = 'trainer', or leave train.loss.tis_cap unset"
+                "train.loss.tis_cap / mask_low / mask_high have no effect with train.old_logprobs = "
+                "'inference' (the ratio's old log-probs are then the sampler's own, so every "
+                "importance ratio is 1): set train.old_logprobs = 'trainer', or leave them unset"
             )
         tr = self.trainer
         if tr.zero_stage is not None and tr.backend != "deepspeed":

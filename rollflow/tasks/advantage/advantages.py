@@ -6,12 +6,17 @@ the filters) and returns one float per sample, in order. Groups may differ in si
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import pyarrow as pa
+
+from rollflow.infra.errors import ConfigError
 
 AdvantageFn = Callable[[Sequence[float]], list[float]]
 
@@ -19,13 +24,102 @@ AdvantageFn = Callable[[Sequence[float]], list[float]]
 def grpo_advantages(
     rewards_G: Sequence[float], normalize_std: bool = False, eps: float = 1e-6
 ) -> list[float]:
-    """Reward minus the group mean, optionally divided by the group's std."""
+    """GRPO (Shao et al. 2024): reward minus the group mean, optionally divided by the group's
+    (sample) std."""
     mean = sum(rewards_G) / len(rewards_G)
     advantages_G = [r - mean for r in rewards_G]
     if normalize_std and len(rewards_G) > 1:
         std = math.sqrt(sum(a * a for a in advantages_G) / (len(rewards_G) - 1))
         advantages_G = [a / (std + eps) for a in advantages_G]
     return advantages_G
+
+
+def dr_grpo_advantages(rewards_G: Sequence[float]) -> list[float]:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): reward minus the group
+    mean, never divided by the std (which up-weights groups that are nearly all right or all
+    wrong). Its other half, no per-sequence length normalisation, is the loss's already: every
+    loss divides by the step's total token count."""
+    return grpo_advantages(rewards_G, normalize_std=False)
+
+
+def rloo_advantages(rewards_G: Sequence[float]) -> list[float]:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each sample's baseline is the mean reward of
+    the group's other samples, r_i - mean_{j≠i} r_j = G/(G-1) · (r_i - mean). A group of one has
+    no baseline: its advantage is 0."""
+    g = len(rewards_G)
+    if g < 2:
+        return [0.0] * g
+    total = sum(rewards_G)
+    return [r - (total - r) / (g - 1) for r in rewards_G]
+
+
+def pass_at_k_advantages(rewards_G: Sequence[float], k: int = 4) -> list[float]:
+    """Pass@k training (Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration
+    and Exploitation"), analytic form for binary rewards: the group's expected pass@k over all
+    k-subsets is R = 1 - C(n_neg, k) / C(n, k); a correct sample gets (1 - R) / σ, a wrong one
+    (1 - R - C(n_neg - 1, k - 1) / C(n - 1, k - 1)) / σ, with σ = sqrt(R (1 - R)). Groups all
+    right or all wrong get 0. k = 1 is GRPO with std normalisation (population std)."""
+    n = len(rewards_G)
+    if any(r not in (0, 1) for r in rewards_G):
+        raise ValueError(
+            f"the pass_at_k advantage needs rewards of 0 or 1, got {sorted(set(rewards_G))}: "
+            "use it with a pass/fail reward, or choose another train.advantage"
+        )
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 1 <= k <= group size ({n}), got k = {k}")
+    n_neg = sum(1 for r in rewards_G if r == 0)
+    expected = 1 - math.comb(n_neg, k) / math.comb(n, k)
+    std = math.sqrt(expected * (1 - expected))
+    if std == 0:
+        return [0.0] * n
+    # P(a k-subset holding this wrong sample has no right one): its share of the failures.
+    p_fail = math.comb(n_neg - 1, k - 1) / math.comb(n - 1, k - 1) if n_neg else 0.0
+    return [((1 - expected) if r == 1 else (1 - expected - p_fail)) / std for r in rewards_G]
+
+
+ADVANTAGES: dict[str, Callable[..., list[float]]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "pass_at_k": pass_at_k_advantages,
+}
+
+
+def resolve_advantage(name: str, args: dict | None = None) -> AdvantageFn:
+    """The estimator ``train.advantage`` names: a built-in name or ``package.module:function``
+    (one group's rewards in, one float per sample out), with ``train.advantage_args`` bound."""
+    if name in ADVANTAGES:
+        fn = ADVANTAGES[name]
+    elif ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(
+                f"train.advantage = {name!r}: cannot load {attr!r} from module {module_name!r} "
+                f"({err}); give an importable package.module:function"
+            ) from None
+        if not callable(fn):
+            raise ConfigError(f"train.advantage = {name!r} is not a function")
+    else:
+        raise ConfigError(
+            f"train.advantage = {name!r} is unknown: choose one of {', '.join(ADVANTAGES)} "
+            "or give package.module:function"
+        )
+    args = dict(args or {})
+    try:
+        inspect.signature(fn).bind([0.0], **args)
+    except TypeError as err:
+        raise ConfigError(f"train.advantage_args {args} do not fit {name!r}: {err}") from None
+    return partial(fn, **args) if args else fn
+
+
+def advantage_fn(train) -> AdvantageFn:
+    """The run's estimator (``train.advantage``; grpo takes ``train.normalize_std``)."""
+    args = dict(train.advantage_args)
+    if train.advantage == "grpo":
+        args.setdefault("normalize_std", train.normalize_std)
+    return resolve_advantage(train.advantage, args)
 
 
 @dataclass

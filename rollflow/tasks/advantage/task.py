@@ -1,16 +1,15 @@
-"""The advantage stage: filters + GRPO advantages, written to ``batches/step=N``."""
+"""The advantage stage: filters + group advantages (``train.advantage``), written to ``batches/step=N``."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import partial
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.context import RunContext
-from rollflow.tasks.advantage.advantages import build_batch, grpo_advantages
+from rollflow.tasks.advantage.advantages import advantage_fn, build_batch
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ def advantage(
     rollouts = storage.read_step_table("rollouts", step)
     batch, stats = build_batch(
         rollouts,
-        partial(grpo_advantages, normalize_std=cfg.train.normalize_std),
+        advantage_fn(cfg.train),
         set(group_scored_envs),
         cfg.train.filter_zero_advantage,
     )

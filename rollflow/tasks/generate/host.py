@@ -20,9 +20,10 @@ from concurrent.futures import Future
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import TrainingFinished
 from rollflow.infra.inference.pool import InferencePool
+from rollflow.tasks.advantage.advantages import advantage_fn
 from rollflow.tasks.generate.environments import Environment, RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
-from rollflow.tasks.generate.rollouts import SamplingStats, group_runner
+from rollflow.tasks.generate.rollouts import SamplingStats, group_has_signal, group_runner
 
 _HOSTS: dict[str, ProducerHost] = {}
 
@@ -98,6 +99,10 @@ class ProducerHost:
                 max_in_flight=t.in_flight_groups(),
                 version=resumed_from,
                 first_step=first_step,
+                has_signal=group_has_signal(advantage_fn(t)) if t.dynamic_sampling else None,
+                max_resampled=(
+                    t.train_batch_size if t.max_resampled_groups is None else t.max_resampled_groups
+                ),
             )
             producer.start()
             return client, producer

@@ -56,7 +56,7 @@ class RolloutProducer:
       ``≥ F + i // B - 1 - S``. S = 0 is synchronous on-policy RL. A resumed run whose next steps
       reuse committed rollouts starts with F past them, so those steps count against the bound.
     - accounting, at every await point (the issue's ``submitted == accepted + filtered +
-      running``): ``admitted == emitted + (stale_dropped + cancelled) + (in_flight + ready)``,
+      running``): ``admitted == emitted + (stale_dropped + resampled + cancelled) + (in_flight + ready)``,
       where ``cancelled`` only grows in ``finish()`` or a fatal failure. A group whose run
       returned an error string is emitted like any other (and counted in ``failed``); it is never
       retried or dropped here, so a failing group cannot starve a step under the bound.
@@ -68,6 +68,12 @@ class RolloutProducer:
       a group, too old for the step being served, is dropped, counted in ``stale_dropped`` and
       logged, and its admission slot is given back, so a replacement starts from the current
       version. S = 0 admits one step at a time, so nothing is ever dropped there.
+    - dynamic sampling (DAPO), when ``has_signal`` is given: a finished group without signal
+      (its advantages all zero, e.g. every sample right or every one wrong) is dropped before any
+      step takes it and its admission slot is given back, as for a stale group, so a replacement
+      starts from the current version and the staleness bound holds. At most ``max_resampled``
+      groups per step taken so far (plus one step's worth) are dropped; past that a group is
+      kept (the advantage stage filters it as before). Drops are counted in ``resampled``.
     - the end is explicit: only ``finish()`` stops the producer; every waiting or later ``take``
       then raises ``TrainingFinished``. A raise from ``run_group`` stops it with ``ProducerFailed``.
     """
@@ -84,6 +90,8 @@ class RolloutProducer:
         first_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         lag_interval_s: float = 0.1,
+        has_signal: Callable[[GroupResult], bool] | None = None,
+        max_resampled: int = 0,
     ):
         B, S, K = train_batch_size, max_staleness, max_in_flight
         if B < 1 or S < 0:
@@ -115,6 +123,9 @@ class RolloutProducer:
         self._lags_s: deque[float] = deque(maxlen=3000)  # the last ~5 min at 10 Hz
         self.num_admitted = self.num_emitted = self.num_failed = self.num_cancelled = 0
         self.num_stale_dropped = 0
+        self._has_signal, self.max_resampled = has_signal, max_resampled
+        self.num_resampled = 0  # groups without signal dropped and sampled anew (dynamic sampling)
+        self._resampled_at_take = 0
         self._blocked_s, self._blocked_since = 0.0, None
         self._exhausted = False
         self._stopped: BaseException | None = None  # TrainingFinished or ProducerFailed
@@ -181,7 +192,10 @@ class RolloutProducer:
             "staleness_mean": fmean(staleness),
             "staleness_max": max(staleness),
             "num_failed": sum(g.error is not None for g in groups),
+            "resampled": self.num_resampled - self._resampled_at_take,
+            "resampled_total": self.num_resampled,
         }
+        self._resampled_at_take = self.num_resampled
         self._taken[step] = groups
         for old in [s for s in self._taken if s < step - self.max_staleness - 2]:
             del self._taken[old]  # only a retry of a recent step can ask again
@@ -226,6 +240,7 @@ class RolloutProducer:
             "num_failed": self.num_failed,
             "num_cancelled": self.num_cancelled,
             "num_stale_dropped": self.num_stale_dropped,
+            "num_resampled": self.num_resampled,
             "admission_bound": self._bound(),
             "blocked_by_bound_s": blocked,
             "loop_lag_p50_s": pick(0.50),
@@ -238,7 +253,9 @@ class RolloutProducer:
     def _bound(self) -> int:
         # Group i may start once version >= (its step) - 1 - S, i.e. admitted <= (S + v + 2 - first_step) · B.
         steps_open = self.max_staleness + self.version + 2 - self.first_step
-        return max(0, steps_open) * self.train_batch_size + self.num_stale_dropped
+        return (
+            max(0, steps_open) * self.train_batch_size + self.num_stale_dropped + self.num_resampled
+        )
 
     async def _admit_loop(self) -> None:
         try:
@@ -305,10 +322,23 @@ class RolloutProducer:
         finally:
             self._tasks.discard(asyncio.current_task())
         self.num_failed += isinstance(result, str)
+        if self._resample(result):
+            self._notify()  # the freed slot lets admission go on
+            return
         self._ready.append(
             FinishedGroup(index, prompt, result, version, self.version, started_s, self._clock())
         )
         self._notify()
+
+    def _resample(self, result: GroupResult) -> bool:
+        """Dynamic sampling: drop a group without signal while the budget allows (see above)."""
+        if self._has_signal is None or isinstance(result, str) or self._has_signal(result):
+            return False
+        budget = (len(self._step_metrics) + 1) * self.max_resampled
+        if self.num_resampled >= budget:
+            return False
+        self.num_resampled += 1
+        return True
 
     def _stop(self, reason: BaseException) -> None:
         if self._stopped is None:

@@ -156,6 +156,21 @@ def select_prompts(
 
 
 GroupResult = list[Sample] | str  # the samples, or why the group has none
+
+
+def group_has_signal(advantage: Callable[[list[float]], list[float]]):
+    """For dynamic sampling: whether a finished group's scored samples get a non-zero advantage
+    under the run's estimator (a group with failed samples is judged by its survivors)."""
+
+    def has_signal(samples: list[Sample]) -> bool:
+        rewards = [s.reward for s in samples if s.error is None and not math.isnan(s.reward)]
+        if not rewards:
+            return True  # nothing to judge: the advantage stage accounts for it
+        return any(abs(a) > 1e-9 for a in advantage(rewards))
+
+    return has_signal
+
+
 RunGroup = Callable[[Prompt, int], Awaitable[GroupResult]]  # (prompt, version_started)
 
 

@@ -16,6 +16,7 @@ Three logprobs per token may be in play:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,10 @@ class LossOutput:
     entropy_sum: float = 0.0
     tis_weight_sum: float = 0.0
     tis_capped_tokens: float = 0.0
+    is_masked_tokens: float = 0.0
+    # Loss tokens by log importance ratio (sampler → trainer's old policy), IS_HIST_EDGES bins
+    # plus one below and one above: sums over micro-batches and ranks, quantiles at the end.
+    is_hist: list[float] = field(default_factory=list)
     sums_B: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -107,6 +112,79 @@ def tis_weights_B_T(
         return torch.exp(old_logprobs_B_T - inference_logprobs_B_T).clamp(max=cap)
 
 
+# Bins of the log importance ratio for its quantiles: 0.02 wide over [-3, 3] (a ratio known to
+# ~2%), plus one bin below and one above.
+IS_HIST_EDGES = torch.linspace(-3.0, 3.0, 301, dtype=torch.float64)
+
+
+def importance_log_ratio_B_T(
+    old_logprobs_B_T: torch.Tensor,
+    inference_logprobs_B_T: torch.Tensor,
+    mask_b_B_T: torch.Tensor,
+    level: str,
+) -> torch.Tensor:
+    """log of the sampler → trainer importance ratio at every loss token, detached: per token
+    (old - inference), per sequence (its sum over the sequence's loss tokens, the same at each),
+    or the sequence's geometric mean (that sum over its loss-token count)."""
+    with torch.no_grad():
+        d_B_T = torch.where(mask_b_B_T, old_logprobs_B_T - inference_logprobs_B_T, 0.0)
+        if level == "token":
+            return d_B_T
+        total_B = d_B_T.sum(-1)
+        if level == "geometric":
+            total_B = total_B / mask_b_B_T.sum(-1).clamp(min=1)
+        elif level != "sequence":
+            raise ValueError(f"unknown importance level {level!r}")
+        return torch.where(mask_b_B_T, total_B[:, None].expand_as(d_B_T), 0.0)
+
+
+def rollout_correction_B_T(
+    log_ratio_B_T: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weight of the policy-gradient term and which tokens the band keeps.
+
+    weight = min(ratio, tis_cap) (ratio itself without a cap; 1 when no correction is on), and
+    0 where the ratio leaves [mask_low, mask_high]: those tokens (or whole sequences, at sequence
+    level) are dropped from the loss, as masked importance sampling does.
+    """
+    with torch.no_grad():
+        ratio_B_T = torch.exp(log_ratio_B_T)
+        kept_B_T = torch.ones_like(ratio_B_T, dtype=torch.bool)
+        if cfg.mask_low is not None:
+            kept_B_T &= ratio_B_T >= cfg.mask_low
+        if cfg.mask_high is not None:
+            kept_B_T &= ratio_B_T <= cfg.mask_high
+        if not cfg.corrects:
+            return torch.ones_like(ratio_B_T), kept_B_T
+        weight_B_T = ratio_B_T.clamp(max=cfg.tis_cap) if cfg.tis_cap is not None else ratio_B_T
+        return torch.where(kept_B_T, weight_B_T, 0.0), kept_B_T
+
+
+def ratio_quantiles(hist: list[float], qs: tuple[float, ...] = (0.05, 0.5, 0.95)) -> list[float]:
+    """Quantiles of the importance ratio from ``is_hist`` counts (bin midpoints; the outer bins
+    report their edge, e^-3 or e^3)."""
+    total = sum(hist)
+    if total <= 0:
+        return [float("nan")] * len(qs)
+    edges = IS_HIST_EDGES.tolist()
+    mids = [edges[0]] + [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)] + [edges[-1]]
+    out, cum, i = [], 0.0, 0
+    for q in qs:
+        while i < len(hist) - 1 and cum + hist[i] < q * total:
+            cum += hist[i]
+            i += 1
+        out.append(math.exp(mids[i]))
+    return out
+
+
+def _histogram(log_ratio_B_T: torch.Tensor, mask_b_B_T: torch.Tensor) -> list[float]:
+    x = log_ratio_B_T[mask_b_B_T].to(torch.float64).cpu()
+    edges = IS_HIST_EDGES
+    inner = torch.histc(x, bins=len(edges) - 1, min=float(edges[0]), max=float(edges[-1]))
+    below, above = float((x < edges[0]).sum()), float((x > edges[-1]).sum())
+    return [below, *inner.tolist(), above]
+
+
 def k3_B_T(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
     """k3 estimate of KL(π || π_ref) per token sampled from π: exp(d) - d - 1, d = ref - logp.
 
@@ -120,7 +198,7 @@ def k3_B_T(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.
 
 
 def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
-    """Summed loss of one micro-batch: policy gradient (PPO or GSPO) · TIS + β·k3 - c·entropy.
+    """Summed loss of one micro-batch: policy gradient (PPO or GSPO) · correction + β·k3 - c·entropy.
 
     ``ppo``: token ratio exp(logp - old), clipped per token.
     ``gspo``: GSPO-token (see ``gspo_token_ratio_B_T``): the sequence's geometric-mean ratio,
@@ -128,8 +206,9 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     divides by the global token count, a sequence weighs by its length (token-level mean), not
     1/G as in the paper's sequence-level mean.
 
-    The TIS weight multiplies the policy-gradient term only (per token, for both kinds); the KL
-    and entropy terms are unweighted. ``mismatch_kl`` is k3 of KL(sampler || trainer) between the
+    The rollout correction (``rollout_correction_B_T``: truncated importance weights at token,
+    sequence or geometric-mean level, and masking outside a band) multiplies the policy-gradient
+    term only (per token, for both kinds); the KL and entropy terms are unweighted. ``mismatch_kl`` is k3 of KL(sampler || trainer) between the
     current logprobs and the inference logprobs (``old`` when no inference logprobs are given).
     """
     _check_inputs(inputs, cfg)
@@ -145,14 +224,27 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     )
 
     stats_B_T: dict[str, torch.Tensor] = {}
-    if inputs.inference_logprobs_B_T is not None and cfg.tis_cap is not None:
-        weight_B_T = tis_weights_B_T(old_B_T, inputs.inference_logprobs_B_T, cfg.tis_cap)
-        pg_B_T = pg_B_T * weight_B_T
+    is_hist: list[float] = []
+    if inputs.inference_logprobs_B_T is not None:
+        log_w_B_T = importance_log_ratio_B_T(
+            old_B_T, inputs.inference_logprobs_B_T, mask_b, cfg.is_level
+        )
+        weight_B_T, kept_B_T = rollout_correction_B_T(log_w_B_T, cfg)
+        if cfg.corrects:
+            pg_B_T = pg_B_T * weight_B_T
         stats_B_T["tis_weight"] = weight_B_T
-        stats_B_T["tis_capped"] = weight_B_T >= cfg.tis_cap
+        capped_B_T = (
+            torch.exp(log_w_B_T) >= cfg.tis_cap
+            if cfg.tis_cap is not None
+            else torch.zeros_like(mask_b)
+        )
+        stats_B_T["tis_capped"] = capped_B_T & kept_B_T
+        stats_B_T["is_masked"] = ~kept_B_T
+        is_hist = _histogram(log_w_B_T, mask_b)
     else:
         stats_B_T["tis_weight"] = torch.ones_like(ratio_B_T)
         stats_B_T["tis_capped"] = torch.zeros_like(mask_b)
+        stats_B_T["is_masked"] = torch.zeros_like(mask_b)
     loss_B_T = pg_B_T
 
     if inputs.ref_logprobs_B_T is not None:
@@ -189,6 +281,8 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
         entropy_sum=totals.get("entropy", 0.0),
         tis_weight_sum=totals["tis_weight"],
         tis_capped_tokens=totals["tis_capped"],
+        is_masked_tokens=totals["is_masked"],
+        is_hist=is_hist,
         sums_B=sums_B,
     )
 

@@ -104,6 +104,10 @@ MEAN_KEYS = (
     "ess",
     "kl",
     "tis_weight",
+    "is_masked_fraction",
+    "is_ratio_q05",
+    "is_ratio_q50",
+    "is_ratio_q95",
     "lr",
 )
 

@@ -30,6 +30,7 @@ from rollflow.infra.errors import InputError, StorageError, WeightSyncError
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightSender
 from rollflow.tasks.train.control import ControlGroup
+from rollflow.tasks.train.losses import ratio_quantiles
 from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size
 from rollflow.tasks.train.packing import PackedBatch, Sequence, pack, plan_micro_batches
 from rollflow.tasks.train.protocol import (
@@ -41,7 +42,7 @@ from rollflow.tasks.train.protocol import (
     StepRef,
     WeightConnect,
 )
-from rollflow.tasks.train.trainer import SUM_KEYS, Trainer
+from rollflow.tasks.train.trainer import SUM_KEYS, Trainer, add_counts
 
 LOCAL_CHECKPOINTS = Path("~/.cache/rollflow/checkpoints").expanduser()
 BATCH_COLUMNS = [
@@ -379,9 +380,12 @@ def _check_row(step: int, i: int, r: dict, old: list[float] | None, want_old: bo
 def _merge_forward_backward(parts: list[dict], denominator: float, elapsed_s: float) -> dict:
     sums = {k: sum(p["sums"][k] for p in parts) for k in SUM_KEYS}
     per_env = PerEnvMoments()
+    hist: list[float] = []
     for p in parts:
         per_env.merge_json(p["per_env"])
+        hist = add_counts(hist, p.get("is_hist") or [])
     n = max(sums["num_loss_tokens"], 1)
+    q05, q50, q95 = ratio_quantiles(hist)
     return {
         "loss": sums["loss_sum"] / denominator,
         "pg_loss": sums["pg_loss_sum"] / denominator,
@@ -392,6 +396,10 @@ def _merge_forward_backward(parts: list[dict], denominator: float, elapsed_s: fl
         "mismatch_kl": sums["mismatch_kl_sum"] / n,
         "kl": sums["kl_sum"] / n,
         "tis_weight": sums["tis_weight_sum"] / n,
+        "is_masked_fraction": sums["is_masked_tokens"] / n,
+        "is_ratio_q05": q05,
+        "is_ratio_q50": q50,
+        "is_ratio_q95": q95,
         "ess": effective_sample_size(sums["is_weight_sum"], sums["is_weight_sq_sum"], n),
         "per_env": per_env.to_json(),
         "forward_backward_s": elapsed_s,

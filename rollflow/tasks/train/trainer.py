@@ -44,6 +44,7 @@ SUM_KEYS = (
     "mismatch_kl_sum",
     "kl_sum",
     "tis_weight_sum",
+    "is_masked_tokens",
     "is_weight_sum",
     "is_weight_sq_sum",
 )
@@ -123,6 +124,7 @@ class Trainer:
         """
         scale = self.world_size / denominator
         sums = dict.fromkeys(SUM_KEYS, 0.0)
+        hist: list[float] = []
         per_env = PerEnvMoments()
         for mb in micro_batches:
             mb = mb.to(self.device)
@@ -135,7 +137,8 @@ class Trainer:
             out = compute_loss(inputs, cfg)
             self.backend.backward(out.loss_sum * scale)
             _accumulate(sums, per_env, mb, out, logp_N.detach(), cfg)
-        return {"sums": sums, "per_env": per_env.to_json()}
+            hist = add_counts(hist, out.is_hist)
+        return {"sums": sums, "per_env": per_env.to_json(), "is_hist": hist}
 
     def _loss_inputs(
         self, mb: PackedBatch, logp_N: torch.Tensor, entropy_N: torch.Tensor, cfg: LossConfig
@@ -280,6 +283,13 @@ class Trainer:
         self.backend.close()
 
 
+def add_counts(a: list[float], b: list[float]) -> list[float]:
+    """Element-wise sum of two histograms (either may be empty)."""
+    if not a or not b:
+        return list(a or b)
+    return [x + y for x, y in zip(a, b, strict=True)]
+
+
 def _accumulate(
     sums: dict[str, float],
     per_env: PerEnvMoments,
@@ -298,6 +308,7 @@ def _accumulate(
     sums["mismatch_kl_sum"] += out.mismatch_kl_sum
     sums["kl_sum"] += out.kl_sum
     sums["tis_weight_sum"] += out.tis_weight_sum
+    sums["is_masked_tokens"] += out.is_masked_tokens
     # Importance weights of trainer vs sampler per token, for the effective sample size.
     w_N = torch.exp(logp_N.double() - mb.inference_logprobs_N.double())
     seq_N = torch.div(mb.slot_N, mb.max_completion, rounding_mode="floor")

@@ -1,7 +1,19 @@
+import math
+import re
+
 import pytest
 
+from rollflow.infra.config import TrainSection
+from rollflow.infra.errors import ConfigError
 from rollflow.infra.schema import rows_to_table
-from rollflow.tasks.advantage.advantages import build_batch, grpo_advantages
+from rollflow.tasks.advantage.advantages import (
+    advantage_fn,
+    build_batch,
+    dr_grpo_advantages,
+    grpo_advantages,
+    pass_at_k_advantages,
+    rloo_advantages,
+)
 
 
 def test_grpo_advantages():
@@ -61,3 +73,61 @@ def test_advantage_contract_is_checked():
     table = _rows([[(1.0, None), (0.0, None)]])
     with pytest.raises(ValueError, match="returned 1 values for a group of 2"):
         build_batch(table, lambda rewards: [0.0])
+
+
+# ------------------------------------------------------------- estimators, by hand
+
+
+def test_dr_grpo_centres_and_never_scales():
+    assert dr_grpo_advantages([1.0, 0.0, 0.0, 0.0]) == [0.75, -0.25, -0.25, -0.25]
+    assert dr_grpo_advantages([3.0, 1.0]) == [1.0, -1.0]  # GRPO with std would give ±0.707
+
+
+def test_rloo_baseline_leaves_the_sample_out():
+    # r = [1, 0, 0, 1]: baselines are the others' means 1/3, 2/3, 2/3, 1/3
+    assert rloo_advantages([1.0, 0.0, 0.0, 1.0]) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    assert rloo_advantages([2.0, 4.0, 9.0]) == pytest.approx([2 - 6.5, 4 - 5.5, 9 - 3.0])
+    assert rloo_advantages([5.0]) == [0.0]
+
+
+def test_pass_at_k_by_hand():
+    # n = 4, one right, k = 2: R = 1 - C(3,2)/C(4,2) = 1/2, sigma = 1/2;
+    # right: (1 - 1/2)/(1/2) = 1; wrong: (1/2 - C(2,1)/C(3,1))/(1/2) = (1/2 - 2/3)*2 = -1/3
+    assert pass_at_k_advantages([1, 0, 0, 0], k=2) == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
+    # k = 1 is GRPO with the population std: p = 1/4, sigma = sqrt(3)/4
+    s = math.sqrt(3) / 4
+    assert pass_at_k_advantages([1, 0, 0, 0], k=1) == pytest.approx(
+        [0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s]
+    )
+    assert pass_at_k_advantages([1, 1, 1, 1], k=2) == [0.0] * 4
+    assert sum(pass_at_k_advantages([1, 0, 1, 0, 0, 0], k=3)) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="rewards of 0 or 1"):
+        pass_at_k_advantages([0.5, 1.0], k=1)
+
+
+def _my_estimator(rewards, scale=1.0):
+    return [scale * r for r in rewards]
+
+
+def test_estimators_by_name_or_path_with_arguments():
+    train = TrainSection(advantage="rloo")
+    assert advantage_fn(train)([1.0, 0.0]) == [1.0, -1.0]
+    train = TrainSection(normalize_std=True)  # grpo takes train.normalize_std
+    assert advantage_fn(train)([1.0, 0.0])[0] == pytest.approx(0.7071, abs=1e-3)
+    train = TrainSection(advantage="pass_at_k", advantage_args={"k": 2})
+    assert advantage_fn(train)([1, 0, 0, 0]) == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
+    path = f"{__name__}:_my_estimator"
+    assert advantage_fn(TrainSection(advantage=path, advantage_args={"scale": 2}))([1.0]) == [2.0]
+
+
+@pytest.mark.parametrize(
+    ("advantage", "args", "message"),
+    [
+        ("gpro", {}, "train.advantage = 'gpro' is unknown: choose one of grpo, dr_grpo"),
+        ("no_such_module:f", {}, "cannot load 'f' from module 'no_such_module'"),
+        ("rloo", {"k": 2}, "train.advantage_args {'k': 2} do not fit 'rloo'"),
+    ],
+)
+def test_a_bad_estimator_is_one_clear_line(advantage, args, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        advantage_fn(TrainSection(advantage=advantage, advantage_args=args))

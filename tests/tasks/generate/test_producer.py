@@ -47,6 +47,7 @@ def assert_accounting(p: RolloutProducer) -> None:
         + s["num_emitted"]
         + s["num_cancelled"]
         + s["num_stale_dropped"]
+        + s["num_resampled"]
     ), s
     assert s["num_admitted"] <= s["admission_bound"], s
 
@@ -357,3 +358,77 @@ def test_a_group_overtaken_past_the_bound_is_dropped_counted_and_replaced():
     assert "0" not in [g.prompt.prompt_id for g in emitted]
     assert p.num_stale_dropped == 1 and p.step_metrics(3)["stale_dropped_total"] == 1
     assert all(3 - 1 - g.version_started <= 1 for g in three)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_dynamic_sampling_replaces_groups_without_signal_within_the_bound(max_staleness):
+    """Every third group is all-correct (no signal under GRPO): it is dropped before any step
+    takes it and a new group is sampled in its place, counted per step, the staleness bound and
+    the accounting holding throughout; a step's batch holds only groups with signal."""
+    from rollflow.tasks.advantage.advantages import grpo_advantages
+    from rollflow.tasks.generate.rollouts import group_has_signal
+
+    B, steps = 4, 5
+
+    async def run_group(prompt, version):
+        await asyncio.sleep(random.random() * 0.002)
+        flat = int(prompt.prompt_id) % 3 == 0
+        rewards = [1.0, 1.0] if flat else [1.0, 0.0]
+        return [Sample([1], [2], [-0.1], "x", "stop", reward=r) for r in rewards]
+
+    async def main():
+        p = RolloutProducer(
+            run_group,
+            numbered_prompts(),
+            train_batch_size=B,
+            max_staleness=max_staleness,
+            max_in_flight=B * (max_staleness + 1),
+            has_signal=group_has_signal(grpo_advantages),
+            max_resampled=B,
+        )
+        async with p:
+            watcher = asyncio.create_task(watch_accounting(p))
+            batches = await train_loop(p, steps, seed=1)
+            watcher.cancel()
+            assert_accounting(p)
+            return p, batches
+
+    p, batches = asyncio.run(main())
+    for step, groups in batches.items():
+        assert len(groups) == B
+        assert all(int(g.prompt.prompt_id) % 3 for g in groups), "a flat group was trained on"
+        assert all(step - 1 - g.version_started <= max_staleness for g in groups)
+    assert p.num_resampled >= steps * B // 2 - 1  # about one in three groups was replaced
+    per_step = [p.step_metrics(s)["resampled"] for s in range(1, steps + 1)]
+    assert sum(per_step) == p.step_metrics(steps)["resampled_total"] <= p.num_resampled
+
+
+def test_dynamic_sampling_is_bounded():
+    """With every group flat, at most max_resampled groups per step are replaced; past that the
+    flat groups are kept (the advantage stage then filters them) and steps still fill."""
+
+    async def run_group(prompt, version):
+        await asyncio.sleep(0)
+        return [Sample([1], [2], [-0.1], "x", "stop", reward=1.0) for _ in range(2)]
+
+    async def main():
+        from rollflow.tasks.advantage.advantages import grpo_advantages
+        from rollflow.tasks.generate.rollouts import group_has_signal
+
+        p = RolloutProducer(
+            run_group,
+            numbered_prompts(),
+            train_batch_size=2,
+            max_staleness=0,
+            max_in_flight=2,
+            has_signal=group_has_signal(grpo_advantages),
+            max_resampled=3,
+        )
+        async with p:
+            batches = await train_loop(p, 3, seed=2)
+            return p, batches
+
+    p, batches = asyncio.run(main())
+    assert all(len(g) == 2 for g in batches.values())
+    assert p.num_resampled <= 3 * 3  # (steps taken + 1) x max_resampled at the last take
+    assert p.step_metrics(1)["resampled"] == 3

@@ -5,11 +5,15 @@ import torch
 
 from rollflow.infra.config import LossConfig
 from rollflow.tasks.train.losses import (
+    IS_HIST_EDGES,
     LossInputs,
     LossOutput,
     compute_loss,
     gspo_token_ratio_B_T,
+    importance_log_ratio_B_T,
     k3_B_T,
+    ratio_quantiles,
+    rollout_correction_B_T,
     tis_weights_B_T,
 )
 
@@ -276,6 +280,7 @@ def test_two_halves_sum_to_the_whole(kind):
         "entropy_sum",
         "tis_weight_sum",
         "tis_capped_tokens",
+        "is_masked_tokens",
     ):
         assert getattr(first, name) + getattr(second, name) == pytest.approx(
             getattr(whole, name)
@@ -293,6 +298,7 @@ def test_two_halves_sum_to_the_whole(kind):
             "entropy": "entropy_sum",
             "tis_weight": "tis_weight_sum",
             "tis_capped": "tis_capped_tokens",
+            "is_masked": "is_masked_tokens",
         }
         assert sums_B.shape == (6,)
         assert sums_B.sum().item() == pytest.approx(getattr(whole, field[name])), name
@@ -315,3 +321,98 @@ def test_invalid_config_and_missing_inputs_are_named():
         LossConfig(kind="grpo")
     with pytest.raises(ValueError, match="old_logprobs_B_T"):
         loss("ppo", LossInputs(_t([[0.0]]), _t([[0.0, 0.0]]), _t([1.0]), _t([[1.0]])), LossConfig())
+
+
+# ------------------------------------------------------------- rollout correction
+
+
+def _two_sequences():
+    """Two sequences of 3 loss tokens (the second has a padding slot) with known log-ratios
+    old - inference: [0.1, -0.2, 0.4] and [1.0, 1.0, pad]."""
+    old = torch.tensor([[0.1, -0.2, 0.4], [1.0, 1.0, 0.0]])
+    inference = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
+    return old, inference, mask
+
+
+def test_importance_ratio_levels_by_hand():
+    old, inf, mask = _two_sequences()
+    token = importance_log_ratio_B_T(old, inf, mask, "token")
+    assert torch.allclose(token, torch.tensor([[0.1, -0.2, 0.4], [1.0, 1.0, 0.0]]))
+    seq = importance_log_ratio_B_T(old, inf, mask, "sequence")
+    assert torch.allclose(seq, torch.tensor([[0.3, 0.3, 0.3], [2.0, 2.0, 0.0]]))
+    geo = importance_log_ratio_B_T(old, inf, mask, "geometric")
+    assert torch.allclose(geo, torch.tensor([[0.1, 0.1, 0.1], [1.0, 1.0, 0.0]]))
+
+
+def test_truncation_and_masking_by_hand():
+    old, inf, mask = _two_sequences()
+    log_w = importance_log_ratio_B_T(old, inf, mask, "token")
+    # Truncated IS: min(e^d, 2): e^0.1, e^-0.2, e^0.4 | 2, 2
+    w, kept = rollout_correction_B_T(log_w, LossConfig(tis_cap=2.0))
+    assert torch.allclose(w[0], torch.exp(torch.tensor([0.1, -0.2, 0.4])))
+    assert torch.allclose(w[1, :2], torch.tensor([2.0, 2.0])) and kept.all()
+    # Token masking outside [0.9, 1.2]: e^-0.2 = 0.82 and e^0.4 = 1.49 and e^1 go
+    w, kept = rollout_correction_B_T(log_w, LossConfig(mask_low=0.9, mask_high=1.2))
+    assert kept[0].tolist() == [True, False, False] and not kept[1, :2].any()
+    assert w[0, 0] == pytest.approx(math.exp(0.1)) and w[0, 1:].tolist() == [0.0, 0.0]
+    # Sequence masking: sequence 0's ratio e^0.3 = 1.35 stays in [0.5, 2], sequence 1's e^2 goes
+    seq = importance_log_ratio_B_T(old, inf, mask, "sequence")
+    w, kept = rollout_correction_B_T(
+        seq, LossConfig(is_level="sequence", mask_low=0.5, mask_high=2.0)
+    )
+    assert kept[0].all() and not kept[1, :2].any()
+    assert torch.allclose(w[0], torch.full((3,), math.exp(0.3)))
+    # No correction: weight 1 everywhere
+    w, _ = rollout_correction_B_T(log_w, LossConfig())
+    assert torch.equal(w, torch.ones_like(w))
+
+
+def test_masked_tokens_leave_the_loss_and_are_counted():
+    """logp = old (ratio 1, no clip) and advantage 1: each loss token adds -weight to the loss."""
+    old, inf, mask = _two_sequences()
+    inputs = LossInputs(
+        logprobs_B_T=old.clone(),
+        old_logprobs_B_T=old,
+        advantages_B=torch.ones(2),
+        mask_B_T=mask.float(),
+        inference_logprobs_B_T=inf,
+    )
+    cfg = LossConfig(mask_low=0.9, mask_high=1.2, tis_cap=1.1)
+    out = compute_loss(inputs, cfg)
+    # kept: token (0, 0) only, weight min(e^0.1, 1.1) = 1.1
+    assert out.loss_sum.item() == pytest.approx(-1.1)
+    assert out.is_masked_tokens == 4 and out.num_tokens == 5
+    assert sum(out.is_hist) == 5
+
+
+def test_ratio_quantiles_from_the_histogram():
+    old = torch.linspace(-0.5, 0.5, 101)[None, :]
+    inputs = LossInputs(
+        logprobs_B_T=old.clone(),
+        old_logprobs_B_T=old,
+        advantages_B=torch.ones(1),
+        mask_B_T=torch.ones_like(old),
+        inference_logprobs_B_T=torch.zeros_like(old),
+    )
+    out = compute_loss(inputs, LossConfig())
+    q05, q50, q95 = ratio_quantiles(out.is_hist)
+    assert q50 == pytest.approx(1.0, abs=0.02)
+    assert q05 == pytest.approx(math.exp(-0.45), rel=0.03)
+    assert q95 == pytest.approx(math.exp(0.45), rel=0.03)
+
+
+def test_correction_metrics_reach_the_step_metrics():
+    from rollflow.tasks.train.ops import _merge_forward_backward
+    from rollflow.tasks.train.trainer import SUM_KEYS
+
+    hist = [0.0] * (len(IS_HIST_EDGES) + 1)
+    hist[150] = (
+        10.0  # every token at log-ratio ~0 (bin 150 spans [-0.01, 0.01] after the under-bin)
+    )
+    part = {"sums": dict.fromkeys(SUM_KEYS, 0.0), "per_env": {}, "is_hist": hist}
+    part["sums"].update(num_loss_tokens=10, is_masked_tokens=2)
+    merged = _merge_forward_backward([part, part], denominator=20, elapsed_s=0.1)
+    assert merged["is_masked_fraction"] == pytest.approx(0.2)
+    assert merged["is_ratio_q50"] == pytest.approx(1.0, abs=0.02)
+    assert {"is_ratio_q05", "is_ratio_q95"} <= set(merged)
