@@ -23,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train (or resume) the run a config describes")
     run.add_argument("config", help="TOML config, e.g. configs/quickstart.toml")
-    run.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=2e-4")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.path=value overrides, e.g. train.lr=2e-4; ~key.path or key.path=none removes a key",
+    )
     run.add_argument(
         "--dry-run",
         action="store_true",
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"status": cmd_status, "deploy": cmd_deploy, "export": cmd_export}[args.command](
             args
         )
-    unknown = [e for e in extra if "=" not in e or e.startswith("-")]
+    unknown = [e for e in extra if e.startswith("-") or ("=" not in e and not e.startswith("~"))]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
