@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--dry-run",
         action="store_true",
-        help="validate the config, its envs and metric sinks (not the model), print the resolved config, exit",
+        help="run the preflight (config, model folder or cache, storage, envs, metric sinks, disk; "
+        "no download), print the resolved config, exit",
     )
     status = sub.add_parser("status", help="a table of a run's steps: reward, evaluation, timings")
     status.add_argument("run", help="run name (run.name)")
@@ -87,12 +88,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Preflight before the Prefect API or any service starts: model, storage, envs, sinks, disk.
+    from rollflow.flows.preflight import PreflightError, preflight
+
+    try:
+        preflight(cfg, dry_run=args.dry_run, note=lambda line: print(line, file=sys.stderr))
+    except PreflightError as exc:
+        for line in exc.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     if args.dry_run:
-        try:
-            _check_beyond_config(cfg)
-        except (ConfigError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
         print(json.dumps(dump_config(cfg), indent=2))
         return 0
     _quiet_prefect()
@@ -102,23 +107,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     with local_prefect_api():
         rl_run(dump_config(cfg))
     return 0
-
-
-def _check_beyond_config(cfg) -> None:
-    """What a dry run checks besides the config: every env loads (its dataset included) and every
-    metric sink's package is installed. The model is not touched: it need not exist here."""
-    from rollflow.infra.metrics_sinks import check_sinks_available
-    from rollflow.tasks.generate.environments import load_env
-
-    check_sinks_available(cfg.metrics.sinks)
-    for spec in cfg.envs:
-        env = load_env(spec.name, spec.args)
-        skipped = (
-            f", {env.num_skipped_rows} malformed dataset rows skipped"
-            if env.num_skipped_rows
-            else ""
-        )
-        print(f"env {spec.name}: loads{skipped}", file=sys.stderr)
 
 
 # (metrics key, header, format): every cell is 8 characters wide.

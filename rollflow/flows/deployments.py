@@ -16,6 +16,7 @@ from __future__ import annotations
 from prefect import flow
 
 from rollflow.flows.deploy import FLOW_NAME
+from rollflow.flows.preflight import preflight
 from rollflow.flows.rl_run import rl_run
 from rollflow.infra.config import dump_config, resolve_config
 
@@ -39,4 +40,5 @@ def rl_run_config(
 ) -> dict:
     """Train (or resume) the run that ``config`` with ``overrides`` describes (see ``rl_run``)."""
     cfg = resolve_config(config, overrides or [])
+    preflight(cfg, note=print)
     return rl_run.fn(dump_config(cfg))  # this flow run is the run flow's run: no nested rl-run
