@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -33,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the preflight (config, model folder or cache, storage, envs, metric sinks, disk; "
         "no download), print the resolved config, exit",
+    )
+    run.add_argument(
+        "--debug",
+        action="store_true",
+        help="print tracebacks and Prefect's log on the terminal too (they are always in run.log)",
     )
     status = sub.add_parser("status", help="a table of a run's steps: reward, evaluation, timings")
     status.add_argument("run", help="run name (run.name)")
@@ -81,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from rollflow.flows.terminal import quiet_prefect_console
+
+    quiet_prefect_console(args.debug)  # before anything imports Prefect
     from rollflow.infra.config import ConfigError, dump_config, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for line in config_error_lines(str(exc)):
+            print(f"error: {line}", file=sys.stderr)
         return 2
     # Preflight before the Prefect API or any service starts: model, storage, envs, sinks, disk.
     from rollflow.flows.preflight import PreflightError, preflight
@@ -100,12 +108,46 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(dump_config(cfg), indent=2))
         return 0
-    _quiet_prefect()
-    from rollflow.flows.rl_run import rl_run
+    return _train(cfg, args)
+
+
+def config_error_lines(message: str) -> list[str]:
+    """``c.toml: invalid config`` + one indented line per problem -> ``c.toml: <problem>`` each."""
+    head, *details = message.splitlines()
+    if not details:
+        return [head]
+    source = head.removesuffix("invalid config").rstrip(": ")
+    return [f"{source}: {line.strip()}" for line in details]
+
+
+def _train(cfg, args: argparse.Namespace) -> int:
+    """The run itself. An error is one line (its traceback in run.log, and here with --debug);
+    Ctrl-C or SIGTERM stops it: one line with what is committed and the command that resumes."""
+    from rollflow.flows import terminal
+    from rollflow.flows.rl_run import rl_run, run_log_dir
+    from rollflow.infra.config import dump_config
     from rollflow.infra.prefect_api import local_prefect_api
 
-    with local_prefect_api():
-        rl_run(dump_config(cfg))
+    terminal.stop_on_sigterm()
+    log_path = None
+    try:
+        log_path = terminal.attach_run_log(run_log_dir(cfg), args.debug)
+        with local_prefect_api():
+            rl_run(dump_config(cfg))
+    except KeyboardInterrupt as exc:
+        terminal.log_failure(exc, log_path)
+        print(terminal.stopped_line(exc, cfg, args.config, args.overrides), file=sys.stderr)
+        return 143 if isinstance(exc, terminal.Stopped) else 130
+    except Exception as exc:
+        terminal.log_failure(exc, log_path)
+        if args.debug:
+            import traceback
+
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"error: {terminal.one_line(exc)}", file=sys.stderr)
+        if log_path is not None and not args.debug:
+            print(f"  (traceback in {log_path}; --debug prints it here)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -196,13 +238,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`"
     )
     return 0
-
-
-def _quiet_prefect() -> None:
-    """Per-step progress is ours to print; Prefect logs warnings and errors unless asked for more."""
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ that is not cached is only noted (checking it would need the network the run wil
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -83,10 +84,23 @@ class Preflight:
                 "or a hub id such as Qwen/Qwen2.5-0.5B-Instruct",
             )
             return
-        if not (folder / "config.json").is_file():
+        config = folder / "config.json"
+        if not config.is_file():
             self.fail(
                 "model.path", path, "the folder has no config.json; is it a Hugging Face model?"
             )
+        else:
+            try:
+                parsed = json.loads(config.read_text())
+                if not isinstance(parsed, dict) or "model_type" not in parsed:
+                    raise ValueError("no model_type")
+            except (ValueError, OSError) as exc:
+                self.fail(
+                    "model.path",
+                    path,
+                    f"its config.json is not a Hugging Face model config ({exc}); "
+                    "re-save the model with save_pretrained()",
+                )
         weights = [p for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern)]
         if not weights:
             self.fail(

@@ -271,6 +271,11 @@ def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:
     return out
 
 
+def run_log_dir(cfg: RunConfig) -> Path:
+    """Where the run's logs go (services' logs and run.log): see ``_log_dir``."""
+    return _log_dir(RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options))
+
+
 def _log_dir(storage: RunStorage) -> Path:
     if storage.is_local:
         return Path(storage.path("logs"))

@@ -1,0 +1,71 @@
+"""Ctrl-C (SIGINT) and SIGTERM at a seeded random point of a step.
+
+The run must stop within 30 s, leave no process behind, commit nothing half-written, and print
+one line (no traceback) saying what is committed and the command that resumes it; the resumed
+run then continues after the last committed step.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from test_chaos import SEED, STEPS, Campaign
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory, model_cache) -> Campaign:
+    from rollflow.infra.prefect_api import local_prefect_api
+
+    with local_prefect_api() as prefect_api:
+        c = Campaign(tmp_path_factory.mktemp("signals"), model_cache, prefect_api)
+        yield c
+        c.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_signal_at_a_random_point_of_a_step_prints_one_line(campaign, signum):
+    c = campaign
+    before = c.committed()
+    step = len(before) + 1
+    proc = c.launch("train.max_staleness=1")
+    name, reached, delay = c.random_kill_point(step)
+    c.wait_for(proc, reached, name)
+    time.sleep(delay)
+    proc.send_signal(signum)
+    sent = time.monotonic()
+    proc.wait(timeout=60)
+    took = time.monotonic() - sent
+    print(f"seed {SEED}: {signal.Signals(signum).name} {delay}s after {name}; exit in {took:.1f}s")
+    c.assert_no_orphans()
+    c.assert_consistent()
+    out = c.output()
+    assert took < 30, out[-3000:]
+    assert proc.returncode == 128 + signum, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert not [line for line in out.splitlines() if line.startswith("error")], out[-3000:]
+    how = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    stopped = [line for line in out.splitlines() if line.startswith("stopped")]
+    steps = c.committed()
+    done = (
+        f"committed through step {steps[-1]} of {STEPS} in {c.run_dir}"
+        if steps
+        else f"no step committed yet in {c.run_dir}"
+    )
+    assert stopped == [f"stopped by {how}: {done}; resume with: rollflow run {c.config}"], out[
+        -3000:
+    ]
+
+
+def test_the_printed_command_resumes(campaign):
+    c = campaign
+    last = (c.committed() or [0])[-1]
+    proc = c.launch()
+    c.wait_for(proc, lambda: c.committed_now("checkpoints", last + 1), f"step {last + 1} committed")
+    c.kill_run(proc)
+    if last:
+        assert f"resuming after committed step {last}" in c.output()
+    c.assert_consistent()
