@@ -58,6 +58,7 @@ SHAPES = {
     "100M": (768, 10, 2048, 16_000),
     "500M": (1536, 14, 4096, 32_000),
 }
+SECRET = "bench-secret"  # the membership challenge (weights/group.py) is part of connect()
 TIMEOUT_S = 300.0
 
 
@@ -96,7 +97,7 @@ def flat_named_tensors(
 def receiver(spec: dict) -> None:
     """The receiving rank (a child process): prints the time it held each broadcast."""
     torch.set_num_threads(1)
-    group = WeightReceiverGroup("127.0.0.1", spec["port"], 1, 2, TIMEOUT_S)
+    group = WeightReceiverGroup("127.0.0.1", spec["port"], 1, 2, TIMEOUT_S, secret=SECRET)
     group.connect()
     meta, done = spec["metadata"], {"raw": [], "ours": []}
     line_up = torch.zeros(1, dtype=torch.int64)
@@ -131,7 +132,7 @@ def measure_transport(
         text=True,
         cwd=ROOT,
     )
-    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S)
+    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S, secret=SECRET)
     started = {"raw": [], "ours": []}
     try:
         sender.connect()
@@ -188,13 +189,16 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
     named = [(n, t.detach()) for n, t in model.state_dict().items()]
     transport = measure_transport(named, None, 5)
     server = InferenceServer(
-        model_dir, max_model_len=64, log_path=log_dir / f"vllm-{model_dir.name}.log"
+        model_dir,
+        max_model_len=64,
+        log_path=log_dir / f"vllm-{model_dir.name}.log",
+        api_key=SECRET,  # its workers prove the key to join the weight group
     )
     start = time.monotonic()
     server.start()
     startup_s = time.monotonic() - start
     port = free_port()
-    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S)
+    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S, secret=SECRET)
 
     async def go() -> list[dict]:
         async with InferenceClient(server.url, timeout_s=120) as client:

@@ -83,6 +83,7 @@ class RunServices:
             self.log_dir,
             progress=self.progress,
             on_restart=lambda info: publish(storage, "inference_restarted", **info),
+            api_key=self.token,  # every vLLM route needs the run's token (infra/inference/auth.py)
         )
         try:
             self.supervisor.start()

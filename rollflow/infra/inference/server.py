@@ -2,7 +2,8 @@
 
 The server is started with ``VLLM_SERVER_DEV_MODE=1`` (which adds ``/pause``, ``/resume``,
 ``/collective_rpc`` and ``/reset_prefix_cache``) and with rollflow's worker extension, so that
-new weights can be received over the weight group (see ``worker_extension.py``).
+new weights can be received over the weight group (see ``worker_extension.py``). Every route,
+those included, refuses a request without the server's key (``auth.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import TracebackType
 import httpx
 
 from rollflow.infra.errors import InferenceError, ServiceError
+from rollflow.infra.inference import auth
 from rollflow.infra.inference.vllm_plugin import SPIN_ENV
 from rollflow.infra.service import ManagedProcess, cpu_split, free_port
 
@@ -44,6 +46,7 @@ class InferenceServer:
         extra_env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
         kv_cache_space_gib: int = 1,
+        api_key: str | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.host = host
@@ -56,6 +59,9 @@ class InferenceServer:
         self.log_path = Path(log_path or f"vllm-{self.port}.log")
         self.kv_cache_space_gib = kv_cache_space_gib
         self._proc: ManagedProcess | None = None
+        # Every route needs this key (auth.py); clients of this URL in this process send it.
+        self.api_key = api_key or auth.new_key()
+        auth.register(self.url, self.api_key)
 
     @property
     def url(self) -> str:
@@ -78,6 +84,8 @@ class InferenceServer:
             str(self.port),
             "--worker-extension-cls",
             WORKER_EXTENSION_CLS,
+            "--middleware",
+            auth.MIDDLEWARE,
             "--disable-log-stats",
             "--uvicorn-log-level",
             "warning",
@@ -94,6 +102,7 @@ class InferenceServer:
         """Environment of the server process."""
         env = dict(os.environ)
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        env[auth.KEY_ENV] = self.api_key  # in the environment: `ps` shows a command line to all
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
@@ -117,7 +126,12 @@ class InferenceServer:
         self._proc.start()
         try:
             self._proc.wait_healthy(
-                lambda: httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200,
+                lambda: (
+                    httpx.get(
+                        f"{self.url}/health", headers=auth.auth_headers(self.url), timeout=2.0
+                    ).status_code
+                    == 200
+                ),
                 self.startup_timeout_s,
             )
         except ServiceError as exc:

@@ -40,6 +40,7 @@ import httpx
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.http import client
+from rollflow.infra.inference.auth import auth_headers
 from rollflow.infra.inference.gate import ServingGate, register_gate, unregister_gate
 from rollflow.infra.inference.server import InferenceServer
 
@@ -72,6 +73,7 @@ class InferenceSupervisor:
         *,
         on_restart: Callable[[dict], None] = lambda info: None,
         progress=print,
+        api_key: str | None = None,
     ):
         self.cfg = cfg
         self.link: WeightLink | None = None
@@ -84,6 +86,7 @@ class InferenceSupervisor:
             startup_timeout_s=cfg.inference.startup_timeout_s,
             extra_args=cfg.inference.extra_args,
             log_path=log_dir / "vllm.log",
+            api_key=api_key,
         )
         self.gate: ServingGate | None = None
         self.group_open = False
@@ -122,7 +125,13 @@ class InferenceSupervisor:
             return f"the vLLM server died (exit code {self.server.returncode})"
         try:
             healthy = (
-                client().get(f"{self.url}/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code
+                client()
+                .get(
+                    f"{self.url}/health",
+                    headers=auth_headers(self.url),
+                    timeout=HEALTH_PROBE_TIMEOUT_S,
+                )
+                .status_code
                 == 200
             )
         except httpx.HTTPError:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
+from rollflow.infra.inference.auth import KEY_ENV
 from rollflow.infra.weights.group import WeightReceiverGroup
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,15 @@ class WeightReceiver:
         self.close_weight_group()
         # With tensor parallelism every worker of the engine is one rank of the weight group.
         my_rank = int(rank) + int(getattr(self, "rank", 0))
+        # The run's secret proves membership (weights/group.py); this server holds it as its key.
         group = WeightReceiverGroup(
-            host, int(port), my_rank, int(world_size), float(timeout_s), device=self.device
+            host,
+            int(port),
+            my_rank,
+            int(world_size),
+            float(timeout_s),
+            device=self.device,
+            secret=os.environ.get(KEY_ENV, ""),
         )
         group.connect()
         self._rollflow_weight_group = group

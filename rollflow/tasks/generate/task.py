@@ -124,7 +124,9 @@ def _sample(
 
     async def run():
         client = InferenceClient(
-            ctx.inference.url, timeout_s=ctx.config.inference.request_timeout_s
+            ctx.inference.url,
+            timeout_s=ctx.config.inference.request_timeout_s,
+            api_key=ctx.inference.token,
         )
         try:
             rctx = make_rollout_context(

@@ -14,6 +14,7 @@ An exception in phase 2 leaves the ranks out of step: the service treats it as f
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -275,7 +276,13 @@ class RankOps:
             if self.sender is not None:
                 self.sender.close()
             self.sender = None
-            sender = WeightSender(req.host, req.port, req.world_size, req.timeout_s)
+            sender = WeightSender(
+                req.host,
+                req.port,
+                req.world_size,
+                req.timeout_s,
+                secret=os.environ["ROLLFLOW_TOKEN"],  # the run's token: vLLM's key too
+            )
             try:
                 sender.connect()
             except Exception as err:

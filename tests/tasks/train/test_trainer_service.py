@@ -302,7 +302,9 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
 def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
     """A weight group of the service (rank 0 sends) and one receiver, as a vLLM worker joins it."""
     port = free_port()
-    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=timeout_s)
+    receiver = WeightReceiverGroup(
+        "127.0.0.1", port, 1, 2, timeout_s=timeout_s, secret=service.ep.token
+    )
     joiner = threading.Thread(target=receiver.connect)
     joiner.start()
     service.client.weights_connect("127.0.0.1", port, 2, timeout_s=timeout_s)
