@@ -7,7 +7,7 @@ Layout (see docs/architecture.md)::
     <root>/<run>/batches/step=<N>/part-0.parquet  + _SUCCESS
     <root>/<run>/checkpoints/step=<N>/...         + _SUCCESS
     <root>/<run>/metrics/step=<N>.parquet
-    <root>/<run>/events.jsonl
+    <root>/<run>/events.jsonl                     (object stores: events/part-<N>.jsonl)
 
 Invariant: a step directory counts only once its ``_SUCCESS`` marker exists, and the marker is
 written after every other file of the directory. Readers never open an unmarked directory;
@@ -39,7 +39,10 @@ from rollflow.infra.errors import StorageError
 SUCCESS = "_SUCCESS"
 _STEP_DIR = re.compile(r"step=(\d+)$")
 _STEP_FILE = re.compile(r"step=(\d+)\.parquet$")
+_SEGMENT = re.compile(r"part-(\d+)\.jsonl$")
 _EVENTS_LOCK = threading.Lock()  # overlapping step flows append from several threads
+EVENTS_PER_SEGMENT = 64
+_SEGMENTS: dict[str, tuple[int, bytes, int]] = {}  # run URI -> (index, bytes, lines) of its segment
 
 
 class RunStorage:
@@ -179,31 +182,73 @@ class RunStorage:
             return None
 
     def append_event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one event line to ``events.jsonl`` (thread-safe within this process)."""
+        """Append one event (thread-safe within this process; one writing process per run).
+
+        Local: a line appended to ``events.jsonl``. Object stores have no append: the events go
+        to segment objects ``events/part-<N>.jsonl`` of at most ``EVENTS_PER_SEGMENT`` lines,
+        and an append rewrites only the current segment (one PUT of at most that many lines),
+        so its cost does not grow with the run (rewriting one ``events.jsonl`` made a long run's
+        appends quadratic). Each PUT is atomic: a segment is whole, old or new.
+        """
         event = {"time": time.time(), "event": kind, **fields}
         line = (json.dumps(event) + "\n").encode()
-        target = self.path("events.jsonl")
         with _EVENTS_LOCK:
-            self._append(target, line)
+            if self.is_local:
+                self._append(self.path("events.jsonl"), line)
+            else:
+                self._append_to_segment(line)
         return event
 
     def _append(self, target: str, line: bytes) -> None:
-        if self.is_local:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "ab") as fh:
-                fh.write(line)
-        else:  # object stores have no append: rewrite the (small) object in one PUT
-            old = self.fs.cat_file(target) if self.fs.exists(target) else b""
-            self._write_bytes(target, old + line)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "ab") as fh:
+            fh.write(line)
 
-    def read_events(self) -> list[dict[str, Any]]:
+    def _segment_path(self, index: int) -> str:
+        return self.path("events", f"part-{index:06d}.jsonl")
+
+    def _event_segments(self) -> list[str]:
+        self.fs.invalidate_cache(self.path("events"))
         try:
-            raw = self.fs.cat_file(self.path("events.jsonl")).decode()
+            found = self.fs.glob(self.path("events", "part-*.jsonl"))
         except FileNotFoundError:
             return []
+        return sorted(found, key=lambda p: int(_SEGMENT.search(p).group(1)))
+
+    def _append_to_segment(self, line: bytes) -> None:
+        """Called under ``_EVENTS_LOCK``. The current segment is kept in memory per run URI (every
+        ``RunStorage`` of the run in this process shares it); a new process reads it back once."""
+        state = _SEGMENTS.get(self.uri)
+        if state is None:
+            segments = self._event_segments()
+            if segments:
+                last = segments[-1]
+                data = self.fs.cat_file(last)
+                state = (int(_SEGMENT.search(last).group(1)), data, data.count(b"\n"))
+            else:
+                state = (0, b"", 0)
+        index, data, count = state
+        if count >= EVENTS_PER_SEGMENT:
+            index, data, count = index + 1, b"", 0
+        self._write_bytes(self._segment_path(index), data + line)
+        _SEGMENTS[self.uri] = (index, data + line, count + 1)
+
+    def read_events(self) -> list[dict[str, Any]]:
+        """Every event in order: ``events.jsonl`` (local, or written by an older version on an
+        object store), then the segments ``events/part-*.jsonl``."""
+        chunks = []
+        try:
+            chunks.append(self.fs.cat_file(self.path("events.jsonl")))
+        except FileNotFoundError:
+            pass
+        if not self.is_local:
+            segments = self._event_segments()
+            if segments:
+                found = self.fs.cat(segments)
+                chunks += [found[p] for p in segments]
         # A torn last line (killed mid-write) is skipped, never fatal.
         events = []
-        for line in raw.splitlines():
+        for line in b"".join(chunks).decode().splitlines():
             try:
                 events.append(json.loads(line))
             except json.JSONDecodeError:

@@ -55,9 +55,8 @@ def test_signal_at_a_random_point_of_a_step_prints_one_line(campaign, signum):
         if steps
         else f"no step committed yet in {c.run_dir}"
     )
-    assert stopped == [f"stopped by {how}: {done}; resume with: rollflow run {c.config}"], out[
-        -3000:
-    ]
+    resume = f"rollflow run {c.config} train.max_staleness=1"
+    assert stopped == [f"stopped by {how}: {done}; resume with: {resume}"], out[-3000:]
 
 
 def test_the_printed_command_resumes(campaign):
