@@ -96,6 +96,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         for line in config_error_lines(str(exc)):
             print(f"error: {line}", file=sys.stderr)
         return 2
+    # Credentials in run.storage_options never reach Prefect or config.json (infra/secrets.py).
+    from rollflow.infra.secrets import take_secrets_out
+
+    moved = take_secrets_out(cfg.run)
+    if moved:
+        print(
+            f"note: run.storage_options {', '.join(moved)} kept out of the stored config "
+            "(better: the environment, or run.storage_secret)",
+            file=sys.stderr,
+        )
     # Preflight before the Prefect API or any service starts: model, storage, envs, sinks, disk.
     from rollflow.flows.preflight import PreflightError, preflight
 

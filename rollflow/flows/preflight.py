@@ -27,6 +27,7 @@ from typing import Any
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ConfigError
+from rollflow.infra.secrets import load_storage_secret, merge, secret_storage_options
 
 PROBE_DEADLINE_S = 4.0
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
@@ -145,6 +146,20 @@ class Preflight:
 
     def storage(self) -> None:
         run = self.cfg.run
+        if run.storage_secret:
+            if not os.environ.get("PREFECT_API_URL"):
+                self.fail(
+                    "run.storage_secret",
+                    run.storage_secret,
+                    "a Prefect Secret block needs a Prefect server: set PREFECT_API_URL, "
+                    "or give the credentials in the environment (e.g. AWS_ACCESS_KEY_ID)",
+                )
+                return
+            try:
+                load_storage_secret(run)
+            except Exception as exc:  # not found, not JSON, server down
+                self.fail("run.storage_secret", run.storage_secret, f"cannot load it: {exc}")
+                return
         outcome = _within_deadline(
             lambda: _probe_storage(run.storage, run.name, run.storage_options),
             PROBE_DEADLINE_S,
@@ -241,7 +256,7 @@ def _probe_storage(root: str, run: str, options: dict[str, Any]) -> tuple[str, s
 
     protocol = fsspec.core.split_protocol(root)[0] or "file"
     where = "run.storage"
-    opts = dict(options)
+    opts = merge(dict(options), secret_storage_options(root))  # credentials handed over
     if protocol in ("s3", "s3a"):
         # Fail fast: one attempt, short timeouts (the run itself keeps the user's retries).
         config = dict(opts.get("config_kwargs") or {})

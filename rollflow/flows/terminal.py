@@ -54,8 +54,10 @@ def attach_run_log(log_dir: Path, debug: bool) -> Path:
     for name in ("rollflow", "prefect"):
         if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
             logging.getLogger(name).setLevel(logging.INFO)
+    PROGRESS.addHandler(file)
     terminal = logging.StreamHandler(sys.stderr)
     terminal.setLevel(logging.WARNING)
+    terminal.addFilter(FinalError())
     if not debug:
         terminal.setFormatter(_NoTraceback())
     logging.getLogger("rollflow").addHandler(terminal)
@@ -120,3 +122,84 @@ def stopped_line(exc: KeyboardInterrupt, cfg: RunConfig, config: str, overrides:
     else:
         done = f"committed through step {steps[-1]} of {cfg.run.num_steps} in {where}"
     return f"stopped by {how}: {done}; resume with: {resume_command(config, overrides)}"
+
+
+# ------------------------------------------------------------------ the run's Prefect logs
+
+PROGRESS = logging.getLogger("rollflow.progress")
+PROGRESS.setLevel(logging.INFO)
+PROGRESS.propagate = False  # its own handlers: the run's Prefect log, run.log (no console dup)
+
+
+def say(message: str) -> None:
+    """A progress line: on the terminal (stdout), in the run's Prefect log and in run.log."""
+    print(message, flush=True)
+    PROGRESS.info(message)
+
+
+class _ToFlowRun(logging.Filter):
+    """Tags records that carry no flow run (threads, services' watchers) with the run flow's."""
+
+    def __init__(self, flow_run_id) -> None:
+        super().__init__()
+        self.flow_run_id = flow_run_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "flow_run_id", None) is None:
+            record.flow_run_id = self.flow_run_id
+        return True
+
+
+class FinalError(logging.Filter):
+    """Drops the run flow's own record of its failure (the CLI prints that one line itself)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "rollflow_final", False)
+
+
+class PrefectRunLog:
+    """While the run flow runs, progress lines (INFO) and rollflow's warnings and errors go to
+    its flow run's logs on the Prefect API (the UI's Logs tab), from any thread.
+
+    ``print`` never reaches the API, and records from threads without a Prefect run context
+    (the producer, the services' watchers) were dropped by Prefect's handler: each is tagged
+    with the run flow's id. Prefect's own records (task and flow states) go there as before.
+    """
+
+    def __init__(self, flow_run_id) -> None:
+        from prefect.logging.handlers import APILogHandler
+
+        self.handler = APILogHandler()
+        self.handler.addFilter(_ToFlowRun(flow_run_id))
+        self.handler.setFormatter(logging.Formatter("%(message)s"))
+
+    def __enter__(self) -> PrefectRunLog:
+        self.handler.setLevel(logging.INFO)
+        PROGRESS.addHandler(self.handler)
+        warnings = logging.getLogger("rollflow")
+        self._warnings_handler = _LevelAtLeast(self.handler, logging.WARNING)
+        warnings.addHandler(self._warnings_handler)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        PROGRESS.removeHandler(self.handler)
+        logging.getLogger("rollflow").removeHandler(self._warnings_handler)
+
+
+class _LevelAtLeast(logging.Handler):
+    """``target`` for records of ``level`` and above only (the progress logger sends INFO)."""
+
+    def __init__(self, target: logging.Handler, level: int) -> None:
+        super().__init__(level)
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.target.filter(record):
+            self.target.emit(record)
+
+
+def log_run_failure(exc: BaseException) -> None:
+    """The run flow's failure in its Prefect log: its one line, the traceback below it."""
+    logging.getLogger("rollflow.run").error(
+        one_line(exc), exc_info=exc, extra={"rollflow_final": True}
+    )

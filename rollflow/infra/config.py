@@ -57,7 +57,16 @@ class RunSection(_Section):
     )
     storage: str = Field("runs", description="Storage root: a local folder or an s3:// URI.")
     storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec options, e.g. {endpoint_url=...} for S3."
+        default_factory=dict,
+        description="fsspec options, e.g. {endpoint_url=...} for S3. Credentials given here "
+        "(key, secret, token, ...) are taken out before the config is stored (infra/secrets.py).",
+    )
+    storage_secret: str | None = Field(
+        None,
+        description="Name of a Prefect Secret block holding a JSON object of fsspec options "
+        "(credentials), merged into storage_options at run time; never stored with the config. "
+        "Needs a Prefect server (PREFECT_API_URL). Without it, use the environment "
+        "(AWS_ACCESS_KEY_ID, ...).",
     )
     seed: int = Field(0, description="Seed for prompt order and sampling.")
     num_steps: int = Field(40, ge=1, description="Outer training steps (weight syncs).")

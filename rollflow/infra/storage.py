@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollflow.infra.errors import StorageError
+from rollflow.infra.secrets import merge, secret_storage_options
 
 SUCCESS = "_SUCCESS"
 _STEP_DIR = re.compile(r"step=(\d+)$")
@@ -52,9 +53,10 @@ class RunStorage:
         protocol, _ = fsspec.core.split_protocol(root)
         if protocol in (None, "file"):
             root = str(Path(fsspec.core.strip_protocol(root)).expanduser().resolve())
+        # Credentials handed over out of the config (infra/secrets.py), by the root as configured.
+        self.options = merge(dict(options or {}), secret_storage_options(root))
         self.root = root.rstrip("/")
         self.run = run
-        self.options = dict(options or {})
         self.fs, self.base = fsspec.core.url_to_fs(f"{self.root}/{run}", **self.options)
         self.is_local = (
             self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
