@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollflow.infra.errors import StorageError
+from rollflow.infra.faults import fault_point
 from rollflow.infra.secrets import merge, secret_storage_options
 
 SUCCESS = "_SUCCESS"
@@ -272,6 +273,8 @@ class RunStorage:
                     self.fs.put_file(str(file), remote)
                 except OSError as exc:
                     raise StorageError(f"uploading {file} to {remote}: {exc}") from exc
+                if kind == "checkpoints":
+                    fault_point("checkpoint_upload")
         self.commit(kind, step)
         return self.step_uri(kind, step)
 

@@ -40,6 +40,7 @@ import torch
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroup, TCPStore
 
 from rollflow.infra.errors import WeightSyncError
+from rollflow.infra.faults import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +258,7 @@ class WeightSender(_WeightGroupMember):
             total_numel += t.numel()
         header = torch.tensor([int(version), total_numel], dtype=torch.int64, device=self.device)
         self._broadcast(header)
+        fault_point("weight_broadcast")
         num_bytes = header.numel() * header.element_size()
         for dtype, flats in by_dtype.items():
             bucket = self._bucket(dtype, sum(f.numel() for f in flats))
