@@ -110,3 +110,17 @@ def test_every_route_of_a_real_server_refuses_a_request_without_the_key(vllm_ser
             assert not await client.health()
 
     asyncio.run(go())
+
+
+def test_vllm_gets_jemalloc_when_there_is_one(tiny_model_dir, tmp_path, monkeypatch):
+    from rollflow.infra.inference.server import JEMALLOC_ENV, InferenceServer
+
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"")
+    monkeypatch.setenv(JEMALLOC_ENV, str(lib))
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    assert InferenceServer(tiny_model_dir).environment()["LD_PRELOAD"] == f"{lib} /other.so"
+    monkeypatch.setenv(JEMALLOC_ENV, "0")
+    assert InferenceServer(tiny_model_dir).environment()["LD_PRELOAD"] == "/other.so"
+    monkeypatch.setenv(JEMALLOC_ENV, str(tmp_path / "missing.so"))
+    assert InferenceServer(tiny_model_dir).environment()["LD_PRELOAD"] == "/other.so"
