@@ -71,7 +71,9 @@ def test_a_planted_secret_is_in_neither_the_flow_parameters_nor_config_json(tmp_
 
     tok = build_char_tokenizer()
     model = save_hf_dir(
-        build_tiny_llama(TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok)),
+        build_tiny_llama(
+            TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64), vocab_size=len(tok)
+        ),
         tok,
         tmp_path / "model",
     )
