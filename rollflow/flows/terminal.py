@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -82,6 +83,8 @@ def one_line(exc: BaseException) -> str:
 
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
+    # "...; last lines of trainer.log:" introduces a log tail (in run.log): point at the file.
+    first = re.sub(r"last lines of (\S+?):?$", r"see \1", first)
     if isinstance(exc, RollflowError) and first:
         return first
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -265,16 +265,16 @@ class RunStorage:
         self.clear_uncommitted(kind, step)
         folder = self.step_dir(kind, step)
         self.fs.makedirs(folder, exist_ok=True)
-        for file in sorted(Path(local).rglob("*")):
-            if file.is_file() and file.name != SUCCESS:
-                remote = f"{folder}/{file.relative_to(local).as_posix()}"
-                self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-                try:
-                    self.fs.put_file(str(file), remote)
-                except OSError as exc:
-                    raise StorageError(f"uploading {file} to {remote}: {exc}") from exc
-                if kind == "checkpoints":
-                    fault_point("checkpoint_upload")
+        files = [f for f in sorted(Path(local).rglob("*")) if f.is_file() and f.name != SUCCESS]
+        for num_files, file in enumerate(files):
+            remote = f"{folder}/{file.relative_to(local).as_posix()}"
+            self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+            try:
+                self.fs.put_file(str(file), remote)
+            except OSError as exc:
+                raise StorageError(f"uploading {file} to {remote}: {exc}") from exc
+            if kind == "checkpoints" and num_files == 0:
+                fault_point("checkpoint_upload")  # once per upload, after its first file
         self.commit(kind, step)
         return self.step_uri(kind, step)
 
