@@ -163,7 +163,8 @@ def main() -> None:
             print("jemalloc not found: set ROLLFLOW_JEMALLOC=/path/libjemalloc.so.2")
             break
         start = time.monotonic()
-        samples = soak(args.steps, jemalloc, Path(tempfile.gettempdir()) / f"soak-{jemalloc}.log")
+        log = Path(tempfile.gettempdir()) / f"soak-{title.split()[0]}.log"
+        samples = soak(args.steps, jemalloc, log)
         results[title] = report(samples, warmup, f"{title} ({time.monotonic() - start:.0f} s)")
     if len(results) == 2:
         glibc, jem = results["glibc malloc"], results["jemalloc"]
