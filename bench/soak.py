@@ -156,7 +156,8 @@ def main() -> None:
 
     lib = find_jemalloc(dict(os.environ))
     print(f"load average {os.getloadavg()[0]:.2f}; jemalloc: {lib or 'not found'}")
-    runs = [("glibc malloc", "0"), ("jemalloc", lib or "0")] if args.compare else [("default", "")]
+    default = os.environ.get("ROLLFLOW_JEMALLOC", "")
+    runs = [("glibc malloc", "0"), ("jemalloc", lib or "0")] if args.compare else [("as set", default)]
     results = {}
     for title, jemalloc in runs:
         if title == "jemalloc" and not lib:
