@@ -225,3 +225,29 @@ def test_cli_fails_before_any_service_with_one_line(tmp_path):
     ]
     assert "Traceback" not in proc.stderr
     assert elapsed < 5.0, f"took {elapsed:.1f}s"
+
+
+def test_free_disk_for_a_checkpoint(local_storage, tiny_model_dir, monkeypatch):
+    """Too little room for one checkpoint (~4x the weights) where rank 0 stages it: an error;
+    too little for every checkpoint the run keeps on local storage: a warning."""
+    import shutil
+    import tempfile
+    from collections import namedtuple
+
+    from rollflow.flows import preflight as pf
+
+    weights = sum(p.stat().st_size for p in tiny_model_dir.glob("*.safetensors"))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, weights))
+    found = problems([*local_storage, *on_model(tiny_model_dir)])
+    assert len(found) == 1 and found[0].startswith(
+        "free disk = '/tmp': 0.0 GiB free, a checkpoint needs"
+    ), found
+    assert found[0].endswith("free space or set TMPDIR")
+    one = weights * pf.CHECKPOINT_OVER_WEIGHTS
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, one * 2))
+    notes: list[str] = []
+    assert problems([*local_storage, *on_model(tiny_model_dir)], notes=notes) == []
+    assert any(
+        n.startswith("warning: run.storage = ") and "raise run.checkpoint_every" in n for n in notes
+    )
