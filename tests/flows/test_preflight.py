@@ -241,7 +241,7 @@ def test_free_disk_for_a_checkpoint(local_storage, tiny_model_dir, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, weights))
     found = problems([*local_storage, *on_model(tiny_model_dir)])
     assert len(found) == 1 and found[0].startswith(
-        "free disk = '/tmp': 0.0 GiB free, a checkpoint needs"
+        f"free disk = '{tempfile.gettempdir()}': 0.0 GiB free, a checkpoint needs"
     ), found
     assert found[0].endswith("free space or set TMPDIR")
     one = weights * pf.CHECKPOINT_OVER_WEIGHTS
