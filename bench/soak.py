@@ -157,7 +157,9 @@ def main() -> None:
     lib = find_jemalloc(dict(os.environ))
     print(f"load average {os.getloadavg()[0]:.2f}; jemalloc: {lib or 'not found'}")
     default = os.environ.get("ROLLFLOW_JEMALLOC", "")
-    runs = [("glibc malloc", "0"), ("jemalloc", lib or "0")] if args.compare else [("as set", default)]
+    runs = (
+        [("glibc malloc", "0"), ("jemalloc", lib or "0")] if args.compare else [("as set", default)]
+    )
     results = {}
     for title, jemalloc in runs:
         if title == "jemalloc" and not lib:
