@@ -62,6 +62,7 @@ SHAPES = {
     "100M": (768, 10, 2048, 16_000),
     "500M": (1536, 14, 4096, 32_000),
 }
+SECRET = "bench-secret"  # the membership challenge (weights/group.py) is part of connect()
 TIMEOUT_S = 300.0
 
 
@@ -101,7 +102,13 @@ def receiver(spec: dict) -> None:
     """The receiving rank (a child process): prints the time it held each broadcast."""
     torch.set_num_threads(1)
     group = WeightReceiverGroup(
-        "127.0.0.1", spec["port"], 1, 2, TIMEOUT_S, bucket_bytes=spec["bucket_bytes"]
+        "127.0.0.1",
+        spec["port"],
+        1,
+        2,
+        TIMEOUT_S,
+        bucket_bytes=spec["bucket_bytes"],
+        secret=SECRET,
     )
     group.connect()
     meta, done = spec["metadata"], {"raw": [], "ours": []}
@@ -147,7 +154,7 @@ def measure_transport(
         text=True,
         cwd=ROOT,
     )
-    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S, bucket_bytes=bucket_bytes)
+    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S, bucket_bytes=bucket_bytes, secret=SECRET)
     started = {"raw": [], "ours": []}
     try:
         sender.connect()
@@ -210,7 +217,10 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path, servers: int = 1) -> 
     transport = measure_transport(named, None, 5)
     group = [
         InferenceServer(
-            model_dir, max_model_len=64, log_path=log_dir / f"vllm-{model_dir.name}-{i}.log"
+            model_dir,
+            max_model_len=64,
+            log_path=log_dir / f"vllm-{model_dir.name}-{i}.log",
+            api_key=SECRET,  # its workers prove the key to join the weight group
         )
         for i in range(servers)
     ]
@@ -221,7 +231,7 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path, servers: int = 1) -> 
         server.wait_ready()
     startup_s = time.monotonic() - start
     port = free_port()
-    sender = WeightSender("127.0.0.1", port, 1 + servers, TIMEOUT_S)
+    sender = WeightSender("127.0.0.1", port, 1 + servers, TIMEOUT_S, secret=SECRET)
     spec = GroupSpec(world_size=1 + servers, wire_device="cpu", bucket_bytes=DEFAULT_BUCKET_BYTES)
 
     async def go() -> list[dict]:

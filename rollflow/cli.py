@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -24,11 +23,21 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train (or resume) the run a config describes")
     run.add_argument("config", help="TOML config, e.g. configs/quickstart.toml")
-    run.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=2e-4")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.path=value overrides, e.g. train.lr=2e-4; ~key.path or key.path=none removes a key",
+    )
     run.add_argument(
         "--dry-run",
         action="store_true",
-        help="validate the config, its envs and metric sinks (not the model), print the resolved config, exit",
+        help="run the preflight (config, model folder or cache, storage, envs, metric sinks, disk; "
+        "no download), print the resolved config, exit",
+    )
+    run.add_argument(
+        "--debug",
+        action="store_true",
+        help="print tracebacks and Prefect's log on the terminal too (they are always in run.log)",
     )
     plan = sub.add_parser(
         "plan",
@@ -73,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
     if args.command in ("run", "plan"):
-        unknown = [e for e in extra if "=" not in e or e.startswith("-")]
+        unknown = [
+            e for e in extra if e.startswith("-") or ("=" not in e and not e.startswith("~"))
+        ]
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = [*args.overrides, *extra]
@@ -88,28 +99,99 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from rollflow.flows.terminal import quiet_prefect_console
+
+    quiet_prefect_console(args.debug)  # before anything imports Prefect
     from rollflow.infra.config import ConfigError, dump_config, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for line in config_error_lines(str(exc)):
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    # Credentials in run.storage_options never reach Prefect or config.json (infra/secrets.py).
+    from rollflow.infra.secrets import take_secrets_out
+
+    moved = take_secrets_out(cfg.run)
+    if moved:
+        print(
+            f"note: run.storage_options {', '.join(moved)} kept out of the stored config "
+            "(better: the environment, or run.storage_secret)",
+            file=sys.stderr,
+        )
+    # Preflight before the Prefect API or any service starts: model, storage, envs, sinks, disk.
+    from rollflow.flows.preflight import PreflightError, preflight
+
+    try:
+        preflight(cfg, dry_run=args.dry_run, note=lambda line: print(line, file=sys.stderr))
+    except PreflightError as exc:
+        for line in exc.problems:
+            print(f"error: {line}", file=sys.stderr)
         return 2
     if args.dry_run:
-        try:
-            _check_beyond_config(cfg)
-        except (ConfigError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
         print(json.dumps(dump_config(cfg), indent=2))
         return 0
-    _quiet_prefect()
-    from rollflow.flows.rl_run import rl_run
+    return _train(cfg, args)
+
+
+def config_error_lines(message: str) -> list[str]:
+    """``c.toml: invalid config`` + one indented line per problem -> ``c.toml: <problem>`` each."""
+    head, *details = message.splitlines()
+    if not details:
+        return [head]
+    source = head.removesuffix("invalid config").rstrip(": ")
+    return [f"{source}: {line.strip()}" for line in details]
+
+
+def _train(cfg, args: argparse.Namespace) -> int:
+    """The run itself. An error is one line (its traceback in run.log, and here with --debug);
+    Ctrl-C or SIGTERM stops it: one line with what is committed and the command that resumes."""
+    from rollflow.flows import terminal
+    from rollflow.flows.rl_run import rl_run, run_log_dir
+    from rollflow.infra.config import dump_config
     from rollflow.infra.prefect_api import local_prefect_api
 
-    with local_prefect_api():
-        rl_run(dump_config(cfg))
+    terminal.stop_on_sigterm()
+    log_path = None
+    try:
+        log_path = terminal.attach_run_log(run_log_dir(cfg), args.debug)
+        with local_prefect_api():
+            rl_run(dump_config(cfg))
+    except KeyboardInterrupt as exc:
+        terminal.log_failure(exc, log_path)
+        print(terminal.stopped_line(exc, cfg, args.config, args.overrides), file=sys.stderr)
+        return 143 if isinstance(exc, terminal.Stopped) else 130
+    except Exception as exc:
+        terminal.log_failure(exc, log_path)
+        if args.debug:
+            import traceback
+
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"error: {terminal.one_line(exc)}", file=sys.stderr)
+        if log_path is not None and not args.debug:
+            print(f"  (traceback in {log_path}; --debug prints it here)", file=sys.stderr)
+        return 1
     return 0
+
+
+# (metrics key, header, format): every cell is 8 characters wide.
+STATUS_COLUMNS = (
+    ("step", "step", "{:>8}"),
+    ("reward_mean", "reward", "{:>8.3f}"),
+    ("eval_reward", "eval", "{:>8.3f}"),
+    ("num_groups_kept", "kept", "{:>8}"),
+    ("loss", "loss", "{:>+8.4f}"),
+    ("staleness_mean", "stale", "{:>8.2f}"),
+    ("staleness_max", "stale_mx", "{:>8}"),
+    ("generate_phase_s", "gen_s", "{:>8.2f}"),
+    ("advantage_phase_s", "adv_s", "{:>8.2f}"),
+    ("train_phase_s", "train_s", "{:>8.2f}"),
+    ("trainer_wait_for_data_s", "wait_s", "{:>8.2f}"),
+    ("sync_phase_s", "sync_s", "{:>8.2f}"),
+    ("step_s", "step_s", "{:>8.2f}"),
+)
+ALWAYS_SHOWN = {"step", "reward_mean", "eval_reward", "num_groups_kept", "loss"}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -147,44 +229,6 @@ def render_plan(cfg, gpus: int | None = None, nodes: int | None = None) -> str:
         if p.node > 0
     }
     return plan.render(commands)
-
-
-def _check_beyond_config(cfg) -> None:
-    """What a dry run checks besides the config: every env loads (its dataset included) and every
-    metric sink's package is installed. The model is not touched: it need not exist here."""
-    from rollflow.infra.metrics_sinks import check_sinks_available
-    from rollflow.tasks.advantage.advantages import advantage_fn
-    from rollflow.tasks.generate.environments import load_env
-
-    check_sinks_available(cfg.metrics.sinks)
-    advantage_fn(cfg.train)  # the estimator loads and takes its arguments
-    for spec in cfg.envs:
-        env = load_env(spec.name, spec.args)
-        skipped = (
-            f", {env.num_skipped_rows} malformed dataset rows skipped"
-            if env.num_skipped_rows
-            else ""
-        )
-        print(f"env {spec.name}: loads{skipped}", file=sys.stderr)
-
-
-# (metrics key, header, format): every cell is 8 characters wide.
-STATUS_COLUMNS = (
-    ("step", "step", "{:>8}"),
-    ("reward_mean", "reward", "{:>8.3f}"),
-    ("eval_reward", "eval", "{:>8.3f}"),
-    ("num_groups_kept", "kept", "{:>8}"),
-    ("loss", "loss", "{:>+8.4f}"),
-    ("staleness_mean", "stale", "{:>8.2f}"),
-    ("staleness_max", "stale_mx", "{:>8}"),
-    ("generate_phase_s", "gen_s", "{:>8.2f}"),
-    ("advantage_phase_s", "adv_s", "{:>8.2f}"),
-    ("train_phase_s", "train_s", "{:>8.2f}"),
-    ("trainer_wait_for_data_s", "wait_s", "{:>8.2f}"),
-    ("sync_phase_s", "sync_s", "{:>8.2f}"),
-    ("step_s", "step_s", "{:>8.2f}"),
-)
-ALWAYS_SHOWN = {"step", "reward_mean", "eval_reward", "num_groups_kept", "loss"}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -255,13 +299,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`"
     )
     return 0
-
-
-def _quiet_prefect() -> None:
-    """Per-step progress is ours to print; Prefect logs warnings and errors unless asked for more."""
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
 
 
 if __name__ == "__main__":

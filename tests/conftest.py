@@ -18,6 +18,14 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 VLLM_MAX_LEN = 64
+
+
+def pytest_report_header(config) -> str:
+    """The fault campaign's seed, in every run's header (CI sets a new one per run)."""
+    seed = os.environ.get("ROLLFLOW_CHAOS_SEED")
+    return f"chaos seed: {seed or '6 (default; set ROLLFLOW_CHAOS_SEED to vary or replay)'}"
+
+
 PROMPT_IDS = [1, 10, 11, 12, 13]  # <bos> + "6789" in the character tokenizer
 
 

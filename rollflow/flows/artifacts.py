@@ -166,7 +166,7 @@ def summary_markdown(storage: RunStorage) -> str:
         ("training batches (Parquet)", "batches"),
         ("metrics (Parquet, one file per step)", "metrics"),
         ("checkpoints (HF model folders)", "checkpoints"),
-        ("events (JSON lines)", "events.jsonl"),
+        ("events (JSON lines)", "events.jsonl" if storage.is_local else "events"),
     ):
         uri = f"{storage.uri}/{part}"
         lines.append(f"| {what} | [{uri}]({_link(uri)}) |")

@@ -24,12 +24,14 @@ from rollflow.flows.artifacts import RunProgress, publish_summary
 from rollflow.flows.deploy import FLOW_NAME
 from rollflow.flows.order import StepOrder
 from rollflow.flows.services import HEALTH_CHECK_INTERVAL_S, RunServices
+from rollflow.flows.terminal import PrefectRunLog, log_run_failure, say
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.events import publish
 from rollflow.infra.metrics_sinks import MetricSinks
+from rollflow.infra.secrets import load_storage_secret, take_secrets_out
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.generate.host import ProducerHost, step_flows_in_flight
 from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context, reused_steps
@@ -40,10 +42,6 @@ LOCAL_CACHE = Path("~/.cache/rollflow/checkpoints").expanduser()
 TRAINING_FINISHED_DEADLINE_S = 30.0
 
 
-def say(message: str) -> None:
-    print(message, flush=True)
-
-
 @flow(
     name=FLOW_NAME,
     flow_run_name="{config[run][name]}",
@@ -52,7 +50,20 @@ def say(message: str) -> None:
 )
 def rl_run(config: dict) -> dict:
     """Train the policy of ``config`` (a RunConfig as a dict) for ``run.num_steps`` steps."""
+    from prefect.context import get_run_context
+
+    with PrefectRunLog(get_run_context().flow_run.id):
+        try:
+            return _train(config)
+        except Exception as exc:
+            log_run_failure(exc)
+            raise
+
+
+def _train(config: dict | RunConfig) -> dict:
     cfg = config if isinstance(config, RunConfig) else validate_config(config)
+    take_secrets_out(cfg.run)  # a caller that left credentials in: not into config.json
+    load_storage_secret(cfg.run)
     storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
     _record_config(storage, cfg)
     base_model = prepare_policy(cfg)
@@ -269,6 +280,11 @@ def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:
         elif x != y:
             out.add(prefix + key)
     return out
+
+
+def run_log_dir(cfg: RunConfig) -> Path:
+    """Where the run's logs go (services' logs and run.log): see ``_log_dir``."""
+    return _log_dir(RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options))
 
 
 def _log_dir(storage: RunStorage) -> Path:

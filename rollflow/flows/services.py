@@ -117,6 +117,7 @@ class RunServices:
                 env=planned.env,
                 server_args=plan.server_args(i),
                 progress=self.progress,
+                api_key=self.token,  # every vLLM route needs the run's token (inference/auth.py)
                 on_restart=lambda info, i=i: publish(
                     storage, "inference_restarted", server=i, **info
                 ),

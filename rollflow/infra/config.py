@@ -57,7 +57,16 @@ class RunSection(_Section):
     )
     storage: str = Field("runs", description="Storage root: a local folder or an s3:// URI.")
     storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec options, e.g. {endpoint_url=...} for S3."
+        default_factory=dict,
+        description="fsspec options, e.g. {endpoint_url=...} for S3. Credentials given here "
+        "(key, secret, token, ...) are taken out before the config is stored (infra/secrets.py).",
+    )
+    storage_secret: str | None = Field(
+        None,
+        description="Name of a Prefect Secret block holding a JSON object of fsspec options "
+        "(credentials), merged into storage_options at run time; never stored with the config. "
+        "Needs a Prefect server (PREFECT_API_URL). Without it, use the environment "
+        "(AWS_ACCESS_KEY_ID, ...).",
     )
     seed: int = Field(0, description="Seed for prompt order and sampling.")
     num_steps: int = Field(40, ge=1, description="Outer training steps (weight syncs).")
@@ -482,16 +491,38 @@ def resolve_config(config: str | Path | dict, overrides: Sequence[str] = ()) -> 
     return load_config(config, list(overrides))
 
 
+UNSET_VALUES = ("none", "null")
+
+
 def apply_override(data: dict[str, Any], item: str) -> None:
-    """Set ``a.b.c=value`` in ``data``; value is parsed as TOML, else kept as a string."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} is not of the form key.path=value")
+    """Set ``a.b.c=value`` in ``data``; value is parsed as TOML, else kept as a string.
+
+    ``~a.b.c`` and ``a.b.c=none`` (or ``null``) remove the key, so it takes its default (a
+    section such as ``model.tiny`` is then unset): the way to switch the quickstart to
+    ``model.path`` from the command line. A string "none" is written ``a.b.c='"none"'``.
+    """
+    item = item.strip()
+    if item.startswith("~"):
+        key, raw, unset = item[1:], "", True
+        if "=" in key:
+            raise ConfigError(f"override {item!r}: ~key removes a key and takes no value")
+    else:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(
+                f"override {item!r} is not of the form key.path=value (or ~key.path to remove it)"
+            )
+        unset = raw.strip().lower() in UNSET_VALUES
+    if not key.strip():
+        raise ConfigError(f"override {item!r} names no key")
+    *parents, leaf = key.strip().split(".")
+    if unset:
+        _remove(data, parents, leaf, item)
+        return
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    *parents, leaf = key.strip().split(".")
     node = data
     for part in parents:
         child = node.setdefault(part, {})
@@ -499,6 +530,28 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
         node = child
     node[leaf] = value
+
+
+def _remove(data: dict[str, Any], parents: list[str], leaf: str, item: str) -> None:
+    """Remove ``parents.leaf`` if present; a key the config tree does not know is an error."""
+    known = _known_keys(parents)
+    if leaf not in known:
+        suggestion = _suggest(parents, leaf, known)
+        path = ".".join([*parents, leaf])
+        raise ConfigError(
+            f"override {item!r}: unknown key {path!r}{suggestion} "
+            f"(known: {', '.join(sorted(known)) or 'none'})"
+        )
+    node: Any = data
+    for part in parents:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return
+    if isinstance(node, dict):
+        node.pop(leaf, None)
 
 
 def validate_config(data: dict[str, Any], source: str = "config") -> RunConfig:

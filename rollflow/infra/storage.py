@@ -7,7 +7,7 @@ Layout (see docs/architecture.md)::
     <root>/<run>/batches/step=<N>/part-0.parquet  + _SUCCESS
     <root>/<run>/checkpoints/step=<N>/...         + _SUCCESS
     <root>/<run>/metrics/step=<N>.parquet
-    <root>/<run>/events.jsonl
+    <root>/<run>/events.jsonl                     (object stores: events/part-<N>.jsonl)
 
 Invariant: a step directory counts only once its ``_SUCCESS`` marker exists, and the marker is
 written after every other file of the directory. Readers never open an unmarked directory;
@@ -35,11 +35,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollflow.infra.errors import StorageError
+from rollflow.infra.faults import fault_point
+from rollflow.infra.secrets import merge, secret_storage_options
 
 SUCCESS = "_SUCCESS"
 _STEP_DIR = re.compile(r"step=(\d+)$")
 _STEP_FILE = re.compile(r"step=(\d+)\.parquet$")
+_SEGMENT = re.compile(r"part-(\d+)\.jsonl$")
 _EVENTS_LOCK = threading.Lock()  # overlapping step flows append from several threads
+EVENTS_PER_SEGMENT = 64
+_SEGMENTS: dict[str, tuple[int, bytes, int]] = {}  # run URI -> (index, bytes, lines) of its segment
 
 
 class RunStorage:
@@ -49,9 +54,10 @@ class RunStorage:
         protocol, _ = fsspec.core.split_protocol(root)
         if protocol in (None, "file"):
             root = str(Path(fsspec.core.strip_protocol(root)).expanduser().resolve())
+        # Credentials handed over out of the config (infra/secrets.py), by the root as configured.
+        self.options = merge(dict(options or {}), secret_storage_options(root))
         self.root = root.rstrip("/")
         self.run = run
-        self.options = dict(options or {})
         self.fs, self.base = fsspec.core.url_to_fs(f"{self.root}/{run}", **self.options)
         self.is_local = (
             self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
@@ -186,31 +192,73 @@ class RunStorage:
             return None
 
     def append_event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one event line to ``events.jsonl`` (thread-safe within this process)."""
+        """Append one event (thread-safe within this process; one writing process per run).
+
+        Local: a line appended to ``events.jsonl``. Object stores have no append: the events go
+        to segment objects ``events/part-<N>.jsonl`` of at most ``EVENTS_PER_SEGMENT`` lines,
+        and an append rewrites only the current segment (one PUT of at most that many lines),
+        so its cost does not grow with the run (rewriting one ``events.jsonl`` made a long run's
+        appends quadratic). Each PUT is atomic: a segment is whole, old or new.
+        """
         event = {"time": time.time(), "event": kind, **fields}
         line = (json.dumps(event) + "\n").encode()
-        target = self.path("events.jsonl")
         with _EVENTS_LOCK:
-            self._append(target, line)
+            if self.is_local:
+                self._append(self.path("events.jsonl"), line)
+            else:
+                self._append_to_segment(line)
         return event
 
     def _append(self, target: str, line: bytes) -> None:
-        if self.is_local:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "ab") as fh:
-                fh.write(line)
-        else:  # object stores have no append: rewrite the (small) object in one PUT
-            old = self.fs.cat_file(target) if self.fs.exists(target) else b""
-            self._write_bytes(target, old + line)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "ab") as fh:
+            fh.write(line)
 
-    def read_events(self) -> list[dict[str, Any]]:
+    def _segment_path(self, index: int) -> str:
+        return self.path("events", f"part-{index:06d}.jsonl")
+
+    def _event_segments(self) -> list[str]:
+        self.fs.invalidate_cache(self.path("events"))
         try:
-            raw = self.fs.cat_file(self.path("events.jsonl")).decode()
+            found = self.fs.glob(self.path("events", "part-*.jsonl"))
         except FileNotFoundError:
             return []
+        return sorted(found, key=lambda p: int(_SEGMENT.search(p).group(1)))
+
+    def _append_to_segment(self, line: bytes) -> None:
+        """Called under ``_EVENTS_LOCK``. The current segment is kept in memory per run URI (every
+        ``RunStorage`` of the run in this process shares it); a new process reads it back once."""
+        state = _SEGMENTS.get(self.uri)
+        if state is None:
+            segments = self._event_segments()
+            if segments:
+                last = segments[-1]
+                data = self.fs.cat_file(last)
+                state = (int(_SEGMENT.search(last).group(1)), data, data.count(b"\n"))
+            else:
+                state = (0, b"", 0)
+        index, data, count = state
+        if count >= EVENTS_PER_SEGMENT:
+            index, data, count = index + 1, b"", 0
+        self._write_bytes(self._segment_path(index), data + line)
+        _SEGMENTS[self.uri] = (index, data + line, count + 1)
+
+    def read_events(self) -> list[dict[str, Any]]:
+        """Every event in order: ``events.jsonl`` (local, or written by an older version on an
+        object store), then the segments ``events/part-*.jsonl``."""
+        chunks = []
+        try:
+            chunks.append(self.fs.cat_file(self.path("events.jsonl")))
+        except FileNotFoundError:
+            pass
+        if not self.is_local:
+            segments = self._event_segments()
+            if segments:
+                found = self.fs.cat(segments)
+                chunks += [found[p] for p in segments]
         # A torn last line (killed mid-write) is skipped, never fatal.
         events = []
-        for line in raw.splitlines():
+        for line in b"".join(chunks).decode().splitlines():
             try:
                 events.append(json.loads(line))
             except json.JSONDecodeError:
@@ -224,14 +272,16 @@ class RunStorage:
         self.clear_uncommitted(kind, step)
         folder = self.step_dir(kind, step)
         self.fs.makedirs(folder, exist_ok=True)
-        for file in sorted(Path(local).rglob("*")):
-            if file.is_file() and file.name != SUCCESS:
-                remote = f"{folder}/{file.relative_to(local).as_posix()}"
-                self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-                try:
-                    self.fs.put_file(str(file), remote)
-                except OSError as exc:
-                    raise StorageError(f"uploading {file} to {remote}: {exc}") from exc
+        files = [f for f in sorted(Path(local).rglob("*")) if f.is_file() and f.name != SUCCESS]
+        for num_files, file in enumerate(files):
+            remote = f"{folder}/{file.relative_to(local).as_posix()}"
+            self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+            try:
+                self.fs.put_file(str(file), remote)
+            except OSError as exc:
+                raise StorageError(f"uploading {file} to {remote}: {exc}") from exc
+            if kind == "checkpoints" and num_files == 0:
+                fault_point("checkpoint_upload")  # once per upload, after its first file
         self.commit(kind, step)
         return self.step_uri(kind, step)
 

@@ -55,7 +55,9 @@ class Campaign:
 
     # ------------------------------------------------------------------ launches
 
-    def launch(self, *overrides: str, private_api: bool = False) -> subprocess.Popen:
+    def launch(
+        self, *overrides: str, private_api: bool = False, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         """Start the run; on the campaign's Prefect API unless ``private_api`` (the run starts
         its own, as without a configured server)."""
         if self.proc is not None and self.proc.poll() is None:  # an earlier test failed mid-launch
@@ -63,11 +65,11 @@ class Campaign:
         self.launches += 1
         self.launched_at = time.time()
         self.log = self.root / f"launch-{self.launches}.log"
-        env = (
-            env_for(self.root)
-            if private_api
-            else {**env_for(self.root), "PREFECT_API_URL": self.prefect_api}
-        )
+        env = {
+            **env_for(self.root),
+            **({} if private_api else {"PREFECT_API_URL": self.prefect_api}),
+            **(env or {}),
+        }
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollflow.cli", "run", str(self.config), *overrides],
@@ -340,6 +342,33 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
     c.assert_consistent()
 
 
+@pytest.mark.parametrize("point", ["checkpoint_upload", "weight_broadcast"])
+def test_trainer_killed_at_a_fault_point_fails_the_run_then_nothing_half_done_counts(
+    campaign, point
+):
+    """SIGKILL inside a checkpoint's upload (files there, no _SUCCESS) or inside a weight
+    broadcast (header sent, weights not): moments too short to hit from outside, so the trainer
+    kills itself at a fault point (infra/faults.py), on its seeded n-th passage."""
+    c = campaign
+    nth = c.rng.randint(1, 3)
+    before = c.committed()
+    proc = c.launch(
+        "train.max_staleness=0", env={"ROLLFLOW_FAULT": f"{point}@{nth}"}, private_api=True
+    )
+    code = proc.wait(timeout=START_TIMEOUT_S + 120)
+    errors = re.findall(r"^error: .*$", c.output(), re.M)
+    print(f"fault {point}@{nth}: exit {code}; {errors[-1] if errors else 'no error line'}")
+    assert code == 1, c.output()[-3000:]
+    assert len(errors) == 1 and "Traceback" not in c.output(), c.output()[-3000:]
+    assert re.search(r"trainer.*(died|dead|exited)", errors[0]), errors[0]
+    c.assert_no_orphans()
+    c.assert_consistent()
+    if point == "checkpoint_upload":  # the upload was cut: its step is not committed
+        cut = len(before) + nth
+        assert cut not in c.committed(), (cut, c.committed())
+        assert (c.run_dir / "checkpoints" / f"step={cut}").exists()  # half there, not counted
+
+
 def test_trainer_killed_fails_the_run_fast_naming_it_then_a_rerun_completes(campaign):
     c = campaign
     proc = c.launch("train.max_staleness=0", private_api=True)
@@ -352,7 +381,9 @@ def test_trainer_killed_fails_the_run_fast_naming_it_then_a_rerun_completes(camp
     victim.send_signal(signal.SIGKILL)
     code = proc.wait(timeout=120)
     failed_s = time.monotonic() - killed_at
-    last_error = re.findall(r"^[\w.]*(?:Error|Exception): .*$", c.output(), re.M)[-1]
+    errors = re.findall(r"^error: .*$", c.output(), re.M)
+    assert len(errors) == 1 and "Traceback" not in c.output(), c.output()[-3000:]
+    last_error = errors[0]
     print(
         f"trainer{f' rank {rank}' if rank else ''} killed {delay}s after {name}: the run failed "
         f"in {failed_s:.1f}s with: {last_error}"

@@ -33,6 +33,7 @@ from run_support import ROOT, assert_every_step_once, env_for, write_config
 from trainer_support import make_rows, write_batch
 
 pytestmark = pytest.mark.slow
+KEY = "scale-out-test-key"
 
 
 def greedy(url: str) -> list[int]:
@@ -166,6 +167,7 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
         extra_args=plan.server_args(0),
         extra_env=plan.servers[0].env,
         log_path=tmp_path / "vllm-tp2.log",
+        api_key=KEY,  # its workers prove it to join the weight group
     )
     model, expected = greedy_reference(new, PROMPT_IDS, 16)
     named = list(model.state_dict().items())
@@ -177,7 +179,9 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
             return weight_metadata(named)
 
         def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
-            self.sender = WeightSender(host, port, world_size, timeout_s, wire_device, bucket_bytes)
+            self.sender = WeightSender(
+                host, port, world_size, timeout_s, wire_device, bucket_bytes, secret=KEY
+            )
             self.sender.connect()
 
         def weights_broadcast(self, version=None, timeout_s=None):

@@ -34,7 +34,7 @@ def _receiver(port: int, rank: int, world: int, bucket_bytes: int, metadata, que
 
     device = torch.device("cuda", rank)
     group = WeightReceiverGroup(
-        "127.0.0.1", port, rank, world, 60, device=device, bucket_bytes=bucket_bytes
+        "127.0.0.1", port, rank, world, 60, device=device, bucket_bytes=bucket_bytes, secret="gpu"
     )
     group.connect()
     version, named = group.receive(metadata)
@@ -70,7 +70,13 @@ def test_nccl_weight_group_delivers_bit_equal_weights(world_size):
     for p in procs:
         p.start()
     sender = WeightSender(
-        "127.0.0.1", port, world_size, 60, device=torch.device("cuda", 0), bucket_bytes=bucket_bytes
+        "127.0.0.1",
+        port,
+        world_size,
+        60,
+        device=torch.device("cuda", 0),
+        bucket_bytes=bucket_bytes,
+        secret="gpu",
     )
     sender.connect()
     start = time.perf_counter()

@@ -23,6 +23,31 @@ def test_overrides_parse_toml_values_and_strings():
     assert cfg.sampling.group_size == 4 and cfg.train.normalize_std is True
 
 
+def test_overrides_unset_a_section_or_key(tmp_path):
+    # The quickstart builds a tiny model; unsetting [model.tiny] switches it to model.path.
+    for unset in ("~model.tiny", "model.tiny=none", "model.tiny=null", "model.tiny=None"):
+        cfg = load_config(QUICKSTART, [unset, "model.path=/some/model"])
+        assert cfg.model.tiny is None and cfg.model.path == "/some/model", unset
+    # A removed key takes its default; one in a list's entry too.
+    path = tmp_path / "c.toml"
+    path.write_text('[model.tiny]\n[[envs]]\nname = "add"\nweight = 2.0\n')
+    assert load_config(path, ["~envs.0.weight"]).envs[0].weight == 1.0
+    assert load_config(QUICKSTART, ["~train.lr"]).train.lr == 1e-4
+    # Removing a key that is absent is a no-op; a quoted "none" is the string.
+    assert load_config(QUICKSTART, ["~model.path"]).model.tiny is not None
+    assert load_config(QUICKSTART, ["run.name='none'"]).run.name == "none"
+
+
+def test_unset_of_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"unknown key 'model.tinny'; did you mean 'model.tiny'"):
+        load_config(QUICKSTART, ["~model.tinny"])
+    with pytest.raises(ConfigError, match="takes no value"):
+        load_config(QUICKSTART, ["~model.tiny=3"])
+    # Unsetting the only model source is a config error that says what to set.
+    with pytest.raises(ConfigError, match="exactly one of model.path"):
+        load_config(QUICKSTART, ["~model.tiny"])
+
+
 def test_misspelt_key_is_named_with_suggestion():
     with pytest.raises(ConfigError) as exc:
         load_config(QUICKSTART, ["train.lrr=1e-4"])
@@ -88,6 +113,18 @@ def test_cli_fails_fast_on_misspelt_key():
     assert "unknown key 'sampling.temprature'" in proc.stderr
     assert "did you mean 'sampling.temperature'" in proc.stderr
     assert elapsed < 2.0, f"config error took {elapsed:.2f}s"
+
+
+def test_cli_unsets_with_tilde_and_none():
+    for unset in ("~model.tiny", "model.tiny=none"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "rollflow.cli", "run", QUICKSTART, "--dry-run", unset],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "exactly one of model.path" in proc.stderr
 
 
 def test_cli_dry_run_prints_resolved_config():

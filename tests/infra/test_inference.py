@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from rollflow.infra.errors import InferenceError, InferenceUnavailable
+from rollflow.infra.inference.auth import auth_headers
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.service import free_port
@@ -103,7 +104,9 @@ def test_pause_keep_freezes_a_streaming_request_until_resume(server):
 
     async def go(client):
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=60, limits=limits, headers=auth_headers(server.url)
+        ) as http:
             tasks = [asyncio.create_task(consume(http, lines)) for lines in streams]
             await asyncio.wait_for(started.wait(), 30)
             await client.pause(mode="keep")

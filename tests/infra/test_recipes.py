@@ -16,8 +16,10 @@ def test_there_are_recipes_for_one_node_and_for_several():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipe_passes_dry_run_without_the_model(recipe, capsys):
-    assert main(["run", str(recipe), "--dry-run"]) == 0
+def test_recipe_passes_dry_run_without_the_model(recipe, capsys, tmp_path):
+    # The recipes' storage is a placeholder (s3.example.internal): the preflight probes it.
+    storage = [f"run.storage={tmp_path}", "~run.storage_options"]
+    assert main(["run", str(recipe), "--dry-run", *storage]) == 0
     out = capsys.readouterr()
     resolved = json.loads(out.out)
     assert not Path(resolved["model"]["path"]).exists()  # a hub id: the dry run never loads it
@@ -26,9 +28,16 @@ def test_recipe_passes_dry_run_without_the_model(recipe, capsys):
     assert train["train_batch_size"] % train["mini_batch_size"] == 0
 
 
+def test_dry_run_probes_the_storage():
+    recipe = "configs/recipes/multi-node-math.toml"
+    assert main(["run", recipe, "--dry-run"]) == 2
+
+
 def write_config(tmp_path, body: str) -> str:
     path = tmp_path / "c.toml"
-    path.write_text('[model]\npath = "Qwen/Qwen2.5-0.5B-Instruct"\n' + body)
+    path.write_text(
+        f'[run]\nstorage = "{tmp_path}/runs"\n[model]\npath = "Qwen/Qwen2.5-0.5B-Instruct"\n' + body
+    )
     return str(path)
 
 

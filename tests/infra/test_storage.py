@@ -55,6 +55,48 @@ def test_metrics_and_events(storage):
     assert [e["event"] for e in storage.read_events()] == ["step_committed", "training_finished"]
 
 
+def test_events_on_an_object_store_append_in_constant_size(s3_endpoint, tmp_path, monkeypatch):
+    """Each append PUTs one segment of at most EVENTS_PER_SEGMENT lines, whatever the run's
+    length; the events read back in order, also after a new process resumes the last segment."""
+    from rollflow.infra import storage as storage_mod
+
+    opts = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
+    store = RunStorage(f"s3://rollflow/{tmp_path.name}", "events", opts)
+    written: list[int] = []
+    real_pipe = store.fs.pipe_file
+    monkeypatch.setattr(
+        store.fs,
+        "pipe_file",
+        lambda path, data, **kw: (written.append(len(data)), real_pipe(path, data, **kw)),
+    )
+    per = storage_mod.EVENTS_PER_SEGMENT
+    num = 3 * per + 5
+    for i in range(num):
+        store.append_event("step_committed", step=i)
+    assert [e["step"] for e in store.read_events()] == list(range(num))
+    assert store.fs.exists(store.path("events.jsonl")) is False
+    segments = store._event_segments()
+    assert [p.rsplit("/", 1)[1] for p in segments] == [f"part-{i:06d}.jsonl" for i in range(4)]
+    line = written[0]
+    assert max(written) <= per * (line + 8), "an append rewrote more than one segment"
+    assert written[-1] <= 5 * (line + 8)  # the 5th line of the 4th segment
+    # A new process (no segment in memory) continues the last segment, then starts the next.
+    storage_mod._SEGMENTS.clear()
+    again = RunStorage(f"s3://rollflow/{tmp_path.name}", "events", opts)
+    for i in range(num, num + per):
+        again.append_event("step_committed", step=i)
+    assert [e["step"] for e in again.read_events()] == list(range(num + per))
+    assert len(again._event_segments()) == 5
+
+
+def test_events_of_an_older_version_on_an_object_store_are_read_first(s3_endpoint, tmp_path):
+    opts = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
+    store = RunStorage(f"s3://rollflow/{tmp_path.name}", "old", opts)
+    store.fs.pipe_file(store.path("events.jsonl"), b'{"event": "run_started"}\n')
+    store.append_event("step_committed", step=1)
+    assert [e["event"] for e in store.read_events()] == ["run_started", "step_committed"]
+
+
 def test_torn_event_line_is_skipped(tmp_path):
     storage = RunStorage(str(tmp_path), "r")
     storage.append_event("a")

@@ -18,11 +18,13 @@ from rollflow.infra.weights.group import (
     weight_metadata,
 )
 
+SECRET = "the-run-token"
+
 
 def _pair(timeout_s: float = 10.0) -> tuple[WeightSender, WeightReceiverGroup]:
     port = free_port()
-    sender = WeightSender("127.0.0.1", port, 2, timeout_s)
-    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s)
+    sender = WeightSender("127.0.0.1", port, 2, timeout_s, secret=SECRET)
+    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s, secret=SECRET)
     joiner = threading.Thread(target=receiver.connect)
     joiner.start()
     sender.connect()
@@ -90,7 +92,7 @@ def test_reused_buckets_deliver_each_sync_exactly():
 def test_absent_receiver_fails_within_timeout():
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="could not join"):
-        WeightSender("127.0.0.1", free_port(), world_size=2, timeout_s=2).connect()
+        WeightSender("127.0.0.1", free_port(), world_size=2, timeout_s=2, secret=SECRET).connect()
     assert time.monotonic() - start < 6
 
 
@@ -106,9 +108,13 @@ def test_dead_receiver_fails_broadcast_instead_of_hanging():
 
 def _group(world_size: int, bucket_bytes: int, timeout_s: float = 20.0):
     port = free_port()
-    sender = WeightSender("127.0.0.1", port, world_size, timeout_s, bucket_bytes=bucket_bytes)
+    sender = WeightSender(
+        "127.0.0.1", port, world_size, timeout_s, bucket_bytes=bucket_bytes, secret=SECRET
+    )
     receivers = [
-        WeightReceiverGroup("127.0.0.1", port, r, world_size, timeout_s, bucket_bytes=bucket_bytes)
+        WeightReceiverGroup(
+            "127.0.0.1", port, r, world_size, timeout_s, bucket_bytes=bucket_bytes, secret=SECRET
+        )
         for r in range(1, world_size)
     ]
     joiners = [threading.Thread(target=r.connect) for r in receivers]
@@ -176,8 +182,8 @@ def test_any_group_size_delivers_bit_equal_tensors_in_bounded_buckets(world_size
 def test_receivers_disagreeing_on_bucket_size_fail_loudly():
     tensors = [("w", torch.randn(64))]
     port = free_port()
-    sender = WeightSender("127.0.0.1", port, 2, 3, bucket_bytes=1 << 20)
-    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, 3, bucket_bytes=64)
+    sender = WeightSender("127.0.0.1", port, 2, 3, bucket_bytes=1 << 20, secret=SECRET)
+    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, 3, bucket_bytes=64, secret=SECRET)
     metadata = weight_metadata(tensors) + weight_metadata([("x", torch.zeros(1))])
     joiner = threading.Thread(target=receiver.connect)
     joiner.start()
@@ -199,3 +205,46 @@ def test_receivers_disagreeing_on_bucket_size_fail_loudly():
     sender.close()
     receiver.close()
     assert errors and "disagree" in errors[0]
+
+
+def test_a_stranger_cannot_join_the_weight_group():
+    """A process that reaches the store but lacks the run's secret is refused on both sides,
+    before any collective; the trainer can then form the group with the real member."""
+    port = free_port()
+    sender = WeightSender("127.0.0.1", port, 2, 10.0, secret=SECRET)
+    stranger = WeightReceiverGroup("127.0.0.1", port, 1, 2, 10.0, secret="a-guess")
+    errors = {}
+
+    def join():
+        try:
+            stranger.connect()
+        except WeightSyncError as err:
+            errors["stranger"] = str(err)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="rank 1 does not know the run's secret; refused"):
+        sender.connect()
+    thread.join(10)
+    assert time.monotonic() - start < 5
+    assert "refused rank 1" in errors["stranger"] and not stranger.connected
+    assert not sender.connected
+    # The real member joins a new group on a new store, and receives the weights.
+    real_sender, receiver = _pair()
+    tensors = [("w", torch.arange(4.0))]
+    got = {}
+    thread = threading.Thread(
+        target=lambda: got.update(receiver.receive(weight_metadata(tensors))[1])
+    )
+    thread.start()
+    real_sender.broadcast(tensors, version=1)
+    thread.join(10)
+    assert torch.equal(got["w"], torch.arange(4.0))
+    real_sender.close()
+    receiver.close()
+
+
+def test_a_member_without_a_secret_is_refused_at_once():
+    with pytest.raises(ValueError, match="needs the run's secret"):
+        WeightReceiverGroup("127.0.0.1", free_port(), 1, 2, 1.0, secret="")

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from rollflow.infra.errors import InferenceError, InferenceUnavailable, RequestAborted
+from rollflow.infra.inference.auth import auth_headers
 from rollflow.infra.inference.gate import serving_gate
 
 # vLLM's uvicorn closes a keep-alive connection after 5 s idle (--timeout-keep-alive); the client
@@ -56,8 +57,11 @@ class InferenceClient:
         timeout_s: float = 600.0,
         control_timeout_s: float = 60.0,
         max_connections: int = 256,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # The server's key (auth.py): given, or the one of the server this process started there.
+        self._headers = auth_headers(self.base_url, api_key)
         self.model = model
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
@@ -69,7 +73,7 @@ class InferenceClient:
             connector = aiohttp.TCPConnector(
                 limit=self.max_connections, keepalive_timeout=_KEEPALIVE_S
             )
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         return self._session
 
     async def complete(

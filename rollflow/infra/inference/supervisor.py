@@ -40,6 +40,7 @@ import httpx
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.http import client
+from rollflow.infra.inference.auth import auth_headers
 from rollflow.infra.inference.gate import ServingGate, register_gate, unregister_gate
 from rollflow.infra.inference.server import InferenceServer
 
@@ -76,6 +77,7 @@ class InferenceSupervisor:
         server_args: list[str] = (),
         on_restart: Callable[[dict], None] = lambda info: None,
         progress=print,
+        api_key: str | None = None,
     ):
         self.cfg, self.index = cfg, index
         self.link: WeightLink | None = None
@@ -90,6 +92,7 @@ class InferenceSupervisor:
             extra_args=[*server_args, *cfg.inference.extra_args],
             extra_env=env,
             log_path=log_dir / ("vllm.log" if index == 0 else f"vllm-{index}.log"),
+            api_key=api_key,
         )
         self.name = "the vLLM server" if cfg.inference.num_servers == 1 else f"vLLM server {index}"
         self.gate: ServingGate | None = None
@@ -134,7 +137,13 @@ class InferenceSupervisor:
             return f"{self.name} died (exit code {self.server.returncode})"
         try:
             healthy = (
-                client().get(f"{self.url}/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code
+                client()
+                .get(
+                    f"{self.url}/health",
+                    headers=auth_headers(self.url),
+                    timeout=HEALTH_PROBE_TIMEOUT_S,
+                )
+                .status_code
                 == 200
             )
         except httpx.HTTPError:

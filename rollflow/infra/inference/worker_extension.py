@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
+from rollflow.infra.inference.auth import KEY_ENV
 from rollflow.infra.weights.group import DEFAULT_BUCKET_BYTES, WeightReceiverGroup
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class WeightReceiver:
         # With tensor parallelism every worker of the engine is one rank of the weight group.
         my_rank = int(rank) + int(getattr(self, "rank", 0))
         device = self.device if wire_device == "cuda" else "cpu"
+        # The run's secret proves membership (weights/group.py); this server holds it as its key.
         group = WeightReceiverGroup(
             host,
             int(port),
@@ -52,6 +55,7 @@ class WeightReceiver:
             float(timeout_s),
             device=device,
             bucket_bytes=int(bucket_bytes),
+            secret=os.environ.get(KEY_ENV, ""),
         )
         group.connect()
         self._rollflow_weight_group = group

@@ -20,11 +20,22 @@ bucket the next broadcast overwrites would be wrong. dtypes travel as bytes: not
 
 Backend and device come from the placement plan (``placement.choose_backend``): NCCL with
 buckets in GPU memory when both sides are on GPUs, gloo with buckets in host memory otherwise.
+
+Membership is proven before the group forms: rank 0 posts a random nonce in the store, every
+other rank answers HMAC-SHA256(run secret, nonce and its rank), and rank 0 checks each answer
+and posts its verdict; a member that does not know the secret is refused with an error on both
+sides. The process group's own rendezvous keys then live under a prefix derived from the secret
+and the nonce, so a process that can reach the store but lacks the secret cannot read or
+overwrite them (a ``TCPStore`` has no way to list its keys) to take a member's place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import logging
+import secrets
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -33,6 +44,7 @@ import torch
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroup, TCPStore
 
 from rollflow.infra.errors import WeightSyncError
+from rollflow.infra.faults import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +120,14 @@ class _WeightGroupMember:
         timeout_s: float,
         device: str | torch.device = "cpu",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        secret: str,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside a group of {world_size}")
+        if not secret:
+            raise ValueError("the weight group needs the run's secret")
+        self._secret = secret.encode()
         self.host, self.port = host, int(port)
         self.rank, self.world_size = int(rank), int(world_size)
         self.timeout = timedelta(seconds=float(timeout_s))
@@ -137,16 +154,53 @@ class _WeightGroupMember:
                 timeout=self.timeout,
                 wait_for_workers=False,
             )
-            store = PrefixStore(_STORE_PREFIX, self._store)
+            store = PrefixStore(self._authenticate(), self._store)
             self._group = self._make_group(store)
             # Gloo connects lazily on some versions: one tiny collective proves the mesh is up.
             self._broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
+        except _Refused as err:
+            self.close()
+            raise WeightSyncError(str(err)) from None
         except Exception as err:
             self.close()
             raise WeightSyncError(
                 f"rank {self.rank}/{self.world_size} could not join the weight group at "
                 f"{self.host}:{self.port} within {self.timeout.total_seconds():.0f} s: {err}"
             ) from err
+
+    def _proof(self, nonce: bytes, label: str) -> bytes:
+        return hmac.new(self._secret, nonce + b"|" + label.encode(), hashlib.sha256).digest()
+
+    def _authenticate(self) -> str:
+        """The challenge (see the module docstring); returns the group's secret store prefix."""
+        auth = PrefixStore(f"{_STORE_PREFIX}/auth", self._store)
+        if self.rank == 0:
+            nonce = secrets.token_bytes(16)
+            auth.set("nonce", nonce)
+            for rank in range(1, self.world_size):
+                answer = auth.get(f"proof/{rank}")  # waits, up to the store's timeout
+                if not hmac.compare_digest(answer, self._proof(nonce, f"member {rank}")):
+                    auth.set("verdict", f"rank {rank} refused")
+                    with contextlib.suppress(Exception):  # let it read why, then close the store
+                        auth.wait([f"seen/{rank}"], timedelta(seconds=2))
+                    raise _Refused(
+                        f"weight group at {self.host}:{self.port}: the process joining as rank "
+                        f"{rank} does not know the run's secret; refused (another process on "
+                        "this host tried to join the weight group)"
+                    )
+            auth.set("verdict", "ok")
+        else:
+            nonce = auth.get("nonce")
+            auth.set(f"proof/{self.rank}", self._proof(nonce, f"member {self.rank}"))
+            verdict = auth.get("verdict").decode()
+            auth.set(f"seen/{self.rank}", b"1")
+            if verdict != "ok":
+                raise _Refused(
+                    f"weight group at {self.host}:{self.port} refused rank {self.rank} "
+                    f"({verdict}): it holds another secret than the trainer's; are the trainer "
+                    "and vLLM of the same run?"
+                )
+        return f"{_STORE_PREFIX}/{self._proof(nonce, 'group').hex()[:32]}"
 
     def _make_group(self, store: PrefixStore) -> Any:
         if self.device.type == "cuda":
@@ -206,6 +260,10 @@ class _WeightGroupMember:
         return 0 if self._buffer is None else self._buffer.numel()
 
 
+class _Refused(Exception):
+    """A member failed (or was told it failed) the membership challenge."""
+
+
 class WeightSender(_WeightGroupMember):
     """Trainer side of the weight group (rank 0, the broadcast root).
 
@@ -221,8 +279,10 @@ class WeightSender(_WeightGroupMember):
         timeout_s: float,
         device: str | torch.device = "cpu",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        secret: str,
     ) -> None:
-        super().__init__(host, port, 0, world_size, timeout_s, device, bucket_bytes)
+        super().__init__(host, port, 0, world_size, timeout_s, device, bucket_bytes, secret=secret)
 
     @torch.no_grad()
     def broadcast(self, named_tensors: NamedTensors, version: int) -> int:
@@ -233,6 +293,7 @@ class WeightSender(_WeightGroupMember):
         total = sum(_bucket_size(metadata, b) for b in layout)
         header = torch.tensor([int(version), total], dtype=torch.int64, device=self.device)
         self._broadcast(header)
+        fault_point("weight_broadcast")
         for bucket in layout:
             buffer = self._bucket(_bucket_size(metadata, bucket))
             for i, offset in bucket:

@@ -125,7 +125,9 @@ def _sample(
 
     async def run():
         client = InferencePool.of(
-            ctx.inference_urls, timeout_s=ctx.config.inference.request_timeout_s
+            ctx.inference_urls,
+            timeout_s=ctx.config.inference.request_timeout_s,
+            api_key=ctx.inference[0].token,
         )
         try:
             rctx = make_rollout_context(
@@ -174,7 +176,10 @@ def generate(ctx: RunContext, step: int) -> Rollouts:
         return Rollouts(
             **_summary(storage.read_step_table("rollouts", step).to_pylist()), reused=True, **envs
         )
-    storage.remove_step("rollouts", step)
+    # What was derived from this step's old rollouts goes first, so that storage never holds a
+    # batch whose rollouts are gone (a run killed here; found by the weight-broadcast fault test).
+    for derived in ("batches", "logprobs", "rollouts"):
+        storage.remove_step(derived, step)
     start = time.perf_counter()
     groups, producer = host.take(step, take_timeout_s(cfg))
     producer["take_wait_s"] = time.perf_counter() - start

@@ -14,6 +14,7 @@ An exception in phase 2 leaves the ranks out of step: the service treats it as f
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -322,7 +323,13 @@ class RankOps:
             # The plan's wire: NCCL from this rank's GPU, or gloo from host memory.
             device = self.trainer.device if req.wire_device == "cuda" else "cpu"
             sender = WeightSender(
-                req.host, req.port, req.world_size, req.timeout_s, device, req.bucket_bytes
+                req.host,
+                req.port,
+                req.world_size,
+                req.timeout_s,
+                device,
+                req.bucket_bytes,
+                secret=os.environ["ROLLFLOW_TOKEN"],  # the run's token: vLLM's key too
             )
             try:
                 sender.connect()

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from rollflow.infra.errors import WeightSyncError
+from rollflow.infra.inference import auth
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.service import free_port
 from rollflow.infra.weights.group import WeightSender, weight_metadata
@@ -28,14 +29,17 @@ pytestmark = pytest.mark.slow
 class SenderSource:
     """The trainer's half of the weight plane, in process: its weights are set by the test."""
 
-    def __init__(self, weights):
+    def __init__(self, weights, secret: str):
         self.weights, self.sender, self.version = weights, None, 0
+        self.secret = secret  # the vLLM server's key: its workers prove it to join
 
     def metadata(self):
         return weight_metadata(self.weights)
 
     def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
-        self.sender = WeightSender(host, port, world_size, timeout_s, wire_device, bucket_bytes)
+        self.sender = WeightSender(
+            host, port, world_size, timeout_s, wire_device, bucket_bytes, secret=self.secret
+        )
         self.sender.connect()
         return {"ok": True}
 
@@ -85,7 +89,9 @@ def test_in_flight_sync_makes_vllm_match_transformers_on_new_weights(vllm_server
     old_weights = list(
         AutoModelForCausalLM.from_pretrained(vllm_model_dirs[0]).state_dict().items()
     )
-    source = SenderSource(list(new_model.state_dict().items()))
+    source = SenderSource(
+        list(new_model.state_dict().items()), secret=auth.key_for(vllm_server.url)
+    )
     url = vllm_server.url
     before = greedy(url)
     # Buckets of 64 KiB: a sync of this model spans many, as a large model's does.

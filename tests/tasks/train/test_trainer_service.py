@@ -352,7 +352,7 @@ def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
     """A weight group of the service (rank 0 sends) and one receiver, as a vLLM worker joins it."""
     port = free_port()
     receiver = WeightReceiverGroup(
-        "127.0.0.1", port, 1, 2, timeout_s=timeout_s, bucket_bytes=1 << 20
+        "127.0.0.1", port, 1, 2, timeout_s=timeout_s, bucket_bytes=1 << 20, secret=service.ep.token
     )
     joiner = threading.Thread(target=receiver.connect)
     joiner.start()
