@@ -127,6 +127,18 @@ class SamplingSection(_Section):
         256, ge=1, description="Held-out prompts per environment per evaluation."
     )
 
+    def behaviour(self) -> tuple[float, float]:
+        """(temperature, top_p) of the distribution training rollouts are sampled from.
+
+        The trainer takes its log-probs at these and vLLM returns processed log-probs (after
+        temperature and top-p), so the behaviour policy of every ratio is the one that sampled.
+        Greedy (temperature 0) has no distribution: vLLM then returns raw temperature-1
+        log-probs, and so does the trainer.
+        """
+        if self.temperature == 0:
+            return 1.0, 1.0
+        return self.temperature, self.top_p
+
 
 class LossConfig(_Section):
     """The policy loss, one model for the config, the trainer's API and its ranks (``losses.py``).
@@ -223,6 +235,17 @@ class InferenceSection(_Section):
         description="Restarts of a dead vLLM server per run (0: a dead server fails the run).",
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _owned_args(cls, value: list[str]) -> list[str]:
+        if any(arg.split("=")[0] == "--logprobs-mode" for arg in value):
+            raise ValueError(
+                "inference.extra_args may not set --logprobs-mode: rollflow serves "
+                "processed_logprobs (the log-probs of the distribution that sampled, which the "
+                "trainer matches); remove it"
+            )
+        return value
 
 
 class TrainerSection(_Section):

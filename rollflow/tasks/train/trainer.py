@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
+from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
 from rollflow.infra.weights.group import weight_metadata
 from rollflow.tasks.train.backends import Backend, make_backend
 from rollflow.tasks.train.losses import LossInputs, compute_loss
@@ -52,11 +52,13 @@ SUM_KEYS = (
 @dataclass(frozen=True)
 class TrainerSpec:
     """How one rank builds its part of the trainer: the run config's train and trainer sections
-    (optimizer, schedule, backend), the seed, and a frozen copy of the policy for the KL term."""
+    (optimizer, schedule, backend), its sampling section (the temperature and top-p the log-probs
+    are taken at), the seed, and a frozen copy of the policy for the KL term."""
 
     model_path: str
     train: TrainSection = field(default_factory=TrainSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
     seed: int = 0
     reference_model_path: str | None = None
 
@@ -72,9 +74,10 @@ class Trainer:
         self.config = hf.config
         self.metadata = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
         t = spec.train
+        temperature, top_p = spec.sampling.behaviour()
         self.backend: Backend = make_backend(
             spec.trainer.backend,
-            PackedPolicy(hf),
+            PackedPolicy(hf, temperature, top_p),
             device,
             zero_stage=spec.trainer.zero_stage or 1,
             lr=t.lr,
@@ -85,7 +88,9 @@ class Trainer:
         self.reference = None
         if spec.reference_model_path is not None:
             self.reference = (
-                PackedPolicy(load_hf_model(spec.reference_model_path, device)).to(device).eval()
+                PackedPolicy(load_hf_model(spec.reference_model_path, device), temperature, top_p)
+                .to(device)
+                .eval()
             )
             self.reference.requires_grad_(False)
         self.step = 0  # optimizer steps taken
