@@ -113,6 +113,22 @@ class EnvSpec(_Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env.")
 
 
+class PromptSection(_Section):
+    """How prompts become token ids (``tasks/generate/chat.py``)."""
+
+    system: str | None = Field(
+        None,
+        description="System prompt put first in every chat-formatted prompt, unless the env's "
+        "messages start with their own.",
+    )
+    chat_template: Literal["messages", "always", "never"] = Field(
+        "messages",
+        description="When the tokenizer's chat template renders a prompt: 'messages' for prompts "
+        "an env gives as chat messages (raw text goes as it is), 'always' (raw text too, as one "
+        "user message), 'never' (a base model: message prompts are refused).",
+    )
+
+
 class SamplingSection(_Section):
     """How rollouts are sampled from vLLM."""
 
@@ -315,6 +331,7 @@ class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection
     envs: list[EnvSpec] = Field(min_length=1, description="Environment mix.")
+    prompt: PromptSection = Field(default_factory=PromptSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     train: TrainSection = Field(default_factory=TrainSection)
     inference: InferenceSection = Field(default_factory=InferenceSection)

@@ -27,12 +27,19 @@ Split = Literal["train", "eval"]
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of an environment; ``answer`` is the reference completion."""
+    """One prompt of an environment; ``answer`` is the reference completion.
+
+    ``messages`` (OpenAI-style chat messages) makes it a chat prompt, rendered by the model's
+    chat template (``chat.py``); ``text`` is then what the rollout rows show (e.g. the user's
+    question). ``tools`` are JSON-schema function specs the template lists for the model.
+    """
 
     env: str
     prompt_id: str
     text: str
     answer: str
+    messages: tuple[dict[str, Any], ...] | None = field(default=None, hash=False, compare=False)
+    tools: tuple[dict[str, Any], ...] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass
@@ -53,12 +60,33 @@ class Sample:
 
 @dataclass
 class RolloutContext:
-    """What a rollout may use: a sampling call (with retries) and the tokenizer."""
+    """What a rollout may use: a sampling call (with retries) and the tokenizer.
+
+    ``render`` turns a prompt into token ids (chat template for message prompts, see
+    ``chat.PromptRenderer``); without one, prompts are raw text through ``encode``.
+    ``renderer`` is the ``PromptRenderer`` itself, for multi-turn envs that append turns.
+    """
 
     sample: Callable[..., Awaitable[list[Any]]]  # (prompt_ids, n=...) -> list[Completion]
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     eos_token_id: int | None
+    render: Callable[[Prompt], list[int]] | None = None
+    renderer: Any = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The token ids of ``prompt`` as vLLM gets them."""
+        if self.render is not None:
+            return self.render(prompt)
+        if prompt.messages is not None:
+            raise ValueError(
+                f"env {prompt.env}: a chat prompt needs a rollout context with a renderer"
+            )
+        return self.encode(prompt.text)
+
+    def is_stop(self, token_id: int) -> bool:
+        return token_id == self.eos_token_id or token_id in self.stop_token_ids
 
 
 class Environment(ABC):
@@ -97,7 +125,7 @@ class SingleTurnEnv(Environment):
         self, prompt: Prompt, group_size: int, ctx: RolloutContext
     ) -> list[Sample]:
         # Tokenising, detokenising and scoring run in a worker thread, off the producer's loop.
-        prompt_ids = await asyncio.to_thread(ctx.encode, prompt.text)
+        prompt_ids = await asyncio.to_thread(ctx.prompt_ids, prompt)
         start = time.perf_counter()
         completions = await ctx.sample(prompt_ids, n=group_size)
         generate_s = time.perf_counter() - start
@@ -118,7 +146,7 @@ class SingleTurnEnv(Environment):
     def _decode_and_score(self, prompt: Prompt, samples: list[Sample], ctx: RolloutContext) -> None:
         for s in samples:
             ids = s.completion_ids
-            s.completion_text = ctx.decode(ids[:-1] if ids and ids[-1] == ctx.eos_token_id else ids)
+            s.completion_text = ctx.decode(ids[:-1] if ids and ctx.is_stop(ids[-1]) else ids)
             start = time.perf_counter()
             try:
                 s.reward = float(self.reward(prompt, s.completion_text))

@@ -27,6 +27,7 @@ from rollflow.infra.config import RunConfig
 from rollflow.infra.context import RunContext
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.schema import rows_to_table
+from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
 from rollflow.tasks.generate.host import host_for, step_flows_in_flight
 from rollflow.tasks.generate.rollouts import (
@@ -95,22 +96,27 @@ def make_rollout_context(
         stats=stats,
         deadline_s=inf.startup_timeout_s + inf.request_timeout_s,
     )
+    renderer = PromptRenderer(tok, cfg.prompt, model_path)
     return RolloutContext(
         sample=sampler,
-        encode=_encoder(tok),
+        encode=renderer.encode_text,
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
         eos_token_id=tok.eos_token_id,
+        render=renderer,
+        renderer=renderer,
+        stop_token_ids=tuple(_stop_ids(model_path)),
     )
 
 
-def _encoder(tok):
-    """``text -> token ids`` as ``tok(text).input_ids``; for a fast tokenizer, its Rust backend
-    called directly (the same ids, special tokens included, at a third of the cost: the rollout
-    producer tokenises every prompt on its event loop)."""
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
-        return lambda text: tok(text).input_ids
-    return lambda text: backend.encode(text, add_special_tokens=True).ids
+def _stop_ids(model_path: str) -> list[int]:
+    """Every id vLLM stops on: generation_config.json's eos_token_id (an int or a list)."""
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def _sample(
