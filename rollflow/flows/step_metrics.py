@@ -57,6 +57,7 @@ class StepMetrics:
                 "num_errors": r.num_errors,
                 "rollouts_reused": r.reused,
                 "num_skipped_rows": r.num_skipped_rows,
+                **r.turns,
             }
         )
         self.row.update({k: r.producer[k] for k in PRODUCER_KEYS if k in r.producer})

@@ -44,7 +44,13 @@ class Prompt:
 
 @dataclass
 class Sample:
-    """One scored rollout of a prompt."""
+    """One scored rollout of a prompt.
+
+    A multi-turn episode sets the turn fields (see ``infra/schema.py``): ``completion_mask``
+    (1: the model's token, 0: the environment's), ``turn_offsets`` / ``turn_roles`` /
+    ``turn_versions`` per turn, ``stop_reason`` and ``truncated``. Left unset, the sample is
+    one model turn: every token trained, stopped for ``finish_reason``.
+    """
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -56,6 +62,31 @@ class Sample:
     generate_s: float = 0.0
     reward_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    completion_mask: list[int] | None = None
+    turn_offsets: list[int] | None = None
+    turn_roles: list[str] | None = None
+    turn_versions: list[int] | None = None
+    stop_reason: str | None = None
+    truncated: bool | None = None
+
+    def turn_columns(self, version_started: int) -> dict[str, Any]:
+        """The schema's multi-turn columns of this sample (single-turn defaults filled in)."""
+        n = len(self.completion_ids)
+        roles = self.turn_roles or (["assistant"] if n else [])
+        stop = self.stop_reason or self.finish_reason
+        return {
+            "completion_mask": self.completion_mask
+            if self.completion_mask is not None
+            else [1] * n,
+            "turn_offsets": self.turn_offsets
+            if self.turn_offsets is not None
+            else [0] * len(roles),
+            "turn_roles": roles,
+            "turn_versions": self.turn_versions or [version_started] * len(roles),
+            "num_turns": sum(r == "assistant" for r in roles),
+            "stop_reason": stop,
+            "truncated": self.truncated if self.truncated is not None else stop == "length",
+        }
 
 
 @dataclass
@@ -64,7 +95,9 @@ class RolloutContext:
 
     ``render`` turns a prompt into token ids (chat template for message prompts, see
     ``chat.PromptRenderer``); without one, prompts are raw text through ``encode``.
-    ``renderer`` is the ``PromptRenderer`` itself, for multi-turn envs that append turns.
+    ``renderer`` is the ``PromptRenderer`` itself, for multi-turn envs that append turns;
+    ``policy_version()`` the version vLLM holds now (the rollout producer's; None elsewhere);
+    ``max_tokens`` the longest model turn (``sampling.max_tokens``).
     """
 
     sample: Callable[..., Awaitable[list[Any]]]  # (prompt_ids, n=...) -> list[Completion]
@@ -74,6 +107,8 @@ class RolloutContext:
     render: Callable[[Prompt], list[int]] | None = None
     renderer: Any = None
     stop_token_ids: tuple[int, ...] = ()
+    policy_version: Callable[[], int | None] = lambda: None
+    max_tokens: int | None = None
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The token ids of ``prompt`` as vLLM gets them."""
@@ -249,6 +284,8 @@ BUILTIN_ENVS: dict[str, str] = {
     "sort_letters": "rollflow.tasks.generate.environments:SortLettersEnv",
     "dataset": "rollflow.tasks.generate.dataset_envs:DatasetEnv",
     "math": "rollflow.tasks.generate.dataset_envs:MathEnv",
+    "calculator": "rollflow.tasks.generate.tool_env:ToolEnv",
+    "guess_number": "rollflow.tasks.generate.tool_env:GuessNumberEnv",
 }
 
 

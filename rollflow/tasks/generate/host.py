@@ -85,8 +85,9 @@ class ProducerHost:
         async def build() -> tuple[InferenceClient, RolloutProducer]:
             client = InferenceClient(inference_url, timeout_s=cfg.inference.request_timeout_s)
             t = cfg.train
+            rollout_ctx = make_ctx(client, self.sampling_stats)
             producer = RolloutProducer(
-                group_runner(envs, make_ctx(client, self.sampling_stats), cfg.sampling.group_size),
+                group_runner(envs, rollout_ctx, cfg.sampling.group_size),
                 prompt_stream(
                     envs,
                     {e.name: e.weight for e in cfg.envs},
@@ -100,6 +101,8 @@ class ProducerHost:
                 version=resumed_from,
                 first_step=first_step,
             )
+            # Multi-turn episodes record the version each turn was requested at.
+            rollout_ctx.policy_version = lambda: producer.version
             producer.start()
             return client, producer
 

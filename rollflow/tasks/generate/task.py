@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from rollflow.infra.config import RunConfig
 from rollflow.infra.context import RunContext
 from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.schema import rows_to_table
+from rollflow.infra.schema import loss_mask, rows_to_table
 from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
 from rollflow.tasks.generate.host import host_for, step_flows_in_flight
@@ -52,11 +52,13 @@ class Rollouts:
     num_errors: int
     reward_mean: float
     reward_by_env: dict[str, float]
-    completion_tokens: int
+    completion_tokens: int  # the model's tokens (mask 1); environment tokens are not counted
     reused: bool
     num_skipped_rows: int
     group_scored_envs: list[str]
     producer: dict[str, float] = field(default_factory=dict)
+    # Episodes: environment tokens, model turns per episode, the share cut short, stop reasons.
+    turns: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ def make_rollout_context(
         render=renderer,
         renderer=renderer,
         stop_token_ids=tuple(_stop_ids(model_path)),
+        max_tokens=s.max_tokens,
     )
 
 
@@ -218,8 +221,28 @@ def _summary(rows: list[dict]) -> dict:
         "num_errors": sum(r["error"] is not None for r in rows),
         "reward_mean": fmean(rewards) if rewards else float("nan"),
         "reward_by_env": {k: fmean(v) for k, v in sorted(by_env.items())},
-        "completion_tokens": sum(len(r["completion_ids"]) for r in rows),
+        "completion_tokens": sum(sum(loss_mask(r)) for r in rows),
+        "turns": _turn_summary(rows),
     }
+
+
+def _turn_summary(rows: list[dict]) -> dict[str, float]:
+    """Per-step episode numbers: model turns per episode (mean, max), environment tokens, the
+    truncated share, and the count of each stop reason (``stop_reason/<reason>``)."""
+    done = [r for r in rows if r["error"] is None]
+    if not done:
+        return {}
+    turns = [r.get("num_turns") or 1 for r in done]
+    out = {
+        "turns_mean": fmean(turns),
+        "turns_max": float(max(turns)),
+        "env_tokens": float(sum(len(r["completion_ids"]) - sum(loss_mask(r)) for r in done)),
+        "truncated_fraction": fmean(bool(r.get("truncated")) for r in done),
+    }
+    for r in done:
+        key = f"stop_reason/{r.get('stop_reason') or r['finish_reason']}"
+        out[key] = out.get(key, 0.0) + 1.0
+    return out
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)

@@ -290,7 +290,8 @@ def _accumulate(
     sums["kl_sum"] += out.kl_sum
     sums["tis_weight_sum"] += out.tis_weight_sum
     # Importance weights of trainer vs sampler per token, for the effective sample size.
-    w_N = torch.exp(logp_N.double() - mb.inference_logprobs_N.double())
+    # Environment tokens (mask 0) weigh nothing.
+    w_N = torch.exp(logp_N.double() - mb.inference_logprobs_N.double()) * mb.loss_mask_N.double()
     seq_N = torch.div(mb.slot_N, mb.max_completion, rounding_mode="floor")
     w_B = torch.zeros(mb.num_seqs, dtype=torch.float64, device=w_N.device).index_add_(0, seq_N, w_N)
     w2_B = torch.zeros_like(w_B).index_add_(0, seq_N, w_N * w_N)
@@ -300,6 +301,8 @@ def _accumulate(
     w_B, w2_B = w_B.cpu().tolist(), w2_B.cpu().tolist()
     for b, seq in enumerate(mb.sequences):
         n = s["num_tokens"][b]
+        if n == 0:  # an episode with no model token (all masked): nothing to report
+            continue
         kl = s["kl"][b] if "kl" in s else 0.0
         per_env.add(
             "loss",
