@@ -67,6 +67,7 @@ class StepMetrics:
             num_groups_kept=b.num_groups_kept,
             num_samples_kept=b.num_samples_kept,
             num_failed_samples=b.num_failed_samples,
+            num_truncated_samples=b.num_truncated,
         )
 
     def record_trainer_wait(self, trainer_free_at: float) -> None:

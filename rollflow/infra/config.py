@@ -209,6 +209,28 @@ class TrainSection(_Section):
     filter_zero_advantage: bool = Field(
         True, description="Drop groups whose advantages are all zero."
     )
+    truncated: Literal["keep", "drop", "penalize"] = Field(
+        "keep",
+        description="Samples cut short (a turn hit max_tokens, an episode its limits): trained as "
+        "they are, dropped (DAPO overlong filtering) or penalised (DAPO soft overlong punishment).",
+    )
+    overlong_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="truncated = 'penalize': the length (model tokens) whose reward gets the whole "
+        "penalty; default sampling.max_tokens (set it for multi-turn episodes).",
+    )
+    overlong_buffer_tokens: int = Field(
+        0,
+        ge=0,
+        description="truncated = 'penalize': the penalty ramps up over this many tokens before "
+        "overlong_max_tokens (0: only truncated samples are penalised).",
+    )
+    overlong_penalty: float = Field(
+        1.0,
+        ge=0,
+        description="truncated = 'penalize': the largest penalty, subtracted from the reward.",
+    )
     loss: LossConfig = Field(
         default_factory=LossConfig,
         description='The policy loss ([train.loss]); a string is its kind: train.loss = "gspo".',

@@ -145,7 +145,7 @@ class MultiTurnEnv(Environment):
             completion_text=ctx.decode(ids),
             finish_reason=stop if stop in ("length", "env_done") else "stop",
             generate_s=generate_s,
-            info={"messages": json.dumps(messages[-2 * self.max_turns :]), "env_s": env_s},
+            info={"messages": json.dumps(messages), "env_s": env_s},
             completion_mask=mask,
             turn_offsets=offsets,
             turn_roles=roles,
