@@ -286,6 +286,8 @@ BUILTIN_ENVS: dict[str, str] = {
     "math": "rollflow.tasks.generate.dataset_envs:MathEnv",
     "calculator": "rollflow.tasks.generate.tool_env:ToolEnv",
     "guess_number": "rollflow.tasks.generate.tool_env:GuessNumberEnv",
+    "reasoning_gym": "rollflow.tasks.generate.ecosystems:ReasoningGymEnv",
+    "verifiers": "rollflow.tasks.generate.ecosystems:VerifiersEnv",
 }
 
 

@@ -53,7 +53,7 @@ class Scripted:
         if len(ids) > max_tokens:
             ids, reason = ids[:max_tokens], "length"
         self.version += 1  # a weight sync lands after every request
-        return [Completion(ids, [-0.5] * len(ids), reason)]
+        return [Completion(ids, [-0.5] * len(ids), reason)] * n
 
 
 def _ctx(tok, model, max_tokens=64):
