@@ -15,8 +15,10 @@ Invariants of the ``Sample`` an episode returns (``infra/schema.py`` documents t
 - the turns tile ``completion_ids``: ``turn_offsets`` increase from 0, model and environment
   turns alternate, starting and ending with a model turn;
 - it stops at the first of: the environment says done (``env_done``), ``max_turns`` model
-  turns (``max_turns``), ``max_total_tokens`` completion tokens (``max_total_tokens``), a model
-  turn cut by ``sampling.max_tokens`` (``length``); all but ``env_done`` mark it ``truncated``;
+  turns (``max_turns``), ``max_total_tokens`` completion tokens (``max_total_tokens``); the
+  last two mark it ``truncated``. A model turn cut by ``sampling.max_tokens`` does not end it:
+  the environment turn then opens with the end-of-turn the model did not write (the template's),
+  and the environment answers the cut message (counted in ``info["cut_turns"]``);
 - ``turn_versions[k]`` is the policy version vLLM held when turn k was requested (weights may
   change between turns; staleness counts from the group's ``version_started``).
 """
@@ -92,6 +94,7 @@ class MultiTurnEnv(Environment):
         roles: list[str] = []
         versions: list[int] = []
         generate_s = env_s = 0.0
+        cut_turns, stopped = 0, True
         stop = "max_turns"
         for turn in range(self.max_turns):
             budget = self.max_total_tokens - len(ids)
@@ -113,8 +116,9 @@ class MultiTurnEnv(Environment):
             stopped = bool(model_ids) and ctx.is_stop(model_ids[-1])
             text = ctx.decode(model_ids[:-1] if stopped else model_ids)
             messages.append({"role": "assistant", "content": text})
-            if completion.finish_reason == "length" or not stopped:
-                stop = "max_total_tokens" if len(ids) >= self.max_total_tokens else "length"
+            cut_turns += not stopped
+            if len(ids) >= self.max_total_tokens:
+                stop = "max_total_tokens"
                 break
             start = time.perf_counter()
             reply = await asyncio.to_thread(self.respond, prompt, state, text)
@@ -125,7 +129,12 @@ class MultiTurnEnv(Environment):
             if turn == self.max_turns - 1:
                 break  # stop stays "max_turns": the model has no turn left to answer
             env_ids = await asyncio.to_thread(
-                _env_turn_ids, renderer, messages, reply.messages, tools, model_ids[-1]
+                _env_turn_ids,
+                renderer,
+                messages,
+                reply.messages,
+                tools,
+                model_ids[-1] if stopped else None,
             )
             messages += reply.messages
             if len(ids) + len(env_ids) >= self.max_total_tokens:
@@ -143,9 +152,9 @@ class MultiTurnEnv(Environment):
             completion_ids=ids,
             completion_logprobs=logprobs,
             completion_text=ctx.decode(ids),
-            finish_reason=stop if stop in ("length", "env_done") else "stop",
+            finish_reason="length" if cut_turns and not stopped else "stop",
             generate_s=generate_s,
-            info={"messages": json.dumps(messages), "env_s": env_s},
+            info={"messages": json.dumps(messages), "env_s": env_s, "cut_turns": cut_turns},
             completion_mask=mask,
             turn_offsets=offsets,
             turn_roles=roles,
@@ -166,22 +175,32 @@ def _env_turn_ids(
     messages: list[dict[str, Any]],
     new_messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
-    model_stop_id: int,
+    model_stop_id: int | None,
 ) -> list[int]:
     """Token ids of the environment's turn: what the chat template writes after the model's
-    message (the rest of its end-of-turn, ``new_messages``, the next assistant header)."""
-    before = renderer.render_messages(messages, tools=tools, add_generation_prompt=False)
+    message (the rest of its end-of-turn, ``new_messages``, the next assistant header).
+
+    The model's message is rendered as a sentinel, so that where it ends in the template's text
+    is exact whatever the model wrote (its decoded text need not round-trip). When the model
+    ended its turn with ``model_stop_id``, the template's copy of that token is its own, already
+    in the sequence; a cut turn (no stop token) gets the template's end-of-turn here.
+    """
+    history = [*messages[:-1], {**messages[-1], "content": _SENTINEL}]
+    before = renderer.render_messages(history, tools=tools, add_generation_prompt=False)
     after = renderer.render_messages(
-        messages + list(new_messages), tools=tools, add_generation_prompt=True
+        history + list(new_messages), tools=tools, add_generation_prompt=True
     )
-    if not after.startswith(before):
+    if not after.startswith(before) or before.count(_SENTINEL) != 1:
         raise ValueError(
             "the chat template does not render a conversation as a prefix of its continuation; "
             "multi-turn episodes need a template that only appends"
         )
-    # The model's message ends with its stop token; the template may add text after it (a
-    # newline in ChatML) that the model never sampled: that text opens the environment's turn.
-    stop_text = renderer.tokenizer.decode([model_stop_id], skip_special_tokens=False)
-    cut = before.rfind(stop_text) if stop_text else -1
-    tail = before[cut + len(stop_text) :] if cut >= 0 else ""
+    tail = before[before.index(_SENTINEL) + len(_SENTINEL) :]
+    if model_stop_id is not None:
+        stop_text = renderer.tokenizer.decode([model_stop_id], skip_special_tokens=False)
+        if stop_text and tail.startswith(stop_text):
+            tail = tail[len(stop_text) :]
     return renderer.encode_rendered(tail + after[len(before) :])
+
+
+_SENTINEL = "\u2063rollflow-model-turn\u2063"  # invisible separator: no template writes it

@@ -155,8 +155,12 @@ def test_stop_conditions_are_recorded(tok):
     s, _ = _episode(game, prompt, tok, ["1", "2", "3"])
     assert (s.stop_reason, s.truncated, s.reward) == ("max_turns", True, 0.0)
     assert s.turn_roles[-1] == "assistant"  # no env turn after the last model turn
-    s, _ = _episode(game, prompt, tok, ["1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8"], max_tokens=4)
-    assert (s.stop_reason, s.truncated) == ("length", True)
+    # A model turn cut at max_tokens does not end the episode: the template closes the cut
+    # message (an environment token, mask 0), and the game answers what it could read.
+    s, _ = _episode(game, prompt, tok, ["1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8", "5"], max_tokens=4)
+    assert (s.stop_reason, s.truncated, s.info["cut_turns"]) == ("env_done", False, 1)
+    assert s.turn_offsets[1] == 4 and s.completion_mask[4] == 0
+    assert s.completion_ids[4] == _stop_id(tok)  # the end-of-turn the model did not write
     tight = GuessNumberEnv(high=8, max_turns=5, max_total_tokens=6)
     s, _ = _episode(tight, prompt, tok, ["1", "2", "3", "4", "5"])
     assert s.stop_reason == "max_total_tokens" and s.truncated
