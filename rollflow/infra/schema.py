@@ -13,9 +13,9 @@ is where turn k starts in ``completion_ids``, ``turn_roles[k]`` is "assistant" f
 or the environment's role ("tool", "user"), ``turn_versions[k]`` the policy version vLLM held
 when that turn was requested (a weight sync can land between turns; staleness still counts from
 ``version_started``, the episode's first turn). ``num_turns`` counts model turns; ``stop_reason``
-is why the episode ended ("stop": a single-turn completion ended; "length": the model's turn hit
-``sampling.max_tokens``; "env_done", "max_turns", "max_total_tokens"), and ``truncated`` marks
-an episode cut before it finished ("length", "max_turns", "max_total_tokens"). Rows written
+is why the sample ended (single-turn: its ``finish_reason``, "stop" or "length"; episodes:
+"env_done", "max_turns", "max_total_tokens"), and ``truncated`` marks one cut before it finished
+("length", "max_turns", "max_total_tokens"). Rows written
 before these columns existed read them as null: all tokens trained, one turn.
 """
 
