@@ -16,7 +16,7 @@ Invariants of the ``Sample`` an episode returns (``infra/schema.py`` documents t
   turns alternate, starting and ending with a model turn;
 - it stops at the first of: the environment says done (``env_done``), ``max_turns`` model
   turns (``max_turns``), ``max_total_tokens`` completion tokens (``max_total_tokens``); the
-  last two mark it ``truncated``. A model turn cut by ``sampling.max_tokens`` does not end it:
+  last two mark it ``truncated``, and so does a last model turn cut at ``max_tokens``. A model turn cut by ``sampling.max_tokens`` does not end it:
   the environment turn then opens with the end-of-turn the model did not write (the template's),
   and the environment answers the cut message (counted in ``info["cut_turns"]``);
 - ``turn_versions[k]`` is the policy version vLLM held when turn k was requested (weights may
@@ -160,7 +160,8 @@ class MultiTurnEnv(Environment):
             turn_roles=roles,
             turn_versions=versions,
             stop_reason=stop,
-            truncated=stop != "env_done",
+            # Cut short: by a limit, or a last model turn cut at max_tokens (its answer unfinished).
+            truncated=stop != "env_done" or not stopped,
         )
         try:
             sample.reward = float(await asyncio.to_thread(self.score, prompt, state))
