@@ -32,7 +32,12 @@ import jsonschema
 from rollflow.tasks.generate.environments import Prompt, Split, in_eval_split
 from rollflow.tasks.generate.multi_turn import EnvReply, MultiTurnEnv
 
-_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+# Python annotations (as objects, or as strings under `from __future__ import annotations`).
+_JSON_TYPES = {
+    t: kind
+    for py, kind in ((int, "integer"), (float, "number"), (str, "string"), (bool, "boolean"))
+    for t in (py, py.__name__)
+}
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -53,9 +58,7 @@ class Tool:
         if parameters is None:
             props, required = {}, []
             for name, param in inspect.signature(fn).parameters.items():
-                kind = _JSON_TYPES.get(param.annotation) or _JSON_TYPES.get(
-                    {"int": int, "float": float, "str": str, "bool": bool}.get(param.annotation)
-                )
+                kind = _JSON_TYPES.get(param.annotation)
                 if kind is None:
                     raise ValueError(
                         f"tool {fn.__name__}: parameter {name!r} needs an int, float, str or "
