@@ -80,15 +80,19 @@ def transcripts(tok, high: int, max_turns: int, count: int, seed: int):
             messages.append({"role": "user", "content": "higher" if g < secret else "lower"})
         if messages[-1]["role"] == "user":
             messages.pop()
-        ids, mask = [], []
+        # Turn by turn, as rollflow builds an episode: the model's tokens end with its end of
+        # turn; what the template writes after it (a newline) opens the next, unmasked, turn.
+        ids, mask, text, carry = [], [], "", ""
         for k in range(1, len(messages) + 1):
-            text = tok.apply_chat_template(
-                messages[:k],
-                tokenize=False,
-                add_generation_prompt=messages[k - 1]["role"] == "user",
-            )
-            new = tok(text, add_special_tokens=False).input_ids[len(ids) :]
             is_model = messages[k - 1]["role"] == "assistant"
+            full = tok.apply_chat_template(
+                messages[:k], tokenize=False, add_generation_prompt=not is_model
+            )
+            delta, text = carry + full[len(text) :], full
+            carry = ""
+            if is_model and delta.endswith("\n"):
+                delta, carry = delta[:-1], "\n"
+            new = tok(delta, add_special_tokens=False).input_ids
             ids += new
             mask += [int(is_model)] * len(new)
         out.append((ids, mask))

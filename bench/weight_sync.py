@@ -18,8 +18,11 @@ the receiver holds every tensor; both clocks are ``time.perf_counter`` (CLOCK_MO
 by the processes of one machine). Also shown: packing the tensors into the sender's bucket
 alone (``torch.cat(..., out=bucket)``), the extra copy the one-bucket wire format costs.
 
-Part 2, generation paused (real vLLM, ``--no-vllm`` skips it): a vLLM server of the quickstart
-model (0.4M parameters) and of a ~10M one, under a load of 32 requests kept in flight, receives
+Part 3, buckets: the ~100M model sent with buckets of ``--buckets-mb`` MiB (the first, 256 MiB,
+holds it whole): time, and the bucket each side holds beyond the weights (its peak extra memory).
+
+Part 2, generation paused (real vLLM, ``--no-vllm`` skips it): one and two vLLM servers (one
+weight group, ``--servers``) of the quickstart model (0.4M parameters) and of a ~10M one, under a load of 32 requests kept in flight, receives
 ``--vllm-syncs`` syncs through ``tasks.sync.weights.sync_weights`` (pause(keep) → broadcast ∥
 receive + ``reload_weights`` → reset prefix cache → resume). "Paused" is from the pause request
 to the resume's answer; the baseline is our transport of the same model's bytes to a plain
@@ -45,6 +48,7 @@ import torch  # noqa: E402
 
 from rollflow.infra.service import free_port  # noqa: E402
 from rollflow.infra.weights.group import (  # noqa: E402
+    DEFAULT_BUCKET_BYTES,
     WeightReceiverGroup,
     WeightSender,
     weight_metadata,
@@ -96,7 +100,9 @@ def flat_named_tensors(
 def receiver(spec: dict) -> None:
     """The receiving rank (a child process): prints the time it held each broadcast."""
     torch.set_num_threads(1)
-    group = WeightReceiverGroup("127.0.0.1", spec["port"], 1, 2, TIMEOUT_S)
+    group = WeightReceiverGroup(
+        "127.0.0.1", spec["port"], 1, 2, TIMEOUT_S, bucket_bytes=spec["bucket_bytes"]
+    )
     group.connect()
     meta, done = spec["metadata"], {"raw": [], "ours": []}
     line_up = torch.zeros(1, dtype=torch.int64)
@@ -112,26 +118,36 @@ def receiver(spec: dict) -> None:
         views = list(named)
         done["ours"].append(time.perf_counter())
         del views, named
+    done["peak_bucket_bytes"] = group.peak_bucket_bytes
     group.close()
     print(json.dumps(done))
 
 
 def measure_transport(
-    named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None, repeats: int
+    named: list[tuple[str, torch.Tensor]],
+    flat: torch.Tensor | None,
+    repeats: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> dict:
     """Seconds per full sync: ours, raw gloo, in-process copy, and the sender's torch.cat."""
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in named])
     meta = weight_metadata(named)
     port = free_port()
-    spec = {"port": port, "metadata": meta, "numel": flat.numel(), "repeats": repeats}
+    spec = {
+        "port": port,
+        "metadata": meta,
+        "numel": flat.numel(),
+        "repeats": repeats,
+        "bucket_bytes": bucket_bytes,
+    }
     child = subprocess.Popen(
         [sys.executable, __file__, "--receiver", json.dumps(spec)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
     )
-    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S)
+    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S, bucket_bytes=bucket_bytes)
     started = {"raw": [], "ours": []}
     try:
         sender.connect()
@@ -150,6 +166,10 @@ def measure_transport(
         if child.poll() is None:
             child.kill()
     done = json.loads(out.strip().splitlines()[-1])
+    peaks = {
+        "sender_peak": sender.peak_bucket_bytes,
+        "receiver_peak": done.pop("peak_bucket_bytes"),
+    }
     result = {
         k: statistics.median(d - s for s, d in zip(started[k], done[k], strict=True))
         for k in started
@@ -161,7 +181,7 @@ def measure_transport(
     result["copy"] = _best(lambda: dst.copy_(flat), repeats)
     result["bytes"] = flat.numel() * flat.element_size()
     result["params"] = flat.numel()
-    return result
+    return result | peaks
 
 
 def _best(fn, repeats: int) -> float:
@@ -176,50 +196,58 @@ def _best(fn, repeats: int) -> float:
 # ------------------------------------------------------------------------------ part 2
 
 
-def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
-    """Syncs into a real vLLM server under load; returns the sync_weights figures."""
+def vllm_pause(model_dir: Path, syncs: int, log_dir: Path, servers: int = 1) -> dict:
+    """Syncs into ``servers`` real vLLM servers (one weight group) under load; returns the
+    sync_weights figures."""
     from transformers import AutoModelForCausalLM
 
     from rollflow.infra.inference.client import InferenceClient
     from rollflow.infra.inference.server import InferenceServer
-    from rollflow.tasks.sync.weights import init_weight_group, sync_weights
+    from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, sync_weights
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).float()
     named = [(n, t.detach()) for n, t in model.state_dict().items()]
     transport = measure_transport(named, None, 5)
-    server = InferenceServer(
-        model_dir, max_model_len=64, log_path=log_dir / f"vllm-{model_dir.name}.log"
-    )
+    group = [
+        InferenceServer(
+            model_dir, max_model_len=64, log_path=log_dir / f"vllm-{model_dir.name}-{i}.log"
+        )
+        for i in range(servers)
+    ]
     start = time.monotonic()
-    server.start()
+    for server in group:
+        server.spawn()
+    for server in group:
+        server.wait_ready()
     startup_s = time.monotonic() - start
     port = free_port()
-    sender = WeightSender("127.0.0.1", port, 2, TIMEOUT_S)
+    sender = WeightSender("127.0.0.1", port, 1 + servers, TIMEOUT_S)
+    spec = GroupSpec(world_size=1 + servers, wire_device="cpu", bucket_bytes=DEFAULT_BUCKET_BYTES)
 
     async def go() -> list[dict]:
-        async with InferenceClient(server.url, timeout_s=120) as client:
+        clients = [InferenceClient(server.url, timeout_s=120) for server in group]
+        try:
             await init_weight_group(
-                client,
+                [(c, 1 + i) for i, c in enumerate(clients)],
                 lambda: asyncio.to_thread(sender.connect),
-                "127.0.0.1",
+                spec,
                 port,
-                2,
                 TIMEOUT_S,
                 weight_metadata(named),
             )
             stop = asyncio.Event()
 
-            async def load() -> None:  # 32 requests kept in flight while syncs happen
+            async def load(client) -> None:  # 32 requests kept in flight while syncs happen
                 while not stop.is_set():
                     await client.complete([1, 5, 6, 7], n=1, max_tokens=32, temperature=1.0)
 
-            loaders = [asyncio.create_task(load()) for _ in range(32)]
+            loaders = [asyncio.create_task(load(clients[i % servers])) for i in range(32)]
             await asyncio.sleep(2.0)
             stats = []
             for version in range(1, syncs + 1):
                 stats.append(
                     await sync_weights(
-                        client,
+                        clients,
                         lambda v=version: asyncio.to_thread(sender.broadcast, named, v),
                         version,
                         TIMEOUT_S,
@@ -228,14 +256,19 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
                 await asyncio.sleep(0.5)
             stop.set()
             await asyncio.gather(*loaders)
-            await client.collective_rpc("close_weight_group")
+            for client in clients:
+                await client.collective_rpc("close_weight_group")
             return stats
+        finally:
+            for client in clients:
+                await client.aclose()
 
     try:
         stats = asyncio.run(go())
     finally:
         sender.close()
-        server.stop()
+        for server in group:
+            server.stop()
     paused = [s["total_s"] for s in stats]
     return {
         "params": transport["params"],
@@ -247,6 +280,7 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path) -> dict:
         "broadcast_median_s": statistics.median(s["broadcast_s"] for s in stats),
         "pause_call_median_s": statistics.median(s["pause_s"] for s in stats),
         "syncs": len(stats),
+        "servers": servers,
     }
 
 
@@ -281,6 +315,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--vllm-syncs", type=int, default=10)
+    parser.add_argument(
+        "--servers", type=int, nargs="+", default=[1, 2], help="vLLM servers in the group (part 2)"
+    )
+    parser.add_argument(
+        "--buckets-mb",
+        type=float,
+        nargs="+",
+        default=[256, 64, 16],
+        help="bucket sizes for part 3 (the ~100M model)",
+    )
     parser.add_argument("--receiver", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.receiver:
@@ -314,11 +358,14 @@ def main() -> None:
     vllm_rows = []
     if not args.no_vllm:
         with tempfile.TemporaryDirectory(prefix="rollflow-bench-sync-") as tmp:
-            for name, model_dir in tiny_model_dirs(Path(tmp)):
-                v = vllm_pause(model_dir, args.vllm_syncs, Path(tmp))
+            for (name, model_dir), servers in (
+                (m, s) for m in tiny_model_dirs(Path(tmp)) for s in args.servers
+            ):
+                v = vllm_pause(model_dir, args.vllm_syncs, Path(tmp), servers)
                 vllm_rows.append(
                     [
                         name,
+                        servers,
                         f"{v['params'] / 1e6:.2f}M",
                         f"{v['bytes'] / 1e6:.1f}",
                         f"{v['startup_s']:.0f}",
@@ -333,6 +380,28 @@ def main() -> None:
                 )
                 print(f"vLLM {name}: done", file=sys.stderr, flush=True)
 
+    bucket_rows = []
+    if args.buckets_mb:
+        flat, named = flat_named_tensors(llama_shapes(*SHAPES["100M"]))
+        results = [
+            (mb, measure_transport(named, flat, args.repeats, int(mb * (1 << 20))))
+            for mb in args.buckets_mb
+        ]
+        base = results[0][1]["ours"]
+        for mb, r in results:
+            bucket_rows.append(
+                [
+                    f"{mb:g}",
+                    f"{r['ours'] * 1000:.0f}",
+                    gbps(r["bytes"], r["ours"]),
+                    f"{r['sender_peak'] / 1e6:.0f}",
+                    f"{r['receiver_peak'] / 1e6:.0f}",
+                    f"{r['receiver_peak'] / r['bytes']:.0%}",
+                    f"{base / r['ours']:.2f}",
+                ]
+            )
+        del flat, named
+        print("buckets: done", file=sys.stderr, flush=True)
     print(
         f"\nweight sync, float32, sender and receiver on this machine (gloo over loopback), "
         f"median of {args.repeats}"
@@ -365,6 +434,7 @@ def main() -> None:
             table(
                 [
                     "model",
+                    "servers",
                     "params",
                     "MB",
                     "vLLM start s",
@@ -377,6 +447,27 @@ def main() -> None:
                     "paused vs transport",
                 ],
                 vllm_rows,
+            )
+        )
+    if bucket_rows:
+        print(
+            f"\nbucketed transfer of the ~100M model (float32, gloo over loopback), median of "
+            f"{args.repeats}: extra memory is the bucket each side holds beyond the weights "
+            f"(before buckets, one whole extra copy on each side); with several buckets the receiver also "
+            f"copies each tensor until vLLM loads it (its layer-wise reload: one layer at a time)\n"
+        )
+        print(
+            table(
+                [
+                    "bucket MiB",
+                    "sync ms",
+                    "GB/s",
+                    "sender extra MB",
+                    "receiver extra MB",
+                    "receiver extra / model",
+                    f"speed vs {args.buckets_mb[0]:g} MiB",
+                ],
+                bucket_rows,
             )
         )
 

@@ -1,6 +1,7 @@
 """The ``rollflow`` command line.
 
     rollflow run CONFIG [key.path=value ...] [--dry-run]
+    rollflow plan CONFIG [key.path=value ...] [--gpus N] [--nodes M]
     rollflow status RUN [--storage ROOT]
     rollflow deploy [CONFIG ...] [--pool NAME] [--prefect-file prefect.yaml]
     rollflow export RUN --step N [--out DIR] [--storage ROOT]
@@ -29,6 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="validate the config, its envs and metric sinks (not the model), print the resolved config, exit",
     )
+    plan = sub.add_parser(
+        "plan",
+        help="print where every process of the run goes: devices, weight-group ranks, and the "
+        "commands of the trainer nodes you start yourself",
+    )
+    plan.add_argument("config", help="TOML config, e.g. configs/quickstart.toml")
+    plan.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    plan.add_argument("--gpus", type=int, help="GPUs per node (default: this machine's)")
+    plan.add_argument("--nodes", type=int, help="nodes (default: trainer.num_nodes)")
     status = sub.add_parser("status", help="a table of a run's steps: reward, evaluation, timings")
     status.add_argument("run", help="run name (run.name)")
     status.add_argument(
@@ -62,17 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("run", "plan"):
+        unknown = [e for e in extra if "=" not in e or e.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = [*args.overrides, *extra]
+        return cmd_run(args) if args.command == "run" else cmd_plan(args)
     if args.command != "run":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return {"status": cmd_status, "deploy": cmd_deploy, "export": cmd_export}[args.command](
             args
         )
-    unknown = [e for e in extra if "=" not in e or e.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*args.overrides, *extra]
-    return cmd_run(args)
+    raise AssertionError(args.command)  # pragma: no cover
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -98,6 +110,43 @@ def cmd_run(args: argparse.Namespace) -> int:
     with local_prefect_api():
         rl_run(dump_config(cfg))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the placement plan of a config on this machine or the one ``--gpus/--nodes`` describe."""
+    from rollflow.infra.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        print(render_plan(cfg, args.gpus, args.nodes))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def render_plan(cfg, gpus: int | None = None, nodes: int | None = None) -> str:
+    """The plan of ``cfg`` as ``rollflow plan`` prints it (raises ``PlanError`` if impossible)."""
+    from rollflow.infra.placement import Machine, make_plan
+    from rollflow.infra.storage import RunStorage
+    from rollflow.tasks.train.launch import node_argv
+
+    here = Machine.here()
+    machine = Machine(
+        gpus=here.gpus if gpus is None else gpus,
+        nodes=nodes or cfg.trainer.num_nodes,
+        cpus=here.cpus,
+    )
+    plan = make_plan(cfg, machine)
+    log_dir = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options).log_dir()
+    commands = {
+        p.name: node_argv(
+            cfg.trainer, p.node, log_dir / "trainer-args.json", cfg.trainer.master_port
+        )
+        for p in plan.trainer_nodes
+        if p.node > 0
+    }
+    return plan.render(commands)
 
 
 def _check_beyond_config(cfg) -> None:

@@ -6,6 +6,8 @@
 #   bash scripts/lock.sh                        # after editing dependencies: keeps the other pins
 #   bash scripts/lock.sh --upgrade              # take the newest releases of everything
 #   bash scripts/lock.sh --upgrade-package X    # ... of X only
+#   bash scripts/lock.sh --gpu                  # requirements/gpu.lock: extras gpu + deepspeed, CUDA
+#                                               # torch from PyPI (what the Dockerfile installs)
 # Then run bash scripts/setup.sh (it syncs .venv to the new lock) and the tests, and commit the lock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +16,14 @@ lock=requirements/cpu.lock
 uv=${UV:-.venv/bin/uv}
 [ -x "$uv" ] || uv=$(command -v uv) \
   || { echo "lock: needs uv: run bash scripts/setup.sh first (it puts uv in .venv), or set UV=/path/to/uv" >&2; exit 1; }
+if [ "${1:-}" = "--gpu" ]; then
+  shift
+  "$uv" pip compile -q pyproject.toml --extra gpu --extra deepspeed --python-version 3.11 \
+    --python-platform x86_64-manylinux_2_28 --generate-hashes \
+    --custom-compile-command "bash scripts/lock.sh --gpu" -o requirements/gpu.lock "$@"
+  echo "lock: wrote requirements/gpu.lock ($(grep -c '^[a-z0-9]' requirements/gpu.lock) packages)"
+  exit 0
+fi
 . scripts/torch_source.sh
 torch_src=$(torch_source "$PYTHON")
 "$uv" pip compile -q pyproject.toml requirements/cpu.in --extra cpu --extra dev --extra deepspeed \

@@ -80,7 +80,7 @@ def rl_run(config: dict) -> dict:
             config=cfg,
             model_path=str(base_model),
             trainer=services.trainer.endpoint,
-            inference=services.inference_ep,
+            inference=services.inference_endpoints,
         )
         if resumed_from == 0 and not storage.read_metrics():
             ev = evaluate(ctx)
@@ -100,7 +100,7 @@ def rl_run(config: dict) -> dict:
             partial(
                 make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature
             ),
-            services.inference.url,
+            services.inference_urls,
             resumed_from,
             reused,
         )
@@ -272,9 +272,7 @@ def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:
 
 
 def _log_dir(storage: RunStorage) -> Path:
-    if storage.is_local:
-        return Path(storage.path("logs"))
-    return Path("~/.cache/rollflow/logs").expanduser() / storage.run
+    return storage.log_dir()
 
 
 def _fmt_env(total: float, by_env: dict[str, float]) -> str:

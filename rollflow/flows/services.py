@@ -1,9 +1,10 @@
 """The run's long-lived services: the trainer, the inference deployment, the weight group.
 
-``RunServices`` starts both processes, joins the weight group (trainer rank 0, each inference
-worker one rank) and tears everything down within a deadline. ``check_alive()``, called by the
+``RunServices`` places the processes with the placement plan, starts the trainer and every
+vLLM server (they load at once), forms the weight group (trainer rank 0, then every worker of
+every server) and tears everything down within a deadline. ``check_alive()``, called by the
 step loop every ``HEALTH_CHECK_INTERVAL_S`` from the main thread, fails the run when the trainer
-died and has the inference supervisor restart a dead vLLM server (``inference/supervisor.py``).
+died and has each server's supervisor restart it if it died (``inference/supervisor.py``).
 
 Invariant: when ``stop()`` returns (or the ``with`` block exits, on success or error), the
 weight group is closed on both sides and no service process is left. Processes are spawned from
@@ -13,6 +14,8 @@ the calling thread because the kernel kills them when the thread that spawned th
 from __future__ import annotations
 
 import secrets
+import shlex
+import threading
 import time
 from pathlib import Path
 
@@ -20,16 +23,17 @@ from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.events import publish
 from rollflow.infra.http import Endpoint
-from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.inference.supervisor import (
     HEALTH_PROBE_TIMEOUT_S,
     InferenceSupervisor,
     WeightLink,
 )
+from rollflow.infra.placement import Machine, make_plan
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
+from rollflow.tasks.sync.weights import GroupSpec
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.tasks.train.launch import TrainerProcess
+from rollflow.tasks.train.launch import TrainerProcess, node_argv
 from rollflow.tasks.train.protocol import ServiceArgs
 
 TEARDOWN_DEADLINE_S = 30.0
@@ -40,7 +44,8 @@ DETECTION_BOUND_S = HEALTH_CHECK_INTERVAL_S + HEALTH_PROBE_TIMEOUT_S
 
 
 class RunServices:
-    """Trainer service + vLLM server (under its supervisor) + the weight group between them."""
+    """Trainer service + the vLLM servers (each under its supervisor) + one weight group between
+    them, placed by the placement plan (``infra/placement.py``)."""
 
     def __init__(
         self,
@@ -49,81 +54,122 @@ class RunServices:
         checkpoint_step: int | None,
         log_dir: str | Path,
         progress=print,
+        machine: Machine | None = None,
     ):
         self.cfg, self.policy_dir, self.checkpoint_step = cfg, str(policy_dir), checkpoint_step
         self.log_dir = Path(log_dir)
         self.progress = progress
         self.token = secrets.token_urlsafe(24)
+        # Impossible plans fail here, before any process starts.
+        self.plan = make_plan(cfg, machine or Machine.here(nodes=cfg.trainer.num_nodes))
+        self.group = GroupSpec.from_plan(self.plan, cfg.trainer.weight_bucket_mb)
+        self.weights_lock = threading.Lock()
         self.trainer_proc: TrainerProcess | None = None
-        self.supervisor: InferenceSupervisor | None = None
+        self.supervisors: list[InferenceSupervisor] = []
         self.trainer: TrainerClient | None = None
-        self.inference_ep: Endpoint | None = None
+        self.group_formed = False
 
     @property
-    def inference(self) -> InferenceServer | None:
-        return self.supervisor.server if self.supervisor else None
+    def inference_urls(self) -> list[str]:
+        return [s.url for s in self.supervisors]
+
+    @property
+    def inference_endpoints(self) -> list[Endpoint]:
+        return [Endpoint("inference", url, self.token) for url in self.inference_urls]
+
+    def _servers(self) -> list[tuple[str, int]]:
+        """(url, first weight-group rank) of every server, as the plan numbers them."""
+        return [
+            (sup.url, planned.first_weight_rank)
+            for sup, planned in zip(self.supervisors, self.plan.servers, strict=True)
+        ]
 
     # ------------------------------------------------------------------- start
 
     def start(self) -> RunServices:
-        cfg = self.cfg
+        cfg, plan = self.cfg, self.plan
         start = time.perf_counter()
         self.trainer_proc = TrainerProcess(
             trainer_args(cfg, self.policy_dir, self.checkpoint_step),
             token=self.token,
             log_dir=self.log_dir,
             beside_inference=True,
+            device_env=plan.trainer_nodes[0].env,
         )
         self.trainer = self.trainer_proc.client
         self.trainer_proc.start()  # loads while vLLM starts
-        storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
-        self.supervisor = InferenceSupervisor(
-            cfg,
-            self.policy_dir,
-            self.log_dir,
-            progress=self.progress,
-            on_restart=lambda info: publish(storage, "inference_restarted", **info),
-        )
-        try:
-            self.supervisor.start()
-            self.inference_ep = Endpoint("inference", self.supervisor.url, self.token)
-            self.trainer_proc.wait_healthy()
+        for node in plan.trainer_nodes[1:]:  # the other trainer nodes are the user's to start
+            cmd = node_argv(
+                cfg.trainer, node.node, self.trainer_proc.args_file, cfg.trainer.master_port
+            )
+            env = "".join(f"{k}={v} " for k, v in sorted(node.env.items()))
             self.progress(
-                f"services: vLLM at {self.supervisor.url}, trainer at {self.trainer.url} "
-                f"({cfg.trainer.backend}, {cfg.trainer.num_ranks} rank(s); "
+                f"trainer: waiting up to {cfg.trainer.startup_timeout_s:.0f}s for node {node.node} "
+                f"of {cfg.trainer.num_nodes}; on it, run: {env}{shlex.join(cmd)}"
+            )
+        storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
+        self.supervisors = [
+            InferenceSupervisor(
+                cfg,
+                self.policy_dir,
+                self.log_dir,
+                index=i,
+                env=planned.env,
+                server_args=plan.server_args(i),
+                progress=self.progress,
+                on_restart=lambda info, i=i: publish(
+                    storage, "inference_restarted", server=i, **info
+                ),
+            )
+            for i, planned in enumerate(plan.servers)
+        ]
+        try:
+            for sup in self.supervisors:  # every server loads at once
+                sup.spawn()
+            for sup in self.supervisors:
+                sup.wait_ready()
+            self.trainer_proc.wait_healthy()
+            servers = ", ".join(self.inference_urls)
+            self.progress(
+                f"services: vLLM at {servers}, trainer at {self.trainer.url} "
+                f"({cfg.trainer.backend}, {cfg.trainer.num_ranks} rank(s)"
+                f"{f' × {cfg.trainer.num_nodes} nodes' if cfg.trainer.num_nodes > 1 else ''}; "
                 f"{time.perf_counter() - start:.0f}s); logs in {self.log_dir}"
             )
-            self.supervisor.join_weight_group(self._weight_link())
+            self.group_formed = True  # (partly) formed from here on: teardown closes it
+            weights.join(
+                self.trainer, self._servers(), self.group, cfg.trainer.weight_sync_timeout_s
+            )
+            link = WeightLink(rejoin=self._rejoin, lock=self.weights_lock)
+            for sup in self.supervisors:
+                sup.open_gate(link)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _weight_link(self) -> WeightLink:
-        """The weight plane between this trainer and the server, for the supervisor's restarts."""
-        url, t = self.supervisor.url, self.cfg.trainer
-        return WeightLink(
-            join=lambda: weights.join(self.trainer, url, t.weight_sync_timeout_s),
-            rejoin=lambda: weights.rejoin(
-                self.trainer, url, t.weight_sync_timeout_s, t.request_timeout_s
-            ),
-            leave=lambda timeout_s: weights.leave(self.trainer, url, timeout_s),
+    def _rejoin(self) -> int:
+        """A restarted server's re-join: the group forms anew with every server (see weights)."""
+        t = self.cfg.trainer
+        return weights.rejoin(
+            self.trainer, self._servers(), self.group, t.weight_sync_timeout_s, t.request_timeout_s
         )
 
     # ------------------------------------------------------------------- check
 
     def check_alive(self) -> None:
         """Raise if the trainer died or stopped answering (a dead trainer fails the run at once);
-        restart the vLLM server if it did (raise if it cannot be restarted)."""
+        restart any vLLM server that did (raise if it cannot be restarted)."""
         self._check_trainer()
-        self.supervisor.check()
+        for sup in self.supervisors:
+            sup.check()
 
     def _check_trainer(self) -> None:
         """Raise ``ServiceError`` naming the trainer (and its dead rank) if it died or does not answer."""
         self.trainer_proc.check_alive(timeout_s=HEALTH_PROBE_TIMEOUT_S)
 
     def dead_service(self, grace_s: float = 0.0) -> str | None:
-        """After a failure: which service died, as a message naming it (None: both live).
+        """After a failure: which service died, as a message naming it (None: all live).
         ``grace_s`` lets a process that is dying now (a call to it just failed) finish exiting: a
         trainer that no longer answers but whose launcher still runs is waited for, so that the
         message can name the rank that died."""
@@ -137,8 +183,10 @@ class RunServices:
                 trainer_error = str(exc)
                 if not self.trainer_proc.process.is_alive():
                     return trainer_error
-            if self.inference is not None and not self.inference.is_alive():
-                return f"the vLLM server died (exit code {self.inference.returncode}); see {self.inference.log_path}"
+            for sup in self.supervisors:
+                server = sup.server
+                if not server.is_alive():
+                    return f"{sup.name} died (exit code {server.returncode}); see {server.log_path}"
             if time.monotonic() >= deadline:
                 return trainer_error
             time.sleep(0.2)
@@ -146,10 +194,18 @@ class RunServices:
     # -------------------------------------------------------------------- stop
 
     def stop(self) -> None:
-        """Close the weight group on both sides, then stop both processes, within the deadline."""
+        """Close the weight group on every side, then stop every process, within the deadline."""
         deadline = time.monotonic() + TEARDOWN_DEADLINE_S
-        if self.supervisor is not None:
-            self.supervisor.stop(timeout_s=TEARDOWN_DEADLINE_S / 2)
+        for sup in self.supervisors:
+            sup.close_gate()
+        if self.group_formed:
+            self.group_formed = False
+            try:
+                weights.leave(self.trainer, self.inference_urls, timeout_s=5.0)
+            except Exception as exc:  # a dead peer must not block teardown
+                self.progress(f"teardown: {exc}")
+        for sup in self.supervisors:
+            sup.stop(timeout_s=max(1.0, min(10.0, deadline - time.monotonic())))
         if self.trainer_proc is not None:
             self.trainer_proc.stop(timeout_s=max(1.0, deadline - time.monotonic()))
 

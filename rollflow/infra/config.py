@@ -273,6 +273,31 @@ class InferenceSection(_Section):
         description="Restarts of a dead vLLM server per run (0: a dead server fails the run).",
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments.")
+    num_servers: int = Field(
+        1, ge=1, description="vLLM servers (replicas); a group's completions stay on one server."
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Tensor-parallel workers per server (GPUs per server on a GPU node)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where vLLM runs; auto: CUDA when a GPU is visible, else CPU."
+    )
+    devices: list[int] | None = Field(
+        None,
+        description="GPU indices for the servers, tensor_parallel_size consecutive ones per "
+        "server (None: the first GPUs of the node).",
+    )
+    colocate: bool = Field(
+        False,
+        description="vLLM shares the trainer's GPUs (one-GPU nodes): its memory share is capped "
+        "at gpu_memory_utilization.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM's share of each GPU's memory (None: vLLM's 0.9, or 0.45 when colocated).",
+    )
 
     @field_validator("extra_args")
     @classmethod
@@ -302,6 +327,32 @@ class TrainerSection(_Section):
     num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (processes) on this node.")
     zero_stage: Literal[1, 2, 3] | None = Field(
         None, description="DeepSpeed ZeRO stage (backend = deepspeed only; unset: 1)."
+    )
+    num_nodes: int = Field(
+        1,
+        ge=1,
+        description="Trainer nodes; rollflow starts node 0, `rollflow plan` prints the rest.",
+    )
+    master_addr: str = Field(
+        "127.0.0.1",
+        description="Address of trainer node 0 as the other nodes reach it (rendezvous, weights).",
+    )
+    master_port: int = Field(
+        29400, ge=1, le=65535, description="Rendezvous port on node 0 when num_nodes > 1."
+    )
+    devices: list[int] | None = Field(
+        None,
+        description="GPU indices of the trainer's ranks on each node (None: the GPUs vLLM leaves).",
+    )
+    weight_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="Weight group transport: auto picks NCCL when trainer and vLLM are both on "
+        "GPUs, else gloo through host memory.",
+    )
+    weight_bucket_mb: float = Field(
+        256,
+        gt=0,
+        description="Largest piece of one weight broadcast, in MiB (bounds extra memory).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the ranks compute: CUDA when available (auto), or forced."

@@ -12,14 +12,18 @@ from rollflow.infra.storage import RunStorage
 
 
 class RunContext(BaseModel):
-    """The resolved config plus where the trainer and the inference deployment listen."""
+    """The resolved config plus where the trainer and the inference deployment's servers listen."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, ignored_types=(cached_property,))
 
     config: RunConfig
     model_path: str  # the policy's HF directory at start (tokenizer, architecture)
     trainer: Endpoint
-    inference: Endpoint
+    inference: list[Endpoint]  # every vLLM server of the deployment (inference.num_servers)
+
+    @property
+    def inference_urls(self) -> list[str]:
+        return [e.url for e in self.inference]
 
     @cached_property
     def storage(self) -> RunStorage:

@@ -66,6 +66,13 @@ class RunStorage:
     def path(self, *parts: str) -> str:
         return "/".join([self.base, *parts])
 
+    def log_dir(self) -> Path:
+        """Where the run's service logs go on this host: in the run's folder when storage is
+        local, else under ~/.cache/rollflow/logs/RUN."""
+        if self.is_local:
+            return Path(self.path("logs"))
+        return Path("~/.cache/rollflow/logs").expanduser() / self.run
+
     def step_dir(self, kind: str, step: int) -> str:
         return self.path(kind, f"step={step}")
 

@@ -30,14 +30,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_run import ROOT, env_for, write_config
 
 from deployed_run import processes_marked
+from run_support import ROOT, env_for, write_config
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 SEED = int(os.environ.get("ROLLFLOW_CHAOS_SEED", "6"))
 STEPS = 12
-ROWS_PER_STEP = 8 * 4  # train_batch_size x group_size of test_run.SMALL
+ROWS_PER_STEP = 8 * 4  # train_batch_size x group_size of run_support.SMALL
 START_TIMEOUT_S = 300.0  # a launch's first step: Prefect API, vLLM start-up (slow on busy CI)
 
 

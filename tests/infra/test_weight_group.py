@@ -11,7 +11,12 @@ import torch
 
 from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.service import free_port
-from rollflow.infra.weights.group import WeightReceiverGroup, WeightSender, weight_metadata
+from rollflow.infra.weights.group import (
+    WeightReceiverGroup,
+    WeightSender,
+    bucket_layout,
+    weight_metadata,
+)
 
 
 def _pair(timeout_s: float = 10.0) -> tuple[WeightSender, WeightReceiverGroup]:
@@ -54,7 +59,8 @@ def test_weight_group_round_trip_keeps_order_shapes_and_dtypes():
     assert list(got) == list(tensors)
     for name, t in tensors.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t)
-    assert num_bytes == 16 + (12 + 7) * 4 + 5 * 2
+    # a: 48 bytes at 0, b: 10 at 64, c: 28 at 128 (each tensor starts at a 64-byte boundary)
+    assert num_bytes == 16 + 128 + 7 * 4
 
 
 def test_reused_buckets_deliver_each_sync_exactly():
@@ -96,3 +102,100 @@ def test_dead_receiver_fails_broadcast_instead_of_hanging():
         sender.broadcast([("w", torch.ones(1000))], version=1)
     sender.close()
     assert time.monotonic() - start < 8
+
+
+def _group(world_size: int, bucket_bytes: int, timeout_s: float = 20.0):
+    port = free_port()
+    sender = WeightSender("127.0.0.1", port, world_size, timeout_s, bucket_bytes=bucket_bytes)
+    receivers = [
+        WeightReceiverGroup("127.0.0.1", port, r, world_size, timeout_s, bucket_bytes=bucket_bytes)
+        for r in range(1, world_size)
+    ]
+    joiners = [threading.Thread(target=r.connect) for r in receivers]
+    for j in joiners:
+        j.start()
+    sender.connect()
+    for j in joiners:
+        j.join(timeout_s)
+    return sender, receivers
+
+
+def test_bucket_layout_bounds_buckets_and_gives_big_tensors_their_own():
+    metadata = weight_metadata(
+        [
+            ("a", torch.zeros(10)),
+            ("b", torch.zeros(10)),
+            ("big", torch.zeros(100)),
+            ("c", torch.zeros(3)),
+        ]
+    )
+    layout = bucket_layout(metadata, bucket_bytes=128)
+    assert layout == [[(0, 0), (1, 64)], [(2, 0)], [(3, 0)]]
+    assert bucket_layout(metadata, bucket_bytes=1 << 20) == [[(0, 0), (1, 64), (2, 128), (3, 576)]]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_any_group_size_delivers_bit_equal_tensors_in_bounded_buckets(world_size):
+    """One broadcast reaches every receiver (several servers, or TP workers): all bit-equal, with
+    no side holding more than one bucket (or the largest tensor) beyond the weights."""
+    tensors = [
+        ("embed", torch.randn(300, 16)),  # 19200 bytes: larger than a bucket, travels alone
+        ("norm", torch.randn(16).to(torch.bfloat16)),
+        *[(f"layer{i}", torch.randn(24, 16)) for i in range(6)],  # 1536 bytes each
+    ]
+    metadata = weight_metadata(tensors)
+    bucket_bytes = 4096
+    sender, receivers = _group(world_size, bucket_bytes)
+    got: list[dict] = [{} for _ in receivers]
+
+    def receive(i: int) -> None:
+        for sync in range(2):
+            version, named = receivers[i].receive(metadata)
+            got[i][sync] = (version, dict(named))  # kept across buckets: copies, not views
+
+    threads = [threading.Thread(target=receive, args=(i,)) for i in range(len(receivers))]
+    for t in threads:
+        t.start()
+    sender.broadcast(tensors, version=1)
+    second = [(n, t + 1) for n, t in tensors]
+    sender.broadcast(second, version=2)
+    for t in threads:
+        t.join(30)
+    largest = max(t.numel() * t.element_size() for _, t in tensors)
+    for member in [sender, *receivers]:
+        assert member.peak_bucket_bytes <= max(bucket_bytes, largest)
+        member.close()
+    for received in got:
+        for sync, sent, version in ((0, tensors, 1), (1, second, 2)):
+            v, named = received[sync]
+            assert v == version and list(named) == [n for n, _ in sent]
+            for name, t in sent:
+                assert named[name].dtype == t.dtype and torch.equal(named[name], t)
+
+
+def test_receivers_disagreeing_on_bucket_size_fail_loudly():
+    tensors = [("w", torch.randn(64))]
+    port = free_port()
+    sender = WeightSender("127.0.0.1", port, 2, 3, bucket_bytes=1 << 20)
+    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, 3, bucket_bytes=64)
+    metadata = weight_metadata(tensors) + weight_metadata([("x", torch.zeros(1))])
+    joiner = threading.Thread(target=receiver.connect)
+    joiner.start()
+    sender.connect()
+    joiner.join(10)
+    errors = []
+
+    def receive() -> None:
+        try:
+            receiver.receive(metadata)
+        except WeightSyncError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with pytest.raises(WeightSyncError):  # the receiver reads no bucket: the sender times out
+        sender.broadcast(tensors, version=1)
+    thread.join(10)
+    sender.close()
+    receiver.close()
+    assert errors and "disagree" in errors[0]

@@ -28,11 +28,12 @@ _GATES: dict[str, ServingGate] = {}
 class ServingGate:
     """Open, closed (a restart under way) or failed; see the module docstring."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, weights_lock: threading.Lock | None = None):
         self.url = url
         self.restarts = 0  # completed restarts of the server behind this gate
         self._cond = threading.Condition()
-        self._weights_lock = threading.Lock()
+        # One weight group spans every server: their gates share one lock (``register_gate``).
+        self._weights_lock = weights_lock or threading.Lock()
         self._open = True
         self._deadline = 0.0
         self._failed: str | None = None
@@ -130,9 +131,10 @@ class ServingGate:
             raise InferenceGone(self._failed)
 
 
-def register_gate(url: str) -> ServingGate:
-    """A fresh gate for the server at ``url`` (its supervisor's)."""
-    gate = _GATES[url.rstrip("/")] = ServingGate(url.rstrip("/"))
+def register_gate(url: str, weights_lock: threading.Lock | None = None) -> ServingGate:
+    """A fresh gate for the server at ``url`` (its supervisor's); the servers of one weight group
+    pass the group's ``weights_lock``, so that one sync or re-join at a time uses the group."""
+    gate = _GATES[url.rstrip("/")] = ServingGate(url.rstrip("/"), weights_lock)
     return gate
 
 

@@ -113,12 +113,21 @@ class InferenceServer:
 
     def start(self) -> InferenceServer:
         """Start the server and wait until it is healthy; raise ``InferenceError`` otherwise."""
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the server's process and return at once (``wait_ready`` waits for it), so that
+        several servers load at the same time."""
         if self.is_alive():
-            return self
+            return
         self._proc = ManagedProcess(
             "vLLM server", self.command(), self.log_path, self.environment()
         )
         self._proc.start()
+
+    def wait_ready(self) -> InferenceServer:
+        """Wait until the spawned server is healthy; raise ``InferenceError`` otherwise."""
         try:
             self._proc.wait_healthy(
                 lambda: httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200,

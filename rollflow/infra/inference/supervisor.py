@@ -51,18 +51,19 @@ UNHEALTHY_PROBES_BEFORE_RESTART = 2  # one slow answer is not a death
 class WeightLink:
     """The weight plane's part of a server's life, given by the run flow.
 
-    ``join()`` forms the weight group with the running server; ``rejoin()`` does it again for a
-    restarted one and loads the trainer's published weights, returning their version;
-    ``leave(timeout_s)`` closes the group on both sides.
+    ``rejoin()`` forms the weight group anew after a restart (every server of the deployment
+    joins: a group's membership is fixed) and loads the trainer's published weights, returning
+    their version. ``lock`` is the group's: one sync or re-join at a time uses it.
     """
 
-    join: Callable[[], object]
     rejoin: Callable[[], int]
-    leave: Callable[[float], None]
+    lock: threading.Lock
 
 
 class InferenceSupervisor:
-    """One vLLM server, restarted when it dies; see the module docstring."""
+    """One vLLM server (``index`` of the deployment), restarted when it dies; see the module
+    docstring. ``env`` and ``server_args`` are the placement plan's for it (its devices, tensor
+    parallelism, memory share)."""
 
     def __init__(
         self,
@@ -70,23 +71,28 @@ class InferenceSupervisor:
         policy_dir: str | Path,
         log_dir: Path,
         *,
+        index: int = 0,
+        env: dict[str, str] | None = None,
+        server_args: list[str] = (),
         on_restart: Callable[[dict], None] = lambda info: None,
         progress=print,
     ):
-        self.cfg = cfg
+        self.cfg, self.index = cfg, index
         self.link: WeightLink | None = None
         self.on_restart, self.progress = on_restart, progress
+        port = cfg.inference.port + index if cfg.inference.port else 0
         self.server = InferenceServer(
             policy_dir,
             host=cfg.inference.host,
-            port=cfg.inference.port,
+            port=port,
             max_model_len=_max_model_len(policy_dir),
             startup_timeout_s=cfg.inference.startup_timeout_s,
-            extra_args=cfg.inference.extra_args,
-            log_path=log_dir / "vllm.log",
+            extra_args=[*server_args, *cfg.inference.extra_args],
+            extra_env=env,
+            log_path=log_dir / ("vllm.log" if index == 0 else f"vllm-{index}.log"),
         )
+        self.name = "the vLLM server" if cfg.inference.num_servers == 1 else f"vLLM server {index}"
         self.gate: ServingGate | None = None
-        self.group_open = False
         self.restarts = 0
         self._unhealthy_probes = 0
         self._owner: threading.Thread | None = None
@@ -97,17 +103,23 @@ class InferenceSupervisor:
 
     # ------------------------------------------------------------------- start
 
+    def spawn(self) -> None:
+        """Start the server's process (``wait_ready`` waits for it to be healthy)."""
+        self._owner = threading.current_thread()
+        self.server.spawn()
+
+    def wait_ready(self) -> None:
+        self.server.wait_ready()
+
     def start(self) -> None:
         """Start the server; returns once it is healthy (the weight group is joined separately)."""
-        self._owner = threading.current_thread()
-        self.server.start()
+        self.spawn()
+        self.wait_ready()
 
-    def join_weight_group(self, link: WeightLink) -> None:
-        """Form the weight group through ``link``, then let sampling in (open the gate)."""
+    def open_gate(self, link: WeightLink) -> None:
+        """The server is in the weight group: let sampling in; restarts re-join through ``link``."""
         self.link = link
-        link.join()
-        self.group_open = True
-        self.gate = register_gate(self.server.url)
+        self.gate = register_gate(self.server.url, link.lock)
 
     # ------------------------------------------------------------------- check
 
@@ -119,7 +131,7 @@ class InferenceSupervisor:
 
     def _failure(self) -> str | None:
         if not self.server.is_alive():
-            return f"the vLLM server died (exit code {self.server.returncode})"
+            return f"{self.name} died (exit code {self.server.returncode})"
         try:
             healthy = (
                 client().get(f"{self.url}/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code
@@ -129,7 +141,9 @@ class InferenceSupervisor:
             healthy = False
         self._unhealthy_probes = 0 if healthy else self._unhealthy_probes + 1
         if self._unhealthy_probes >= UNHEALTHY_PROBES_BEFORE_RESTART:
-            return f"the vLLM server failed {self._unhealthy_probes} health probes in a row ({self.url})"
+            return (
+                f"{self.name} failed {self._unhealthy_probes} health probes in a row ({self.url})"
+            )
         return None
 
     def restart_deadline_s(self) -> float:
@@ -164,11 +178,9 @@ class InferenceSupervisor:
         )
         start = time.monotonic()
         try:
-            self.group_open = False
             self.server.stop(timeout_s=10)
             self.server.start()
             with self.gate.weights_turn(self.cfg.trainer.weight_sync_timeout_s, when_open=False):
-                self.group_open = True  # (partly) formed from here on: teardown closes it
                 version = self.link.rejoin()
         except Exception as exc:
             message = f"{reason} and could not be restarted: {exc}; {logs}"
@@ -192,19 +204,16 @@ class InferenceSupervisor:
 
     # -------------------------------------------------------------------- stop
 
-    def stop(self, timeout_s: float) -> None:
-        """End the gate's waiters, close the weight group on both sides, stop the server."""
-        deadline = time.monotonic() + timeout_s
+    def close_gate(self) -> None:
+        """End the gate's waiters: the run is stopping (the weight group is left by the run)."""
         if self.gate is not None:
             self.gate.fail("the run is stopping its inference server")
             unregister_gate(self.gate)
-        if self.group_open:
-            self.group_open = False
-            try:
-                self.link.leave(max(1.0, min(5.0, deadline - time.monotonic())))
-            except Exception as exc:  # a dead peer must not block teardown
-                self.progress(f"teardown: {exc}")
-        self.server.stop(timeout_s=max(1.0, deadline - time.monotonic()))
+
+    def stop(self, timeout_s: float) -> None:
+        """End the gate's waiters and stop the server."""
+        self.close_gate()
+        self.server.stop(timeout_s=timeout_s)
 
 
 def _max_model_len(policy_dir: str | Path) -> int | None:

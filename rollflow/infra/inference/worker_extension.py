@@ -11,7 +11,7 @@ import json
 import logging
 from typing import Any
 
-from rollflow.infra.weights.group import WeightReceiverGroup
+from rollflow.infra.weights.group import DEFAULT_BUCKET_BYTES, WeightReceiverGroup
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,26 @@ class WeightReceiver:
         world_size: str,
         timeout_s: str,
         metadata_json: str,
+        wire_device: str = "cpu",
+        bucket_bytes: str = str(DEFAULT_BUCKET_BYTES),
     ) -> int:
-        """Join the group as ``rank`` + this worker's rank in its engine; returns the rank used."""
+        """Join the group as ``rank`` + this worker's rank in its engine; returns the rank used.
+
+        ``wire_device`` is the plan's (``placement.choose_backend``): ``"cuda"`` puts the bucket
+        on this worker's GPU (NCCL), ``"cpu"`` in host memory (gloo) whatever the worker's device.
+        """
         self.close_weight_group()
         # With tensor parallelism every worker of the engine is one rank of the weight group.
         my_rank = int(rank) + int(getattr(self, "rank", 0))
+        device = self.device if wire_device == "cuda" else "cpu"
         group = WeightReceiverGroup(
-            host, int(port), my_rank, int(world_size), float(timeout_s), device=self.device
+            host,
+            int(port),
+            my_rank,
+            int(world_size),
+            float(timeout_s),
+            device=device,
+            bucket_bytes=int(bucket_bytes),
         )
         group.connect()
         self._rollflow_weight_group = group
@@ -53,6 +66,8 @@ class WeightReceiver:
             raise RuntimeError("receive_weights called before init_weight_group")
         version, named_tensors = group.receive(self._rollflow_weight_metadata)
         self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+        for _ in named_tensors:  # a loader that skipped tensors must not leave buckets unread
+            pass
         return version
 
     def close_weight_group(self) -> None:

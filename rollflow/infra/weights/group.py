@@ -5,17 +5,21 @@ The group is private: a ``TCPStore`` hosted by the trainer and a ``ProcessGroupG
 lives beside vLLM's and the trainer's own groups. Collectives are called on the group object
 itself, each with a timeout: a dead peer is an error after ``timeout_s``, never a hang.
 
-Wire format of one sync (no pickling; both sides hold the same JSON metadata):
+Wire format of one sync (no pickling; both sides hold the same JSON metadata and bucket size):
 
-1. a header, int64 ``[version, total_numel]``;
-2. one flat bucket per dtype, in order of first appearance in the metadata, each the
-   concatenation of the flattened tensors of that dtype in metadata order.
+1. a header, int64 ``[version, total_bytes]``;
+2. the tensors' bytes in metadata order, packed into buckets of at most ``bucket_bytes`` (each
+   tensor starts at a 64-byte boundary; a tensor larger than a bucket travels alone), one
+   broadcast per bucket. ``bucket_layout`` computes the packing; both sides call it.
 
-A float32 model (the CPU path) is thus exactly one bucket. A bf16 model with float32 norms on GPU
-is two, and nothing is cast. Each bucket costs one extra copy of the weights on both sides; both
-sides keep their buckets between syncs and reuse them: a fresh CPU bucket per sync paid a page
-fault per 4 KiB page on every sync (bench/weight_sync.py: ~3x the broadcast itself), and a
-sync needs that memory anyway.
+Extra memory is one bucket on each side, reused by every sync (a fresh CPU bucket per sync paid a
+page fault per 4 KiB page: bench/weight_sync.py measured ~3x the broadcast itself), plus, on
+the receiving side when a sync spans several buckets, a copy of the tensors vLLM has not yet
+loaded: its layer-wise reload keeps each tensor until its layer is complete, so views into a
+bucket the next broadcast overwrites would be wrong. dtypes travel as bytes: nothing is cast.
+
+Backend and device come from the placement plan (``placement.choose_backend``): NCCL with
+buckets in GPU memory when both sides are on GPUs, gloo with buckets in host memory otherwise.
 """
 
 from __future__ import annotations
@@ -58,12 +62,38 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _bucket_layout(metadata: list[dict[str, Any]]) -> dict[str, int]:
-    """Number of elements of each dtype's bucket, in wire order."""
-    layout: dict[str, int] = {}
-    for m in metadata:
-        layout[m["dtype"]] = layout.get(m["dtype"], 0) + _numel(m["shape"])
-    return layout
+_ALIGN = 64
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+def _nbytes(m: dict[str, Any]) -> int:
+    return _numel(m["shape"]) * _dtype(m["dtype"]).itemsize
+
+
+def bucket_layout(metadata: list[dict[str, Any]], bucket_bytes: int) -> list[list[tuple[int, int]]]:
+    """The buckets of one sync: for each, ``(metadata index, byte offset)`` of its tensors.
+
+    Greedy in metadata order; a tensor larger than ``bucket_bytes`` gets a bucket of its own.
+    """
+    buckets: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    used = 0
+    for i, m in enumerate(metadata):
+        size = _nbytes(m)
+        offset = -(-used // _ALIGN) * _ALIGN
+        if current and offset + size > bucket_bytes:
+            buckets.append(current)
+            current, offset = [], 0
+        current.append((i, offset))
+        used = offset + size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _bucket_size(metadata: list[dict[str, Any]], bucket: list[tuple[int, int]]) -> int:
+    i, offset = bucket[-1]
+    return offset + _nbytes(metadata[i])
 
 
 class _WeightGroupMember:
@@ -77,6 +107,7 @@ class _WeightGroupMember:
         world_size: int,
         timeout_s: float,
         device: str | torch.device = "cpu",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside a group of {world_size}")
@@ -84,9 +115,10 @@ class _WeightGroupMember:
         self.rank, self.world_size = int(rank), int(world_size)
         self.timeout = timedelta(seconds=float(timeout_s))
         self.device = torch.device(device)
+        self.bucket_bytes = int(bucket_bytes)
         self._store: TCPStore | None = None
         self._group: ProcessGroup | None = None
-        self._buckets: dict[str, torch.Tensor] = {}  # by dtype name, reused by every sync
+        self._buffer: torch.Tensor | None = None  # the bucket, reused by every sync
 
     @property
     def connected(self) -> bool:
@@ -160,15 +192,18 @@ class _WeightGroupMember:
                 except Exception as err:  # teardown must not mask the error that caused it
                     logger.debug("weight group shutdown failed: %s", err)
         self._store = None
-        self._buckets = {}
+        self._buffer = None
 
-    def _bucket(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """This dtype's bucket of ``numel`` elements: the previous sync's when it fits."""
-        name = str(dtype).removeprefix("torch.")
-        bucket = self._buckets.get(name)
-        if bucket is None or bucket.numel() != numel:
-            bucket = self._buckets[name] = torch.empty(numel, dtype=dtype, device=self.device)
-        return bucket
+    def _bucket(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the reused bucket buffer (grown when a larger bucket comes)."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffer[:nbytes]
+
+    @property
+    def peak_bucket_bytes(self) -> int:
+        """Bytes of the bucket buffer this member holds (its extra memory for syncs)."""
+        return 0 if self._buffer is None else self._buffer.numel()
 
 
 class WeightSender(_WeightGroupMember):
@@ -185,32 +220,32 @@ class WeightSender(_WeightGroupMember):
         world_size: int,
         timeout_s: float,
         device: str | torch.device = "cpu",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        super().__init__(host, port, 0, world_size, timeout_s, device)
+        super().__init__(host, port, 0, world_size, timeout_s, device, bucket_bytes)
 
     @torch.no_grad()
     def broadcast(self, named_tensors: NamedTensors, version: int) -> int:
         """Send all tensors as policy ``version``; returns the number of bytes sent."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        total_numel = 0
-        for _, t in named_tensors:
-            by_dtype.setdefault(t.dtype, []).append(t.detach().reshape(-1))
-            total_numel += t.numel()
-        header = torch.tensor([int(version), total_numel], dtype=torch.int64, device=self.device)
+        tensors = [t.detach() for _, t in named_tensors]
+        metadata = weight_metadata((str(i), t) for i, t in enumerate(tensors))
+        layout = bucket_layout(metadata, self.bucket_bytes)
+        total = sum(_bucket_size(metadata, b) for b in layout)
+        header = torch.tensor([int(version), total], dtype=torch.int64, device=self.device)
         self._broadcast(header)
-        num_bytes = header.numel() * header.element_size()
-        for dtype, flats in by_dtype.items():
-            bucket = self._bucket(dtype, sum(f.numel() for f in flats))
-            torch.cat([f.to(self.device) for f in flats], out=bucket)
-            self._broadcast(bucket)
-            num_bytes += bucket.numel() * bucket.element_size()
-        return num_bytes
+        for bucket in layout:
+            buffer = self._bucket(_bucket_size(metadata, bucket))
+            for i, offset in bucket:
+                flat = tensors[i].contiguous().reshape(-1).view(torch.uint8)
+                buffer[offset : offset + flat.numel()].copy_(flat)
+            self._broadcast(buffer)
+        return total + header.numel() * header.element_size()
 
 
 class WeightReceiverGroup(_WeightGroupMember):
     """Inference side of the weight group (rank >= 1).
 
-    Invariant: ``receive`` returns only tensors whose total size matches the metadata the group
+    Invariant: ``receive`` yields only tensors whose total size matches the metadata the group
     was set up with, with the version the sender tagged them with.
     """
 
@@ -218,31 +253,34 @@ class WeightReceiverGroup(_WeightGroupMember):
     def receive(
         self, metadata: list[dict[str, Any]]
     ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-        """Receive one sync; returns its version and ``(name, tensor)`` views into the buckets.
+        """Receive one sync; returns its version and its ``(name, tensor)`` pairs.
 
-        The views are valid until the next ``receive``, which reuses the buckets: load them first.
+        The pairs arrive as the loader asks for them, one bucket at a time: exhaust the iterator
+        (``load`` does) before the next ``receive``, or the group falls out of step. With one
+        bucket they are views into it, valid until the next ``receive``; with several, copies.
         """
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._broadcast(header)
-        version, total_numel = (int(x) for x in header.tolist())
-        layout = _bucket_layout(metadata)
-        if total_numel != sum(layout.values()):
+        version, total = (int(x) for x in header.tolist())
+        layout = bucket_layout(metadata, self.bucket_bytes)
+        expected = sum(_bucket_size(metadata, b) for b in layout)
+        if total != expected:
             raise WeightSyncError(
-                f"sender announced {total_numel} elements, metadata describes "
-                f"{sum(layout.values())}: trainer and inference disagree on the model"
+                f"sender announced {total} bytes, metadata and trainer.weight_bucket_mb describe "
+                f"{expected}: trainer and inference disagree on the model or the bucket size"
             )
-        buckets = {}
-        for dtype_name, numel in layout.items():
-            buckets[dtype_name] = self._bucket(_dtype(dtype_name), numel)
-            self._broadcast(buckets[dtype_name])
-        return version, _unflatten(metadata, buckets)
+        return version, self._tensors(metadata, layout)
 
-
-def _unflatten(
-    metadata: list[dict[str, Any]], buckets: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    offsets = dict.fromkeys(buckets, 0)
-    for m in metadata:
-        n, start = _numel(m["shape"]), offsets[m["dtype"]]
-        offsets[m["dtype"]] = start + n
-        yield m["name"], buckets[m["dtype"]][start : start + n].view(m["shape"])
+    def _tensors(
+        self, metadata: list[dict[str, Any]], layout: list[list[tuple[int, int]]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        copy = len(layout) > 1  # the next bucket overwrites this one's bytes
+        for bucket in layout:
+            buffer = self._bucket(_bucket_size(metadata, bucket))
+            self._broadcast(buffer)
+            for i, offset in bucket:
+                m = metadata[i]
+                view = (
+                    buffer[offset : offset + _nbytes(m)].view(_dtype(m["dtype"])).view(m["shape"])
+                )
+                yield m["name"], view.clone() if copy else view

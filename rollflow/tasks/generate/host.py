@@ -19,8 +19,7 @@ from concurrent.futures import Future
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import TrainingFinished
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.gate import serving_gate
+from rollflow.infra.inference.pool import InferencePool
 from rollflow.tasks.generate.environments import Environment, RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
 from rollflow.tasks.generate.rollouts import SamplingStats, group_runner
@@ -49,7 +48,7 @@ def host_for(run: str) -> ProducerHost:
         ) from None
 
 
-MakeContext = Callable[[InferenceClient, SamplingStats], RolloutContext]
+MakeContext = Callable[[InferencePool, SamplingStats], RolloutContext]
 
 
 class ProducerHost:
@@ -65,7 +64,7 @@ class ProducerHost:
         cfg: RunConfig,
         envs: dict[str, Environment],
         make_ctx: MakeContext,
-        inference_url: str,
+        inference_urls: list[str],
         resumed_from: int,
         reused_steps: list[int] = (),
     ):
@@ -82,8 +81,8 @@ class ProducerHost:
         self._cond = threading.Condition()
         self.sampling_stats = SamplingStats()  # retries of aborted or disconnected requests
 
-        async def build() -> tuple[InferenceClient, RolloutProducer]:
-            client = InferenceClient(inference_url, timeout_s=cfg.inference.request_timeout_s)
+        async def build() -> tuple[InferencePool, RolloutProducer]:
+            client = InferencePool.of(inference_urls, timeout_s=cfg.inference.request_timeout_s)
             t = cfg.train
             rollout_ctx = make_ctx(client, self.sampling_stats)
             producer = RolloutProducer(
@@ -143,8 +142,8 @@ class ProducerHost:
         groups = self._call(self.producer.take(step, timeout_s), timeout_s + 5)
         metrics = self._call(_producer_metrics(self.producer, step), 10)
         metrics["retries_total"] = self.sampling_stats.retries
-        gate = serving_gate(self.client.base_url)
-        metrics["inference_restarts"] = gate.restarts if gate else 0
+        metrics["inference_restarts"] = sum(self.client.restarts())
+        metrics.update(self.client.metrics())
         self._advance_taken(step)
         return groups, metrics
 

@@ -22,6 +22,7 @@ from rollflow.infra.errors import (
     RequestAborted,
 )
 from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.inference.pool import InferencePool
 from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
 
 log = logging.getLogger(__name__)
@@ -54,11 +55,15 @@ class SamplingStats:
 
 
 class Sampler:
-    """The sampling call handed to environments: one vLLM request, retried until it completes."""
+    """The sampling call handed to environments: one vLLM request, retried until it completes.
+
+    Each try goes to a server of the pool (the least loaded open one, ``InferencePool.lease``),
+    so a retry after a server's death goes to another server while it is restarted.
+    """
 
     def __init__(
         self,
-        client: InferenceClient,
+        client: InferencePool | InferenceClient,
         *,
         max_tokens: int,
         temperature: float,
@@ -67,7 +72,7 @@ class Sampler:
         stats: SamplingStats,
         deadline_s: float,
     ):
-        self.client = client
+        self.pool = client if isinstance(client, InferencePool) else InferencePool([client])
         self.params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         self.retry, self.stats, self.deadline_s = retry, stats, deadline_s
 
@@ -78,11 +83,12 @@ class Sampler:
         unhealthy_since: float | None = None
         while True:
             try:
-                return await self.client.complete(prompt_ids, n=n, **params)
+                with self.pool.lease() as client:
+                    return await client.complete(prompt_ids, n=n, **params)
             except InferenceError as exc:
                 if not _retryable(exc):
                     raise
-                unhealthy_since = await self._down_since(exc, unhealthy_since)
+                unhealthy_since = await self._down_since(client, exc, unhealthy_since)
                 reason = type(exc).__name__
                 self.stats.retries += 1
                 self.stats.retry_reasons[reason] = self.stats.retry_reasons.get(reason, 0) + 1
@@ -97,13 +103,15 @@ class Sampler:
                 log.warning("request %s (%s), retry %d", reason, exc, attempt)
                 await asyncio.sleep(self.retry.delay_s(attempt - 1))
 
-    async def _down_since(self, exc: Exception, since: float | None) -> float | None:
+    async def _down_since(
+        self, client: InferenceClient, exc: Exception, since: float | None
+    ) -> float | None:
         """Since when the server has been down with no restart under way (None: it is up, or its
         supervisor is restarting it, so the request waits at the gate); raises when the failure
         is final: ``InferenceGone``, or the HTTP 5xx of a healthy server (the group's error)."""
-        if self.client.restarting or isinstance(exc, RequestAborted):
+        if client.restarting or isinstance(exc, RequestAborted):
             return None
-        healthy = await self.client.health()
+        healthy = await client.health()
         if _server_failed(exc):
             if healthy:
                 raise exc

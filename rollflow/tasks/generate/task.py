@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from rollflow.infra.config import RunConfig
 from rollflow.infra.context import RunContext
 from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.inference.pool import InferencePool
 from rollflow.infra.schema import loss_mask, rows_to_table
 from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
@@ -81,7 +82,7 @@ def build_envs(cfg: RunConfig) -> dict[str, Environment]:
 def make_rollout_context(
     cfg: RunConfig,
     model_path: str,
-    client: InferenceClient,
+    client: InferencePool | InferenceClient,
     stats: SamplingStats,
     *,
     temperature: float,
@@ -132,8 +133,8 @@ def _sample(
     """One group per prompt from the inference deployment, on a short-lived client."""
 
     async def run():
-        client = InferenceClient(
-            ctx.inference.url, timeout_s=ctx.config.inference.request_timeout_s
+        client = InferencePool.of(
+            ctx.inference_urls, timeout_s=ctx.config.inference.request_timeout_s
         )
         try:
             rctx = make_rollout_context(

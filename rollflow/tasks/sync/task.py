@@ -10,6 +10,8 @@ second is a no-op).
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prefect import task
@@ -18,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from rollflow.infra.context import RunContext
 from rollflow.infra.errors import InferenceError, ServiceError, WeightSyncError
 from rollflow.infra.events import publish as publish_event
-from rollflow.infra.inference.gate import serving_gate
+from rollflow.infra.inference.gate import ServingGate, serving_gate
 from rollflow.tasks.sync.weights import WeightSource, publish
 
 # How long a failed sync waits for the supervisor to notice a dead server (it checks every 5 s).
@@ -41,20 +43,22 @@ class Synced:
 def sync(ctx: RunContext, version: int, source: WeightSource) -> Synced:
     """Publish the trainer's (``source``'s) current weights to the inference deployment as ``version``."""
     timeout_s = ctx.config.trainer.weight_sync_timeout_s
-    gate = serving_gate(ctx.inference.url)  # None when no supervisor runs the server
+    urls = ctx.inference_urls
+    # None where no supervisor runs the server; a run's gates share one weight-plane lock.
+    gates = [g for g in map(serving_gate, urls) if g is not None]
     for attempt in range(2):
-        restarts_seen = gate.restarts if gate else 0
+        restarts_seen = [g.restarts for g in gates]
         try:
-            with gate.weights_turn(timeout_s) if gate else contextlib.nullcontext():
-                result = publish(source, ctx.inference.url, version, timeout_s)
+            with _weights_turn(gates, timeout_s):
+                result = publish(source, urls, version, timeout_s)
             break
         except (WeightSyncError, InferenceError) as err:
             # A dead or hung trainer is no vLLM restart's to fix: fail at once, naming it.
             if (
                 attempt
-                or gate is None
+                or not gates
                 or _trainer_unreachable(err)
-                or not gate.wait_restart(restarts_seen, RESTART_NOTICE_S)
+                or not _restarted(gates, restarts_seen, RESTART_NOTICE_S)
             ):
                 raise
     publish_event(ctx.storage, "weights_published", version=version)
@@ -66,6 +70,31 @@ def sync(ctx: RunContext, version: int, source: WeightSource) -> Synced:
         result["bytes"],
         attempt + 1,
     )
+
+
+@contextlib.contextmanager
+def _weights_turn(gates: list[ServingGate], timeout_s: float) -> Iterator[None]:
+    """The weight plane of every server: all gates open, then the group's one lock."""
+    if not gates:
+        yield
+        return
+    for gate in gates[1:]:
+        gate.wait_open()
+    with gates[0].weights_turn(timeout_s):  # waits for gates[0] to open, takes the shared lock
+        yield
+
+
+def _restarted(gates: list[ServingGate], seen: list[int], notice_s: float) -> bool:
+    """Was any server restarted (or is one being restarted) since ``seen``? Waits ``notice_s``
+    for a supervisor to notice, then for every restart to end."""
+    deadline = time.monotonic() + notice_s
+    while not any(g.restarts > s or not g.is_open for g, s in zip(gates, seen, strict=True)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    for gate in gates:
+        gate.wait_open()
+    return True
 
 
 def _trainer_unreachable(err: BaseException) -> bool:

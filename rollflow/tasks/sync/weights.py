@@ -4,17 +4,20 @@ Both sides of each collective must run at the same time: the trainer's half is a
 factory (e.g. ``lambda: asyncio.to_thread(sender.broadcast, params, version)``) and the server's
 half a ``/collective_rpc`` call; ``init_weight_group`` and ``sync_weights`` start them together
 and bound the pair by a deadline. ``join``, ``publish``, ``rejoin`` and ``leave`` do the same
-with the trainer service as the sender (any ``WeightSource``: the train stage's client is one),
+for every server of the deployment at once (one group: the trainer is rank 0, each server's
+workers follow), with the trainer service as the sender (any ``WeightSource``: the train stage's client is one),
 for the run's services, the sync task and the inference supervisor's restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
@@ -29,90 +32,140 @@ logger = logging.getLogger(__name__)
 _RPC_MARGIN_S = 5.0
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every member of the weight group agrees on; from the placement plan.
+
+    ``world_size`` = 1 (the trainer) + every vLLM worker of every server; ``wire_device`` is
+    ``plan.wire.device`` (``placement.choose_backend``): the trainer's sender and each worker
+    put their bucket there, so both sides always pick the same backend.
+    """
+
+    world_size: int
+    wire_device: str
+    bucket_bytes: int
+    host: str = "127.0.0.1"
+
+    @classmethod
+    def from_plan(cls, plan: Any, bucket_mb: float) -> GroupSpec:
+        return cls(
+            world_size=plan.weight_world_size,
+            wire_device=plan.wire.device,
+            bucket_bytes=int(bucket_mb * (1 << 20)),
+            host=plan.group_host,
+        )
+
+    @classmethod
+    def single(cls, bucket_bytes: int = 256 << 20) -> GroupSpec:
+        """The trainer and one one-worker server on this host, over gloo (the CPU shape)."""
+        return cls(world_size=2, wire_device="cpu", bucket_bytes=bucket_bytes)
+
+
 async def init_weight_group(
-    client: InferenceClient,
+    clients: Sequence[tuple[InferenceClient, int]],
     connect: Callable[[], Awaitable[Any]],
-    host: str,
+    spec: GroupSpec,
     port: int,
-    world_size: int,
     timeout_s: float,
     metadata: list[dict[str, Any]],
-    *,
-    first_rank: int = 1,
 ) -> dict[str, Any]:
-    """Form the weight group: the trainer's ``connect()`` and the server's workers join together.
+    """Form the weight group: the trainer's ``connect()`` and every server's workers join together.
 
-    ``first_rank`` is the group rank of the server's first worker (its others follow).
-    Returns ``{"ranks": [...], "init_s": ...}``.
+    ``clients`` pairs each server's client with the group rank of its first worker (its others
+    follow). Returns ``{"ranks": [...], "init_s": ...}``.
     """
     start = time.perf_counter()
-    rpc = client.collective_rpc(
-        "init_weight_group",
-        [host, port, first_rank, world_size, timeout_s, json.dumps(metadata)],
-        timeout_s=timeout_s + _RPC_MARGIN_S,
-    )
-    _, ranks = await _together(connect(), rpc, timeout_s, "weight group set-up")
-    return {"ranks": [int(r) for r in ranks], "init_s": time.perf_counter() - start}
+    rpcs = [
+        client.collective_rpc(
+            "init_weight_group",
+            [
+                spec.host,
+                port,
+                first_rank,
+                spec.world_size,
+                timeout_s,
+                json.dumps(metadata),
+                spec.wire_device,
+                spec.bucket_bytes,
+            ],
+            timeout_s=timeout_s + _RPC_MARGIN_S,
+        )
+        for client, first_rank in clients
+    ]
+    _, *ranks = await _together(connect(), rpcs, timeout_s, "weight group set-up")
+    return {"ranks": [int(r) for rs in ranks for r in rs], "init_s": time.perf_counter() - start}
 
 
 async def sync_weights(
-    client: InferenceClient,
+    clients: Sequence[InferenceClient],
     send: Callable[[], Awaitable[Any]],
     version: int | None,
     timeout_s: float,
 ) -> dict[str, Any]:
-    """Load policy ``version`` into the server in flight.
+    """Load policy ``version`` into every server in flight.
 
-    pause(keep) → {trainer broadcast ∥ workers receive + reload} → reset prefix cache → resume.
-    Requests in flight are frozen, not dropped, and continue on the new weights. The server is
-    resumed whatever happens. Returns ``version``, ``pause_s``, ``broadcast_s``, ``total_s`` and
-    ``bytes`` (what ``send()`` returned: an int, or a dict with a ``"bytes"`` key). With
-    ``version=None`` the trainer tags the weights (``send()`` returns ``{"version": ...}``).
+    pause(keep) all → {trainer broadcast ∥ every worker receives + reloads} → reset prefix
+    caches → resume all. Requests in flight are frozen, not dropped, and continue on the new
+    weights. Every server is resumed whatever happens. Returns ``version``, ``pause_s``,
+    ``broadcast_s``, ``total_s`` and ``bytes`` (what ``send()`` returned: an int, or a dict with a
+    ``"bytes"`` key). With ``version=None`` the trainer tags the weights (``send()`` returns
+    ``{"version": ...}``).
     """
     start = time.perf_counter()
     what = f"weight sync v{version}" if version is not None else "weight sync"
-    await client.pause(mode="keep")
-    paused = time.perf_counter()
+    paused = []
     try:
-        rpc = client.collective_rpc("receive_weights", timeout_s=timeout_s + _RPC_MARGIN_S)
-        sent, versions = await _together(send(), rpc, timeout_s, what)
+        for client in clients:
+            await client.pause(mode="keep")
+            paused.append(client)
+        paused_at = time.perf_counter()
+        rpcs = [
+            client.collective_rpc("receive_weights", timeout_s=timeout_s + _RPC_MARGIN_S)
+            for client in clients
+        ]
+        sent, *versions = await _together(send(), rpcs, timeout_s, what)
         broadcast_done = time.perf_counter()
         if version is None:
             version = sent.get("version") if isinstance(sent, dict) else None
-        if any(int(v) != version for v in versions):
-            raise WeightSyncError(f"workers loaded versions {versions}, expected {version}")
+        loaded = [int(v) for vs in versions for v in vs]
+        if any(v != version for v in loaded):
+            raise WeightSyncError(f"workers loaded versions {loaded}, expected {version}")
         # Cached KV blocks were computed by the old weights.
-        await client.reset_prefix_cache()
+        await asyncio.gather(*(client.reset_prefix_cache() for client in clients))
     finally:
-        await client.resume()
+        results = await asyncio.gather(
+            *(client.resume() for client in paused), return_exceptions=True
+        )
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        raise WeightSyncError(f"{what}: a server did not resume: {failed[0]}") from failed[0]
     end = time.perf_counter()
     return {
         "version": version,
-        "pause_s": paused - start,
-        "broadcast_s": broadcast_done - paused,
+        "pause_s": paused_at - start,
+        "broadcast_s": broadcast_done - paused_at,
         "total_s": end - start,
         "bytes": _num_bytes(sent),
     }
 
 
 async def _together(
-    local: Awaitable[Any], remote: Awaitable[Any], timeout_s: float, what: str
-) -> tuple[Any, Any]:
-    """Run both halves of a collective; the first failure cancels the other."""
-    local_task = asyncio.ensure_future(local)
-    remote_task = asyncio.ensure_future(remote)
+    local: Awaitable[Any], remotes: Sequence[Awaitable[Any]], timeout_s: float, what: str
+) -> list[Any]:
+    """Run every half of a collective; the first failure cancels the others."""
+    tasks = [asyncio.ensure_future(local), *(asyncio.ensure_future(r) for r in remotes)]
     try:
         async with asyncio.timeout(timeout_s + 2 * _RPC_MARGIN_S):
-            return await asyncio.gather(local_task, remote_task)
+            return await asyncio.gather(*tasks)
     except TimeoutError as err:
         raise WeightSyncError(f"{what} did not finish within {timeout_s:.0f} s") from err
     except Exception as err:
         raise WeightSyncError(f"{what} failed: {err}") from err
     finally:
-        for task in (local_task, remote_task):
+        for task in tasks:
             task.cancel()
         # A thread behind `local` cannot be cancelled; its own collective timeout ends it.
-        await asyncio.gather(local_task, remote_task, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _num_bytes(sent: Any) -> int | None:
@@ -129,7 +182,15 @@ class WeightSource(Protocol):
 
     def metadata(self) -> list[dict[str, Any]]: ...
 
-    def weights_connect(self, host: str, port: int, world_size: int, timeout_s: float) -> dict: ...
+    def weights_connect(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        timeout_s: float,
+        wire_device: str,
+        bucket_bytes: int,
+    ) -> dict: ...
 
     def weights_broadcast(
         self, version: int | None = None, timeout_s: float | None = None
@@ -140,68 +201,90 @@ class WeightSource(Protocol):
     def health(self, timeout_s: float = 5.0) -> dict: ...
 
 
-def join(source: WeightSource, url: str, timeout_s: float) -> dict[str, Any]:
-    """Form the weight group of the trainer (rank 0) and the server at ``url`` (its workers)."""
+Servers = Sequence[tuple[str, int]]  # (url, group rank of its first worker), every server
+
+
+def join(source: WeightSource, servers: Servers, spec: GroupSpec, timeout_s: float) -> dict:
+    """Form the weight group of the trainer (rank 0) and every server's workers."""
     metadata = source.metadata()
     port = free_port()
 
     async def run() -> dict[str, Any]:
-        async with InferenceClient(url, timeout_s=timeout_s) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                (await stack.enter_async_context(InferenceClient(url, timeout_s=timeout_s)), rank)
+                for url, rank in servers
+            ]
             connect = partial(
-                asyncio.to_thread, source.weights_connect, "127.0.0.1", port, 2, timeout_s
+                asyncio.to_thread,
+                source.weights_connect,
+                spec.host,
+                port,
+                spec.world_size,
+                timeout_s,
+                spec.wire_device,
+                spec.bucket_bytes,
             )
-            return await init_weight_group(
-                client, connect, "127.0.0.1", port, 2, timeout_s, metadata
-            )
+            return await init_weight_group(clients, connect, spec, port, timeout_s, metadata)
 
     return asyncio.run(run())
 
 
 def publish(
-    source: WeightSource, url: str, version: int | None, timeout_s: float
+    source: WeightSource, urls: Sequence[str], version: int | None, timeout_s: float
 ) -> dict[str, Any]:
-    """Broadcast the trainer's weights to the server as ``version`` (None: the trainer tags them
+    """Broadcast the trainer's weights to every server as ``version`` (None: the trainer tags them
     with its last finished step); see ``sync_weights``."""
 
     async def run() -> dict[str, Any]:
-        async with InferenceClient(url, timeout_s=timeout_s) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(InferenceClient(url, timeout_s=timeout_s))
+                for url in urls
+            ]
             send = partial(asyncio.to_thread, source.weights_broadcast, version, timeout_s)
-            return await sync_weights(client, send, version, timeout_s)
+            return await sync_weights(clients, send, version, timeout_s)
 
     return asyncio.run(run())
 
 
-def rejoin(source: WeightSource, url: str, timeout_s: float, step_timeout_s: float) -> int:
-    """A restarted server joins again and gets the weights of the trainer's last finished step
-    (if the trainer is mid-step, after it: within ``step_timeout_s``). Returns that version.
+def rejoin(
+    source: WeightSource, servers: Servers, spec: GroupSpec, timeout_s: float, step_timeout_s: float
+) -> int:
+    """Form the group anew after a server restarted, and give every server the weights of the
+    trainer's last finished step (if the trainer is mid-step, after it: within
+    ``step_timeout_s``). Returns that version.
 
-    No new step can start training meanwhile: it would first need the previous step's sync,
-    which waits for the serving gate the restart holds closed.
+    A group's membership is fixed when it forms, so a restarted member means a new group: the
+    servers that kept running rejoin too (they keep serving meanwhile) and load the same
+    version again. No new step can start training meanwhile: it would first need the previous
+    step's sync, which waits for the serving gate the restart holds closed.
     """
-    join(source, url, timeout_s)
+    join(source, servers, spec, timeout_s)
     deadline = time.monotonic() + step_timeout_s
     while source.health().get("weights_version") is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the trainer was still mid-step after {step_timeout_s:.0f}s")
         time.sleep(0.2)
-    return publish(source, url, None, timeout_s)["version"]
+    return publish(source, [url for url, _ in servers], None, timeout_s)["version"]
 
 
-def leave(source: WeightSource, url: str, timeout_s: float) -> None:
-    """Close the weight group on both sides; a dead peer does not stop the other's close."""
+def leave(source: WeightSource, urls: Sequence[str], timeout_s: float) -> None:
+    """Close the weight group on every side; a dead peer does not stop the others' close."""
     errors = []
     try:
         source.weights_close(timeout_s)
     except Exception as exc:  # noqa: BLE001 - teardown goes on
         errors.append(f"trainer: {exc}")
 
-    async def close_workers() -> None:
+    async def close_workers(url: str) -> None:
         async with InferenceClient(url, timeout_s=timeout_s) as client:
             await client.collective_rpc("close_weight_group", [], timeout_s=timeout_s)
 
-    try:
-        asyncio.run(close_workers())
-    except Exception as exc:  # noqa: BLE001
-        errors.append(f"vLLM: {exc}")
+    for url in urls:
+        try:
+            asyncio.run(close_workers(url))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"vLLM at {url}: {exc}")
     if errors:
         raise WeightSyncError("closing the weight group: " + "; ".join(errors))

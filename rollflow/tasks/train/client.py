@@ -121,13 +121,26 @@ class TrainerClient:
         return self._get("/weights/metadata", timeout_s)
 
     def weights_connect(
-        self, host: str, port: int, world_size: int, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        timeout_s: float,
+        wire_device: str,
+        bucket_bytes: int,
     ) -> dict[str, Any]:
         """Rank 0 joins the weight group as its rank 0 (hosting its store), or answers 502 after
         the group's own ``timeout_s``; the call's deadline leaves it time to say so."""
         return self._post(
             "/weights/connect",
-            WeightConnect(host=host, port=port, world_size=world_size, timeout_s=timeout_s),
+            WeightConnect(
+                host=host,
+                port=port,
+                world_size=world_size,
+                timeout_s=timeout_s,
+                wire_device=wire_device,
+                bucket_bytes=bucket_bytes,
+            ),
             timeout_s + ANSWER_MARGIN_S,
         )
 

@@ -31,12 +31,26 @@ TORCH_EXTENSIONS_DIR = Path("~/.cache/rollflow/torch_extensions").expanduser()
 
 
 def launcher_argv(
-    backend: str, num_ranks: int, args_file: str | Path, master_port: int
+    backend: str,
+    num_ranks: int,
+    args_file: str | Path,
+    master_port: int,
+    *,
+    num_nodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    hostfile: str | Path | None = None,
 ) -> list[str]:
-    """The launcher command line: torchrun for FSDP2, the deepspeed launcher for DeepSpeed.
+    """The launcher command line of one trainer node: torchrun for FSDP2, the deepspeed launcher
+    for DeepSpeed, ``num_ranks`` ranks on this node of ``num_nodes``.
 
     Both are run as modules of this interpreter (``torchrun`` is ``torch.distributed.run``,
     ``deepspeed`` is ``deepspeed.launcher.runner``), so the ranks get the same environment.
+    Several nodes rendezvous at ``master_addr:master_port`` on node 0 with fixed node ranks
+    (torchrun's static c10d store; DeepSpeed's hostfile with ``--no_ssh``): global rank 0, the
+    one that serves the trainer's HTTP API and roots the weight group, is always on node 0.
+    torchrun's dynamic c10d rendezvous orders nodes by host name and pid, so it could not
+    promise that (see docs/architecture.md).
     """
     if backend == "fsdp2":
         return [
@@ -44,8 +58,9 @@ def launcher_argv(
             "-m",
             "torch.distributed.run",
             f"--nproc-per-node={num_ranks}",
-            "--nnodes=1",
-            "--master-addr=127.0.0.1",
+            f"--nnodes={num_nodes}",
+            f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}",
             f"--master-port={master_port}",
             "--max-restarts=0",
             "-m",
@@ -53,18 +68,27 @@ def launcher_argv(
             str(args_file),
         ]
     if backend == "deepspeed":
+        argv = [sys.executable, "-m", "deepspeed.launcher.runner"]
+        if num_nodes > 1:
+            if hostfile is None:
+                raise ValueError("a multi-node DeepSpeed launch needs a hostfile")
+            argv += [f"--hostfile={hostfile}", "--no_ssh", f"--node_rank={node_rank}"]
+        else:
+            argv.append(f"--num_gpus={num_ranks}")
         return [
-            sys.executable,
-            "-m",
-            "deepspeed.launcher.runner",
-            f"--num_gpus={num_ranks}",
-            "--master_addr=127.0.0.1",
+            *argv,
+            f"--master_addr={master_addr}",
             f"--master_port={master_port}",
             "--module",
             SERVICE_MODULE,
             str(args_file),
         ]
     raise ValueError(f"unknown trainer backend {backend!r}; expected 'fsdp2' or 'deepspeed'")
+
+
+def hostfile_text(num_nodes: int, num_ranks: int) -> str:
+    """DeepSpeed's hostfile: one line per trainer node (names only label nodes with --no_ssh)."""
+    return "".join(f"node-{i} slots={num_ranks}\n" for i in range(num_nodes))
 
 
 def launcher_env(
@@ -89,44 +113,81 @@ def launcher_env(
     return env
 
 
+def node_argv(trainer: Any, node_rank: int, args_file: str | Path, master_port: int) -> list[str]:
+    """The launcher command of trainer node ``node_rank`` for a run's ``[trainer]`` section."""
+    hostfile = None
+    if trainer.backend == "deepspeed" and trainer.num_nodes > 1:
+        hostfile = Path(args_file).with_name("trainer-hostfile")
+    return launcher_argv(
+        trainer.backend,
+        trainer.num_ranks,
+        args_file,
+        master_port,
+        num_nodes=trainer.num_nodes,
+        node_rank=node_rank,
+        master_addr=trainer.master_addr if trainer.num_nodes > 1 else "127.0.0.1",
+        hostfile=hostfile,
+    )
+
+
 class TrainerProcess:
-    """One trainer service: launcher + ranks, reachable through ``client``."""
+    """One trainer node's launcher and ranks; node 0's is reachable through ``client``.
+
+    ``device_env`` is the plan's environment for this node (``CUDA_VISIBLE_DEVICES``);
+    ``node_rank`` > 0 starts another node of a multi-node trainer (its ranks serve no API).
+    """
 
     def __init__(
-        self, args: ServiceArgs, *, token: str, log_dir: str | Path, beside_inference: bool = False
+        self,
+        args: ServiceArgs,
+        *,
+        token: str,
+        log_dir: str | Path,
+        beside_inference: bool = False,
+        device_env: dict[str, str] | None = None,
+        node_rank: int = 0,
     ):
         self.log_dir = Path(log_dir)
         tr = args.trainer
         self.startup_timeout_s = tr.startup_timeout_s
-        log_path = self.log_dir / "trainer.log"
+        suffix = f"-node-{node_rank}" if node_rank else ""
+        log_path = self.log_dir / f"trainer{suffix}.log"
         self.args = args.model_copy(
             update={"port": args.port or free_port(args.host), "log_path": str(log_path)}
         )
         self.endpoint = Endpoint("trainer", f"http://{self.args.host}:{self.args.port}", token)
         self.client = TrainerClient(self.endpoint, tr.request_timeout_s)
-        args_file = self.log_dir / "trainer-args.json"
+        args_file = self.log_dir / f"trainer-args{suffix}.json"
         device = tr.device
         if device == "auto":
             device = "cuda" if _has_cuda() else "cpu"
-        self.process = ManagedProcess(
-            "trainer",
-            launcher_argv(tr.backend, tr.num_ranks, args_file, free_port()),
-            log_path,
+        master_port = tr.master_port if tr.num_nodes > 1 else free_port()
+        env = launcher_env(
+            tr.num_ranks,
+            token,
+            device,
             # Beside vLLM on a host without a GPU, the ranks keep to the trainer's share of the cores.
-            env=launcher_env(
-                tr.num_ranks,
-                token,
-                device,
-                len(cpu_split()[1]) if beside_inference and device == "cpu" else None,
-            ),
+            len(cpu_split()[1]) if beside_inference and device == "cpu" else None,
         )
-        self._args_file = args_file
+        env.update(device_env or {})
+        self.process = ManagedProcess(
+            "trainer" + suffix,
+            node_argv(tr, node_rank, args_file, master_port),
+            log_path,
+            env=env,
+        )
+        self.args_file = args_file
         self.ranks: list[dict[str, Any]] = []
 
     def start(self) -> TrainerProcess:
         """Launch the ranks; returns at once (they load while other services start)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._args_file.write_text(self.args.model_dump_json())
+        self.args_file.write_text(self.args.model_dump_json())
+        tr = self.args.trainer
+        if tr.backend == "deepspeed" and tr.num_nodes > 1:
+            self.args_file.with_name("trainer-hostfile").write_text(
+                hostfile_text(tr.num_nodes, tr.num_ranks)
+            )
         self.process.start()
         return self
 

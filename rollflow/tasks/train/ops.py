@@ -278,7 +278,11 @@ class RankOps:
             if self.sender is not None:
                 self.sender.close()
             self.sender = None
-            sender = WeightSender(req.host, req.port, req.world_size, req.timeout_s)
+            # The plan's wire: NCCL from this rank's GPU, or gloo from host memory.
+            device = self.trainer.device if req.wire_device == "cuda" else "cpu"
+            sender = WeightSender(
+                req.host, req.port, req.world_size, req.timeout_s, device, req.bucket_bytes
+            )
             try:
                 sender.connect()
             except Exception as err:

@@ -87,6 +87,8 @@ class WeightConnect(_Body):
     port: int
     world_size: int
     timeout_s: float
+    wire_device: Literal["cpu", "cuda"]  # the plan's (placement.choose_backend); no default
+    bucket_bytes: int = Field(gt=0)
 
 
 class Broadcast(_Body):

@@ -139,11 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ns = parser.parse_args(argv)
     args = ServiceArgs.model_validate_json(Path(ns.args_file).read_text())
+    rank = int(os.environ.get("RANK", 0))
     token = os.environ.get("ROLLFLOW_TOKEN")
-    if not token:
+    if not token and rank == 0:  # rank 0 serves the API; the others take commands from it
         sys.exit("ROLLFLOW_TOKEN is not set: the trainer refuses to run without the run's token")
     torch.set_num_threads(_threads())
-    rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s"
     )

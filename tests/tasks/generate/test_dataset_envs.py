@@ -199,7 +199,7 @@ def test_generate_task_reports_the_skipped_rows(tmp_path):
         }
     )
     nowhere = Endpoint("none", "http://127.0.0.1:9", "token")
-    ctx = RunContext(config=cfg, model_path="unused", trainer=nowhere, inference=nowhere)
+    ctx = RunContext(config=cfg, model_path="unused", trainer=nowhere, inference=[nowhere])
     prompts = load_env("dataset", {"path": data}).prompts("train", 2, random.Random(0))
     samples = [
         [Sample([1], [2], [-0.1], "a", "stop", reward=1.0) for _ in range(2)] for _ in prompts
@@ -212,7 +212,7 @@ def test_generate_task_reports_the_skipped_rows(tmp_path):
         cfg,
         build_envs(cfg),
         lambda client, stats: None,
-        nowhere.url,
+        [nowhere.url],
         resumed_from=0,
         reused_steps=[1],
     )

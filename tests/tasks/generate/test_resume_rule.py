@@ -15,7 +15,7 @@ def _ctx(tmp_path, max_staleness: int) -> RunContext:
         [f"run.storage={tmp_path}", f"train.max_staleness={max_staleness}"],
     )
     ep = Endpoint("x", "http://127.0.0.1:1", "t")
-    return RunContext(config=cfg, model_path="unused", trainer=ep, inference=ep)
+    return RunContext(config=cfg, model_path="unused", trainer=ep, inference=[ep])
 
 
 def _commit(ctx: RunContext, step: int, version: int) -> None:

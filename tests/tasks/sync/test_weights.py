@@ -18,7 +18,7 @@ from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.service import free_port
 from rollflow.infra.weights.group import WeightSender, weight_metadata
-from rollflow.tasks.sync.weights import init_weight_group, join, leave, publish
+from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, join, leave, publish
 
 from conftest import PROMPT_IDS, greedy_reference
 
@@ -34,8 +34,8 @@ class SenderSource:
     def metadata(self):
         return weight_metadata(self.weights)
 
-    def weights_connect(self, host, port, world_size, timeout_s):
-        self.sender = WeightSender(host, port, world_size, timeout_s)
+    def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
+        self.sender = WeightSender(host, port, world_size, timeout_s, wire_device, bucket_bytes)
         self.sender.connect()
         return {"ok": True}
 
@@ -69,7 +69,7 @@ def test_absent_trainer_makes_init_fail_within_timeout(vllm_server):
 
             with pytest.raises(WeightSyncError, match="could not join"):
                 await init_weight_group(
-                    client, trainer_never_joins, "127.0.0.1", free_port(), 2, 3.0, []
+                    [(client, 1)], trainer_never_joins, GroupSpec.single(), free_port(), 3.0, []
                 )
             assert time.monotonic() - start < 15
             # The server survives, and the same client (whose pooled connection the server closed
@@ -88,19 +88,20 @@ def test_in_flight_sync_makes_vllm_match_transformers_on_new_weights(vllm_server
     source = SenderSource(list(new_model.state_dict().items()))
     url = vllm_server.url
     before = greedy(url)
-    join(source, url, timeout_s=30)
+    # Buckets of 64 KiB: a sync of this model spans many, as a large model's does.
+    join(source, [(url, 1)], GroupSpec.single(bucket_bytes=64 << 10), timeout_s=30)
     try:
-        stats = publish(source, url, 1, timeout_s=30)
+        stats = publish(source, [url], 1, timeout_s=30)
         after = greedy(url)
         # Back to the served weights, tagged by the trainer (version None), so that later tests
         # see the original policy.
         source.weights, source.version = old_weights, 2
-        restored = publish(source, url, None, timeout_s=30)
+        restored = publish(source, [url], None, timeout_s=30)
         assert restored["version"] == 2
     finally:
-        leave(source, url, timeout_s=10)
+        leave(source, [url], timeout_s=10)
     print(f"\nweight sync: {json.dumps(stats)}")
     assert after == expected[: len(after)] and len(after) == len(expected)
     assert before != after
     assert greedy(url) == before
-    assert stats["bytes"] > sum(t.numel() * 4 for _, t in source.weights)
+    assert stats["bytes"] >= sum(t.numel() * 4 for _, t in source.weights)

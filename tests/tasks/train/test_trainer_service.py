@@ -44,11 +44,12 @@ from trainer_support import (
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = {
-    "fsdp2": ("fsdp2", None),
-    "zero1": ("deepspeed", 1),
-    "zero2": ("deepspeed", 2),
-    "zero3": ("deepspeed", 3),
+CONFIGS = {  # name: (backend, ZeRO stage, trainer nodes; 2 ranks in all)
+    "fsdp2": ("fsdp2", None, 1),
+    "fsdp2-2nodes": ("fsdp2", None, 2),  # two torchrun launchers on 127.0.0.1, one rank each
+    "zero1": ("deepspeed", 1, 1),
+    "zero2": ("deepspeed", 2, 1),
+    "zero3": ("deepspeed", 3, 1),
 }
 WHOLE_SUITE = ("fsdp2", "zero3")
 LR, MAX_GRAD_NORM = 1e-2, 0.05
@@ -73,7 +74,7 @@ class Service:
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def service(request, tiny_model_dir, tmp_path_factory):
-    backend, stage = CONFIGS[request.param]
+    backend, stage, nodes = CONFIGS[request.param]
     root = tmp_path_factory.mktemp(request.param)
     storage = RunStorage(str(root / "runs"), "t")
     write_batch(storage, 1, make_rows(22, seed=11))
@@ -86,7 +87,9 @@ def service(request, tiny_model_dir, tmp_path_factory):
         train=TrainSection(lr=LR, max_grad_norm=MAX_GRAD_NORM),
         trainer=TrainerSection(
             backend=backend,
-            num_ranks=2,
+            num_ranks=2 // nodes,
+            num_nodes=nodes,
+            master_port=free_port(),
             zero_stage=stage,
             micro_batch_tokens=48,
             device="cpu",
@@ -95,14 +98,23 @@ def service(request, tiny_model_dir, tmp_path_factory):
         ),
         dead_rank_grace_s=3,
     )
-    proc = TrainerProcess(args, token=secrets.token_hex(8), log_dir=root / "logs")
+    token = secrets.token_hex(8)
+    proc = TrainerProcess(args, token=token, log_dir=root / "logs")
+    # The other node's launcher, as `rollflow plan` prints it: started by the user, not the run.
+    others = [
+        TrainerProcess(args, token="", log_dir=root / "logs", node_rank=n) for n in range(1, nodes)
+    ]
     start = time.monotonic()
     proc.start()
+    for other in others:
+        other.start()
     proc.wait_healthy()
     print(f"\n{request.param}: 2 ranks healthy after {time.monotonic() - start:.0f}s")
     yield Service(request.param, proc, storage, root)
-    pids = proc.process.pids()
+    pids = proc.process.pids() + [p for o in others for p in o.process.pids()]
     proc.stop(timeout_s=30)
+    for other in others:
+        other.stop(timeout_s=30)
     assert not [
         p
         for p in pids
@@ -293,7 +305,7 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     the service answers, and a restarted server joins again and gets the last step's weights."""
     _whole_suite(service)
     with pytest.raises(ServiceError, match="HTTP 502") as err:  # nobody joins
-        service.client.weights_connect("127.0.0.1", free_port(), 2, timeout_s=2)
+        service.client.weights_connect("127.0.0.1", free_port(), 2, 2, "cpu", 1 << 20)
     assert err.value.status == 502 and service.client.health()["ok"]
 
     _join_weight_group(service, timeout_s=5).close()  # the receiver dies before the broadcast
@@ -307,7 +319,12 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     service.client.end_step(3)  # the last finished step: the version-less tag
     metadata = service.client.metadata()
     got: dict = {}
-    thread = threading.Thread(target=lambda: got.update(version=receiver.receive(metadata)[0]))
+
+    def receive() -> None:
+        version, named = receiver.receive(metadata)
+        got.update(version=version, tensors=len(list(named)))  # the buckets arrive as read
+
+    thread = threading.Thread(target=receive)
     thread.start()
     sent = service.client.weights_broadcast()
     thread.join(30)
@@ -320,10 +337,12 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
 def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
     """A weight group of the service (rank 0 sends) and one receiver, as a vLLM worker joins it."""
     port = free_port()
-    receiver = WeightReceiverGroup("127.0.0.1", port, 1, 2, timeout_s=timeout_s)
+    receiver = WeightReceiverGroup(
+        "127.0.0.1", port, 1, 2, timeout_s=timeout_s, bucket_bytes=1 << 20
+    )
     joiner = threading.Thread(target=receiver.connect)
     joiner.start()
-    service.client.weights_connect("127.0.0.1", port, 2, timeout_s=timeout_s)
+    service.client.weights_connect("127.0.0.1", port, 2, timeout_s, "cpu", 1 << 20)
     joiner.join(30)
     return receiver
 

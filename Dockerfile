@@ -1,0 +1,29 @@
+# The image the GPU work pools run (workpools/*: rollflow:latest): CUDA, Python 3.11, rollflow with
+# its gpu and deepspeed extras installed from requirements/gpu.lock (hashed, CUDA torch from PyPI).
+#
+#   docker build -t rollflow:latest .        # or: bash scripts/build_image.sh
+#
+# The tests do not build it (no Docker here); scripts/gpu_check.sh runs inside it on a GPU node.
+FROM nvidia/cuda:12.8.1-devel-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    UV_COMPILE_BYTECODE=1 \
+    UV_LINK_MODE=copy \
+    VIRTUAL_ENV=/opt/rollflow \
+    PATH=/opt/rollflow/bin:$PATH
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends software-properties-common curl ca-certificates git \
+    && add-apt-repository -y ppa:deadsnakes/ppa \
+    && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3.11 -m venv /opt/rollflow && /opt/rollflow/bin/pip install --no-cache-dir uv==0.13.9
+
+WORKDIR /opt/rollflow-src
+# Dependencies first (a layer that changes only with the lock), then the code.
+COPY requirements/gpu.lock requirements/gpu.lock
+RUN DS_BUILD_OPS=0 uv pip sync --python /opt/rollflow/bin/python requirements/gpu.lock
+COPY . .
+RUN uv pip install --python /opt/rollflow/bin/python --no-deps -e .
+
+CMD ["rollflow", "--help"]

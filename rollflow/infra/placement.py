@@ -1,0 +1,363 @@
+"""The placement plan: which process runs where, on which devices, as which weight-group rank.
+
+One function, ``make_plan(cfg, machine)``, turns the config and a machine (GPUs per node,
+nodes) into every process of the run: the vLLM servers and the trainer's launcher on each
+node, with its ``CUDA_VISIBLE_DEVICES``, its ranks in the weight group and its command line.
+``rollflow plan`` prints it, ``--dry-run`` checks it and the run starts what it says, so what
+is printed is what runs. An impossible plan raises ``PlanError`` before anything starts, naming
+the key to change.
+
+Layout (node 0 runs rollflow, the vLLM servers and the trainer's rank 0):
+
+    weight group rank 0         trainer rank 0 (the broadcast root, hosts the group's store)
+    ranks 1 .. TP               server 0's tensor-parallel workers
+    ranks TP+1 .. 2 TP          server 1's, and so on
+
+GPUs of node 0 go to the servers first (``inference.devices``, else the first
+``num_servers × tensor_parallel_size``), then to the trainer (``trainer.devices``, else the
+next ``trainer.num_ranks``). Other trainer nodes give their first ``num_ranks`` GPUs to the
+trainer. Colocated mode (``inference.colocate``) puts vLLM on the trainer's GPUs with its memory
+share capped, for one-GPU nodes.
+
+``choose_backend`` is the single decision of the weight group's transport: both the trainer's
+sender and every vLLM worker take backend and device from the plan, never from a default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rollflow.infra.config import RunConfig
+from rollflow.infra.errors import ConfigError
+
+Device = Literal["cpu", "cuda"]
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.45
+
+
+class PlanError(ConfigError):
+    """The config cannot be placed on the machine; the message names what to change."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the plan places processes on: GPUs per node (0: CPU only), trainer nodes, cores."""
+
+    gpus: int = 0
+    nodes: int = 1
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    @classmethod
+    def here(cls, nodes: int = 1) -> Machine:
+        """This host (GPUs visible to CUDA), assumed ``nodes`` times."""
+        return cls(gpus=_visible_gpus(), nodes=nodes)
+
+    def describe(self) -> str:
+        gpus = f"{self.gpus} GPU(s)" if self.gpus else "no GPU"
+        return f"{self.nodes} node(s) × {gpus}, {self.cpus} CPU core(s) on this one"
+
+
+@dataclass(frozen=True)
+class WeightWire:
+    """The weight group's transport: process-group backend and where the buckets live."""
+
+    backend: Literal["gloo", "nccl"]
+    device: Device
+
+    def describe(self) -> str:
+        where = "GPU memory" if self.device == "cuda" else "host memory"
+        return f"{self.backend} ({where})"
+
+
+def choose_backend(
+    trainer_device: Device, inference_device: Device, requested: str = "auto"
+) -> WeightWire:
+    """The one decision of the weight group's transport, for both sides.
+
+    NCCL needs both sides on GPUs; gloo works for every pair (a GPU side stages its weights
+    through host memory: correct, slower). ``requested`` is ``trainer.weight_backend``.
+    """
+    for side, device in (("trainer", trainer_device), ("inference", inference_device)):
+        if device not in ("cpu", "cuda"):
+            raise PlanError(f"{side} device {device!r} is neither 'cpu' nor 'cuda'")
+    both_gpu = trainer_device == inference_device == "cuda"
+    if requested == "nccl" and not both_gpu:
+        raise PlanError(
+            f"trainer.weight_backend = 'nccl' needs the trainer and vLLM on GPUs (trainer: "
+            f"{trainer_device}, vLLM: {inference_device}); set trainer.weight_backend = 'auto' "
+            "(gloo through host memory) or put both on GPUs"
+        )
+    if requested not in ("auto", "gloo", "nccl"):
+        raise PlanError(
+            f"trainer.weight_backend = {requested!r}: expected 'auto', 'gloo' or 'nccl'"
+        )
+    if both_gpu and requested != "gloo":
+        return WeightWire("nccl", "cuda")
+    return WeightWire("gloo", "cpu")
+
+
+@dataclass(frozen=True)
+class PlannedProcess:
+    """One process of the plan (a vLLM server, or one node's trainer launcher)."""
+
+    name: str
+    role: Literal["inference", "trainer"]
+    node: int
+    device: Device
+    gpus: tuple[int, ...]  # indices on its node; () on CPU
+    weight_ranks: tuple[int, ...]  # its ranks in the weight group; () for trainer nodes > 0
+    env: dict[str, str]
+    started_by: Literal["rollflow", "you"] = "rollflow"
+
+    @property
+    def first_weight_rank(self) -> int:
+        return self.weight_ranks[0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every process of a run, the weight group's size and transport."""
+
+    machine: Machine
+    processes: tuple[PlannedProcess, ...]
+    weight_world_size: int
+    wire: WeightWire
+    group_host: str
+    colocated: bool
+    tensor_parallel_size: int
+    gpu_memory_utilization: float | None
+
+    @property
+    def servers(self) -> list[PlannedProcess]:
+        return [p for p in self.processes if p.role == "inference"]
+
+    @property
+    def trainer_nodes(self) -> list[PlannedProcess]:
+        return [p for p in self.processes if p.role == "trainer"]
+
+    def server_args(self, index: int) -> list[str]:
+        """The `vllm serve` arguments the plan adds for server ``index`` (TP, memory share)."""
+        args = []
+        if self.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.gpu_memory_utilization is not None and self.servers[index].device == "cuda":
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return args
+
+    def render(self, commands: dict[str, list[str]] | None = None) -> str:
+        """A table of the plan, then the command of every process you start yourself."""
+        commands = commands or {}
+        rows = [("process", "node", "device", "CUDA_VISIBLE_DEVICES", "weight ranks", "started by")]
+        for p in self.processes:
+            ranks = _ranges(p.weight_ranks) if p.weight_ranks else "-"
+            rows.append(
+                (
+                    p.name,
+                    str(p.node),
+                    p.device,
+                    p.env.get("CUDA_VISIBLE_DEVICES", "-"),
+                    ranks,
+                    p.started_by,
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"machine: {self.machine.describe()}"]
+        lines += [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
+        mode = ", vLLM colocated with the trainer" if self.colocated else ""
+        lines.append(
+            f"weight group: {self.weight_world_size} ranks over {self.wire.describe()}, "
+            f"store on {self.group_host}{mode}"
+        )
+        for p in self.processes:
+            if p.started_by == "you" and p.name in commands:
+                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.env.items()))
+                cmd = shlex.join(commands[p.name])
+                lines.append(f"\non node {p.node}, run:\n  {env + ' ' if env else ''}{cmd}")
+        return "\n".join(lines)
+
+
+def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
+    """Place the run's processes on ``machine``; raise ``PlanError`` naming the fix if impossible."""
+    inf, tr = cfg.inference, cfg.trainer
+    tp, n_servers = inf.tensor_parallel_size, inf.num_servers
+    if tr.num_nodes > machine.nodes:
+        raise PlanError(
+            f"trainer.num_nodes = {tr.num_nodes} but the machine has {machine.nodes} node(s): "
+            f"lower trainer.num_nodes or plan with --nodes {tr.num_nodes}"
+        )
+    inf_device = _device("inference.device", inf.device, machine)
+    tr_device = _device("trainer.device", tr.device, machine)
+    wire = choose_backend(tr_device, inf_device, tr.weight_backend)
+    _check_tensor_parallel(cfg, tp)
+
+    inference_gpus: list[tuple[int, ...]] = [() for _ in range(n_servers)]
+    trainer_gpus: tuple[int, ...] = ()
+    if inf_device == "cuda":
+        wanted = n_servers * tp
+        gpus = list(inf.devices) if inf.devices is not None else None
+        if gpus is None:
+            start = 0
+            gpus = list(range(start, start + wanted))
+        if len(gpus) != wanted:
+            raise PlanError(
+                f"inference.devices lists {len(gpus)} GPU(s) but inference.num_servers × "
+                f"tensor_parallel_size = {n_servers} × {tp} = {wanted}: list {wanted}"
+            )
+        _check_exist("inference.devices", gpus, machine)
+        inference_gpus = [tuple(gpus[i * tp : (i + 1) * tp]) for i in range(n_servers)]
+    if tr_device == "cuda":
+        used = {g for server in inference_gpus for g in server}
+        if tr.devices is not None:
+            trainer_gpus = tuple(tr.devices)
+        elif inf.colocate:
+            trainer_gpus = tuple(range(tr.num_ranks))
+        else:
+            free = [g for g in range(machine.gpus) if g not in used]
+            trainer_gpus = tuple(free[: tr.num_ranks])
+        if len(trainer_gpus) != tr.num_ranks:
+            raise PlanError(
+                f"the trainer needs trainer.num_ranks = {tr.num_ranks} GPU(s) on node 0 but "
+                f"{len(trainer_gpus)} are left after vLLM's {sorted(used)} of {machine.gpus}: "
+                "lower trainer.num_ranks or inference.num_servers / tensor_parallel_size, list "
+                "trainer.devices, or set inference.colocate = true to share GPUs"
+            )
+        _check_exist("trainer.devices", trainer_gpus, machine)
+        overlap = used & set(trainer_gpus)
+        if overlap and not inf.colocate:
+            raise PlanError(
+                f"GPU(s) {sorted(overlap)} are given to both vLLM (inference.devices) and the "
+                "trainer (trainer.devices): separate them, or set inference.colocate = true "
+                "(vLLM's memory share is then capped)"
+            )
+    processes: list[PlannedProcess] = []
+    rank = 1
+    for i, gpus in enumerate(inference_gpus):
+        ranks = tuple(range(rank, rank + tp))
+        rank += tp
+        processes.append(
+            PlannedProcess(
+                name=f"vllm-{i}",
+                role="inference",
+                node=0,
+                device=inf_device,
+                gpus=gpus,
+                weight_ranks=ranks,
+                env=_device_env(inf_device, gpus, tp, machine.cpus),
+            )
+        )
+    for node in range(tr.num_nodes):
+        gpus = trainer_gpus if node == 0 or tr.devices is not None else tuple(range(tr.num_ranks))
+        if tr_device == "cuda" and node > 0:
+            _check_exist("trainer.devices", gpus, machine)
+        processes.append(
+            PlannedProcess(
+                name=f"trainer-node-{node}",
+                role="trainer",
+                node=node,
+                device=tr_device,
+                gpus=gpus if tr_device == "cuda" else (),
+                weight_ranks=(0,) if node == 0 else (),
+                env=_device_env(tr_device, gpus if tr_device == "cuda" else ()),
+                started_by="rollflow" if node == 0 else "you",
+            )
+        )
+    memory = inf.gpu_memory_utilization
+    if memory is None and inf.colocate:
+        memory = COLOCATED_GPU_MEMORY_UTILIZATION
+    return Plan(
+        machine=machine,
+        processes=tuple(processes),
+        weight_world_size=rank,
+        wire=wire,
+        group_host=tr.master_addr if tr.num_nodes > 1 else "127.0.0.1",
+        colocated=inf.colocate,
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=memory,
+    )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _device(key: str, value: str, machine: Machine) -> Device:
+    if value == "auto":
+        return "cuda" if machine.gpus > 0 else "cpu"
+    if value == "cuda" and machine.gpus == 0:
+        raise PlanError(
+            f"{key} = 'cuda' but the machine has no GPU: set {key} = 'auto' (CPU here), or "
+            "plan for another machine with --gpus N"
+        )
+    return value  # type: ignore[return-value]
+
+
+def _check_exist(key: str, gpus, machine: Machine) -> None:
+    bad = [g for g in gpus if not 0 <= g < machine.gpus]
+    if bad:
+        raise PlanError(
+            f"{key}: GPU(s) {bad} do not exist on a node with {machine.gpus} GPU(s) "
+            f"(indices 0..{machine.gpus - 1}); use fewer or plan with --gpus N"
+        )
+    if len(set(gpus)) != len(gpus):
+        raise PlanError(f"{key} repeats a GPU: {list(gpus)}; give each once")
+
+
+def _check_tensor_parallel(cfg: RunConfig, tp: int) -> None:
+    if tp == 1:
+        return
+    heads = model_heads(cfg)
+    if heads is None:
+        return
+    for name, count in heads.items():
+        if count % tp:
+            raise PlanError(
+                f"inference.tensor_parallel_size = {tp} does not divide the model's {name} "
+                f"({count}): choose a divisor of {count}"
+            )
+
+
+def model_heads(cfg: RunConfig) -> dict[str, int] | None:
+    """The model's attention and key/value head counts, when readable without a download."""
+    if cfg.model.tiny is not None:
+        return {"num_attention_heads": cfg.model.tiny.num_heads}
+    path = Path(cfg.model.path or "")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        data = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    heads = {"num_attention_heads": data.get("num_attention_heads")}
+    heads["num_key_value_heads"] = data.get("num_key_value_heads") or heads["num_attention_heads"]
+    return {k: int(v) for k, v in heads.items() if v}
+
+
+def _device_env(
+    device: Device, gpus: tuple[int, ...], tp: int = 1, cpus: int = 1
+) -> dict[str, str]:
+    if device == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    if tp > 1:
+        # vLLM's CPU workers bind their OpenMP threads per rank, "|"-separated: one core each,
+        # round the machine's cores (docs/research/vllm-cpu-0.32.md: TP 2 on 2 cores = "0|1").
+        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % cpus) for r in range(tp))}
+    return {}
+
+
+def _ranges(ranks: tuple[int, ...]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return 0

@@ -1,0 +1,196 @@
+"""Scale-out on CPU with the GPU path's code: two vLLM servers, a 2-rank trainer, one weight group.
+
+The run's own ``RunServices`` places everything by the placement plan; the weights change by
+real training steps (``forward_backward`` + ``optim_step`` on committed batches) and reach both
+servers through one broadcast. After every sync both servers' greedy completions must equal
+transformers' on the trainer's exported weights. Then one server is killed: its supervisor
+restarts it, the group forms anew with both, and both serve the trainer's weights again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from rollflow.flows.services import RunServices
+from rollflow.infra.config import LossConfig, load_config
+from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.placement import Machine
+from rollflow.infra.service import free_port
+from rollflow.infra.storage import RunStorage
+from rollflow.tasks.sync import weights
+
+from conftest import PROMPT_IDS, greedy_reference
+from run_support import ROOT, assert_every_step_once, env_for, write_config
+from trainer_support import make_rows, write_batch
+
+pytestmark = pytest.mark.slow
+
+
+def greedy(url: str) -> list[int]:
+    async def go():
+        async with InferenceClient(url, timeout_s=60) as client:
+            return (await client.complete(PROMPT_IDS, max_tokens=16, temperature=0.0))[0].token_ids
+
+    return asyncio.run(go())
+
+
+def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_model_dirs, tmp_path):
+    model = vllm_model_dirs[0]
+    cfg = load_config(
+        None,
+        [
+            f"model.path='{model}'",
+            "envs=[{name='sort_letters'}]",
+            f"run.storage='{tmp_path / 'runs'}'",
+            "run.name='scale'",
+            "inference.num_servers=2",
+            "inference.max_restarts=1",
+            "trainer.num_ranks=2",
+            "trainer.weight_bucket_mb=0.0625",  # 64 KiB: every sync spans many buckets
+            "train.lr=0.05",  # large steps, so that greedy outputs change
+        ],
+    )
+    storage = RunStorage(cfg.run.storage, cfg.run.name)
+    services = RunServices(cfg, model, None, tmp_path / "logs", machine=Machine(gpus=0))
+    assert services.group.world_size == 3 and services.plan.wire.backend == "gloo"
+    with services:
+        urls = services.inference_urls
+        assert len(urls) == 2 and len(set(urls)) == 2
+        t = services.trainer
+        outputs = []
+
+        def train_and_sync(step: int) -> None:
+            write_batch(storage, step, make_rows(16, seed=step, step=step, max_prompt=6))
+            t.forward_backward(step, loss=LossConfig())
+            t.optim_step()
+            t.end_step(step)
+            stats = weights.publish(t, urls, step, cfg.trainer.weight_sync_timeout_s)
+            assert stats["version"] == step
+            exported = tmp_path / f"export-{step}"
+            t.export_hf(str(exported))
+            _, expected = greedy_reference(exported, PROMPT_IDS, 16)
+            got = [greedy(url) for url in urls]
+            assert got == [expected, expected], f"step {step}: {got} != {expected}"
+            outputs.append(expected)
+
+        before = greedy(urls[0])
+        for step in (1, 2):
+            train_and_sync(step)
+        assert outputs[0] != before, "training did not change the greedy completion"
+
+        # Kill server 1: the supervisor restarts it and the group forms anew with both servers.
+        victim = psutil.Process(services.supervisors[1].server.pids()[0])
+        victim.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while services.supervisors[1].restarts == 0:
+            assert time.monotonic() < deadline, "server 1 was not restarted within 300 s"
+            services.check_alive()
+            time.sleep(1)
+        assert services.supervisors[0].restarts == 0
+        assert greedy(urls[0]) == outputs[-1] and greedy(urls[1]) == outputs[-1]
+        train_and_sync(3)  # and the re-formed group syncs both
+    assert all(not s.server.is_alive() for s in services.supervisors)
+
+
+def test_a_run_on_a_two_node_trainer_completes(tmp_path, model_cache):
+    """``rollflow run`` with trainer.num_nodes = 2 starts node 0 and prints node 1's command; run
+    as printed (here, on the same host), node 1 joins and the run completes, each step once."""
+    config = write_config(tmp_path, model_cache, name="twonode", steps=2)
+    overrides = [
+        "trainer.num_nodes=2",
+        "trainer.num_ranks=1",
+        f"trainer.master_port={free_port()}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env_for(tmp_path),
+        cwd=ROOT,
+    )
+    node1, output = None, []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            found = re.search(r"for node 1 of 2; on it, run: (.*)$", line)
+            if found and node1 is None:
+                node1 = subprocess.Popen(
+                    shlex.split(found.group(1)),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=env_for(tmp_path),
+                    cwd=ROOT,
+                )
+        assert proc.wait(timeout=600) == 0, "".join(output)[-4000:]
+        assert node1 is not None, "node 1's command was not printed"
+        assert node1.wait(timeout=60) == 0  # its ranks ended with the run
+    finally:
+        for p in (proc, node1):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert "1 rank(s) × 2 nodes" in "".join(output)
+    assert_every_step_once(tmp_path / "runs" / "twonode", 2)
+
+
+def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, tmp_path):
+    """vLLM on CPU with tensor parallelism 2 (the plan's thread binding): both workers join the
+    group as ranks 1 and 2, and after one sync the server serves the trainer's weights."""
+    from rollflow.infra.inference.server import InferenceServer
+    from rollflow.infra.placement import make_plan
+    from rollflow.infra.weights.group import WeightSender, weight_metadata
+
+    served, new = vllm_model_dirs
+    cfg = load_config(
+        None,
+        [
+            f"model.path='{served}'",
+            "envs=[{name='sort_letters'}]",
+            "inference.tensor_parallel_size=2",
+        ],
+    )
+    plan = make_plan(cfg, Machine(gpus=0, cpus=2))
+    assert plan.weight_world_size == 3 and plan.servers[0].weight_ranks == (1, 2)
+    server = InferenceServer(
+        served,
+        max_model_len=64,
+        extra_args=plan.server_args(0),
+        extra_env=plan.servers[0].env,
+        log_path=tmp_path / "vllm-tp2.log",
+    )
+    model, expected = greedy_reference(new, PROMPT_IDS, 16)
+    named = list(model.state_dict().items())
+
+    class Source:
+        sender = None
+
+        def metadata(self):
+            return weight_metadata(named)
+
+        def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
+            self.sender = WeightSender(host, port, world_size, timeout_s, wire_device, bucket_bytes)
+            self.sender.connect()
+
+        def weights_broadcast(self, version=None, timeout_s=None):
+            return {"version": version, "bytes": self.sender.broadcast(named, version)}
+
+        def weights_close(self, timeout_s=None):
+            self.sender.close()
+
+    source = Source()
+    with server:
+        spec = weights.GroupSpec.from_plan(plan, cfg.trainer.weight_bucket_mb)
+        joined = weights.join(source, [(server.url, 1)], spec, timeout_s=60)
+        assert sorted(joined["ranks"]) == [1, 2]
+        weights.publish(source, [server.url], 1, timeout_s=60)
+        assert greedy(server.url) == expected
+        weights.leave(source, [server.url], timeout_s=10)

@@ -1,0 +1,147 @@
+"""The placement plan: devices, weight-group ranks, backend, and the plans that cannot run."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from rollflow.cli import main, render_plan
+from rollflow.infra.config import load_config
+from rollflow.infra.placement import Machine, PlanError, WeightWire, choose_backend, make_plan
+from rollflow.tasks.train.launch import launcher_argv
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted([ROOT / "configs/quickstart.toml", *(ROOT / "configs/recipes").glob("*.toml")])
+
+
+def cfg(*overrides: str, path: Path = ROOT / "configs/quickstart.toml"):
+    return load_config(path, list(overrides))
+
+
+# ------------------------------------------------------------------- one backend decision
+
+
+@pytest.mark.parametrize(
+    ("trainer", "inference", "requested"),
+    list(itertools.product(["cpu", "cuda"], ["cpu", "cuda"], ["auto", "gloo", "nccl"])),
+)
+def test_backend_decision_covers_every_pair(trainer, inference, requested):
+    both_gpu = trainer == inference == "cuda"
+    if requested == "nccl" and not both_gpu:
+        with pytest.raises(PlanError, match="trainer.weight_backend = 'nccl' needs"):
+            choose_backend(trainer, inference, requested)
+        return
+    wire = choose_backend(trainer, inference, requested)
+    if both_gpu and requested != "gloo":
+        assert wire == WeightWire("nccl", "cuda")
+    else:  # every other pair meets on gloo in host memory: both sides agree on the device
+        assert wire == WeightWire("gloo", "cpu")
+
+
+def test_both_sides_take_the_plans_wire():
+    """The trainer's sender and every vLLM worker get their backend and device from one plan."""
+    plan = make_plan(cfg("inference.num_servers=2"), Machine(gpus=4))
+    assert plan.wire == WeightWire("nccl", "cuda")
+    plan = make_plan(cfg("inference.device='cpu'"), Machine(gpus=4))
+    assert plan.wire == WeightWire("gloo", "cpu")  # trainer on GPU, vLLM on CPU: staged
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def test_cpu_plan_of_the_quickstart():
+    plan = make_plan(cfg(), Machine(gpus=0))
+    assert [p.name for p in plan.processes] == ["vllm-0", "trainer-node-0"]
+    assert plan.weight_world_size == 2 and plan.wire.backend == "gloo"
+    assert all(p.env == {} for p in plan.processes)
+
+
+def test_gpu_plan_separates_devices_and_numbers_the_weight_group():
+    plan = make_plan(
+        cfg("inference.num_servers=2", "inference.tensor_parallel_size=2", "trainer.num_ranks=4"),
+        Machine(gpus=8),
+    )
+    servers = plan.servers
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in servers] == ["0,1", "2,3"]
+    assert [s.weight_ranks for s in servers] == [(1, 2), (3, 4)]
+    assert plan.trainer_nodes[0].env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert plan.trainer_nodes[0].weight_ranks == (0,)
+    assert plan.weight_world_size == 5
+    assert plan.server_args(0) == ["--tensor-parallel-size", "2"]
+
+
+def test_colocated_mode_shares_the_gpu_and_caps_vllm_memory():
+    plan = make_plan(cfg("inference.colocate=true"), Machine(gpus=1))
+    assert plan.servers[0].gpus == plan.trainer_nodes[0].gpus == (0,)
+    assert "--gpu-memory-utilization" in plan.server_args(0)
+    assert plan.gpu_memory_utilization == 0.45
+
+
+def test_multi_node_plan_prints_the_other_nodes_command():
+    text = render_plan(
+        cfg("trainer.num_nodes=2", "trainer.master_addr='node-0'", "trainer.num_ranks=2"), gpus=4
+    )
+    assert "trainer-node-1" in text and "on node 1, run:" in text
+    assert "--node-rank=1" in text and "--master-addr=node-0" in text
+    assert "CUDA_VISIBLE_DEVICES=0,1" in text
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("gpus", [0, 8])
+def test_every_shipped_config_has_a_plan(path, gpus):
+    text = render_plan(load_config(path), gpus=gpus)
+    assert "weight group:" in text and "vllm-0" in text
+
+
+def test_rollflow_plan_command(capsys):
+    assert main(["plan", str(ROOT / "configs/quickstart.toml"), "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "nccl" in out and "trainer-node-0" in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpus", "message"),
+    [
+        (
+            ["inference.tensor_parallel_size=3"],
+            8,
+            "does not divide the model's num_attention_heads",
+        ),
+        (["inference.devices=[0, 9]", "inference.num_servers=2"], 4, "do not exist"),
+        (["inference.devices=[0]", "trainer.devices=[0]"], 2, "given to both vLLM"),
+        (["trainer.num_ranks=4"], 2, "set inference.colocate = true"),
+        (["inference.device='cuda'"], 0, "the machine has no GPU"),
+        (["trainer.weight_backend='nccl'"], 0, "needs the trainer and vLLM on GPUs"),
+        (["inference.devices=[0, 1]"], 4, "inference.devices lists 2 GPU(s)"),
+    ],
+)
+def test_impossible_plans_fail_before_anything_starts(overrides, gpus, message, capsys):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        make_plan(cfg(*overrides), Machine(gpus=gpus))
+    argv = ["plan", str(ROOT / "configs/quickstart.toml"), *overrides, "--gpus", str(gpus)]
+    assert main(argv) == 2
+    assert message.split("'")[0] in capsys.readouterr().err
+
+
+def test_more_trainer_nodes_than_the_machine():
+    with pytest.raises(PlanError, match="plan with --nodes 2"):
+        make_plan(cfg("trainer.num_nodes=2"), Machine(gpus=0, nodes=1))
+
+
+# -------------------------------------------------------------------------- launchers
+
+
+def test_multi_node_launchers_fix_node_ranks():
+    torchrun = launcher_argv(
+        "fsdp2", 2, "a.json", 29400, num_nodes=2, node_rank=1, master_addr="n0"
+    )
+    assert "--nnodes=2" in torchrun and "--node-rank=1" in torchrun
+    ds = launcher_argv(
+        "deepspeed", 2, "a.json", 29400, num_nodes=2, node_rank=1, master_addr="n0", hostfile="h"
+    )
+    assert "--hostfile=h" in ds and "--no_ssh" in ds and "--node_rank=1" in ds
+    with pytest.raises(ValueError, match="hostfile"):
+        launcher_argv("deepspeed", 2, "a.json", 1, num_nodes=2, node_rank=1)
