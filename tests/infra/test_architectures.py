@@ -30,7 +30,7 @@ from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.models.chat import ARCHS, save_tiny_chat_model
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.sync.weights import join, leave, publish
+from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish
 from rollflow.tasks.train.launch import TrainerProcess
 from rollflow.tasks.train.protocol import ServiceArgs
 
@@ -152,11 +152,11 @@ def test_vllm_and_trainer_agree_after_a_weight_sync(arch_server, behaviour_name)
     trainer.start()
     try:
         trainer.wait_healthy()
-        join(trainer.client, srv.url, timeout_s=60)
+        join(trainer.client, [(srv.url, 1)], GroupSpec.single(), timeout_s=60)
         try:
-            assert publish(trainer.client, srv.url, 1, timeout_s=60)["version"] == 1
+            assert publish(trainer.client, [srv.url], 1, timeout_s=60)["version"] == 1
         finally:
-            leave(trainer.client, srv.url, timeout_s=30)
+            leave(trainer.client, [srv.url], timeout_s=30)
 
         tokenizer = AutoTokenizer.from_pretrained(policy)
         prompts_ids = [
