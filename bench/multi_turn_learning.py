@@ -46,7 +46,7 @@ path = "{model}"
 
 [[envs]]
 name = "guess_number"
-args = {{ high = {high}, max_turns = {max_turns}, max_total_tokens = 64 }}
+args = {{ high = {high}, max_turns = {max_turns}, max_total_tokens = 64, discount = {discount} }}
 
 [sampling]
 group_size = 8
@@ -118,7 +118,7 @@ def warm_start(model_dir: Path, high: int, max_turns: int, steps: int) -> float:
         loss.backward()
         opt.step()
     model.save_pretrained(model_dir)
-    return float(loss)
+    return float(loss.detach())
 
 
 def main() -> None:
@@ -131,6 +131,9 @@ def main() -> None:
         "--steps", type=int, default=40, help="RL steps (the run stops early at --minutes)"
     )
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument(
+        "--no-discount", action="store_true", help="reward 1 for any solved game (not by turns)"
+    )
     parser.add_argument("--out", default="/tmp/rollflow-mtl")
     args = parser.parse_args()
     out = Path(args.out)
@@ -150,6 +153,7 @@ def main() -> None:
             high=args.high,
             max_turns=args.max_turns,
             lr=args.lr,
+            discount=str(not args.no_discount).lower(),
         )
     )
     env = {**os.environ, "PREFECT_HOME": str(out / "prefect"), "PYTHONUNBUFFERED": "1"}

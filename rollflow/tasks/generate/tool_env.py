@@ -200,13 +200,16 @@ class GuessNumberEnv(MultiTurnEnv):
     """Guess a secret number in [1, high]; the game answers "higher", "lower" or "correct".
 
     Reward: 1 for a guess right at the first turn, less for each turn after (down to
-    1 / max_turns), 0 when the turns run out.
+    1 / max_turns), 0 when the turns run out; with ``discount = False``, 1 for any solved game.
     """
 
     name = "guess_number"
 
-    def __init__(self, high: int = 8, max_turns: int = 4, max_total_tokens: int = 128):
+    def __init__(
+        self, high: int = 8, max_turns: int = 4, max_total_tokens: int = 128, discount: bool = True
+    ):
         super().__init__(max_turns, max_total_tokens)
+        self.discount = discount
         if high < 2:
             raise ValueError(f"env guess_number: high must be >= 2, got {high}")
         self.high = high
@@ -242,4 +245,6 @@ class GuessNumberEnv(MultiTurnEnv):
     def score(self, prompt: Prompt, state: dict[str, Any]) -> float:
         if state["solved_at"] is None:
             return 0.0
+        if not self.discount:
+            return 1.0
         return (self.max_turns - state["solved_at"] + 1) / self.max_turns
