@@ -90,7 +90,7 @@ def test_the_loss_mask_packs_with_its_tokens_and_bad_masks_are_named():
     from rollflow.infra.errors import InputError
     from rollflow.tasks.train.ops import _check_row
 
-    rows = make_rows(6, seed=3, masked=True)
+    rows = make_rows(12, seed=3, masked=True)
     seqs = sequences(rows)
     for seq, row in zip(seqs, rows, strict=True):
         seq.loss_mask = row.get("completion_mask")
