@@ -27,8 +27,13 @@ def make_rows(
     step: int = 1,
     max_prompt: int = 12,
     max_completion: int = 9,
+    masked: bool = False,
 ) -> list[dict]:
-    """Batch rows (the Parquet schema) with prompt and completion lengths that vary widely."""
+    """Batch rows (the Parquet schema) with prompt and completion lengths that vary widely.
+
+    ``masked``: every other row is a multi-turn episode whose middle tokens are an
+    environment turn (mask 0, log-prob 0.0); one row is all environment tokens but its last.
+    """
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -59,6 +64,13 @@ def make_rows(
                 info="{}",
             )
         )
+        if masked and i % 2 == 1 and len(completion) >= 3:
+            mask = [1] * len(completion)
+            cut = range(1, len(completion) - 1) if i == 1 else range(1, len(completion) // 2 + 1)
+            for j in cut:
+                mask[j] = 0
+                rows[-1]["completion_logprobs"][j] = 0.0
+            rows[-1]["completion_mask"] = mask
     return rows
 
 
@@ -107,9 +119,10 @@ def reference(
     cfg = cfg or LossConfig()
     model = load(model_dir)
     ref_model = load(ref_dir) if ref_dir is not None else None
-    total = sum(len(r["completion_ids"]) for r in rows)
+    masks = [r.get("completion_mask") or [1] * len(r["completion_ids"]) for r in rows]
+    total = sum(sum(m) for m in masks)
     loss, logprobs = 0.0, []
-    for r in rows:
+    for r, mask in zip(rows, masks, strict=True):
         logp, entropy = token_logprobs(model, r)
         inference = torch.tensor([r["completion_logprobs"]], dtype=torch.float32)
         old_t = torch.tensor([old[(r["group_index"], r["sample_index"])]]) if old else inference
@@ -121,7 +134,7 @@ def reference(
             logp[None],
             old_t,
             torch.tensor([r["advantage"]], dtype=torch.float32),
-            torch.ones_like(logp)[None],
+            torch.tensor([mask], dtype=torch.float32),
             inference_logprobs_B_T=inference,
             ref_logprobs_B_T=ref,
             entropy_B_T=entropy[None] if cfg.entropy_coef > 0 else entropy[None].detach(),

@@ -218,7 +218,7 @@ class RunServices:
 
 
 def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -> ServiceArgs:
-    """The trainer service's start arguments: the run's train and trainer sections, as they are."""
+    """The trainer service's start arguments: the run's train, trainer and sampling sections."""
     return ServiceArgs(
         model_path=str(policy_dir),
         checkpoint_step=checkpoint_step,
@@ -229,4 +229,5 @@ def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -
         num_steps=cfg.run.num_steps,
         train=cfg.train,
         trainer=cfg.trainer,
+        sampling=cfg.sampling,
     )

@@ -59,6 +59,7 @@ class StepMetrics:
                 "num_errors": r.num_errors,
                 "rollouts_reused": r.reused,
                 "num_skipped_rows": r.num_skipped_rows,
+                **r.turns,
             }
         )
         self.row.update(
@@ -74,6 +75,7 @@ class StepMetrics:
             num_groups_kept=b.num_groups_kept,
             num_samples_kept=b.num_samples_kept,
             num_failed_samples=b.num_failed_samples,
+            num_truncated_samples=b.num_truncated,
         )
 
     def record_trainer_wait(self, trainer_free_at: float) -> None:

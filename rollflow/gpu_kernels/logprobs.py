@@ -17,6 +17,19 @@ Gradients, per row, with respect to z (then divided by T for the raw logits h W^
 
 Both outputs carry gradients, so an entropy bonus in the loss trains the model.
 
+Top-p (nucleus) with `top_p < 1`: the distribution is the one vLLM samples from and returns with
+`--logprobs-mode processed_logprobs`: tempered, then cut to the nucleus and renormalised. The
+nucleus follows vLLM's rule (`apply_top_k_top_p`): sort the tempered probabilities in ascending
+order and drop every token whose cumulative sum is <= 1 - top_p, always keeping the most likely
+one. The target token is always kept as well (the sampler drew it from its nucleus; with moved
+weights the trainer's nucleus may no longer hold it, and a log-prob of -inf would make every ratio
+0 and every metric infinite). Dropped logits are set to a large negative finite value before the
+row operations (`nucleus_mask_`), so p = 0 and p log p = 0 there with no NaN, and the Triton and
+torch row operations run unchanged. The mask is recomputed in backward from the recomputed
+logits; it is piecewise constant, so no gradient flows through its choice (as in every RL
+framework that trains on processed log-probs). Cost: one sort of a chunk (values + int64
+indices: about 3 more chunk_size x V buffers at peak), only when top_p < 1.
+
 Dispatch: on CUDA with `triton` importable, the per-row statistics and the gradient of the
 logits run in Triton kernels (`triton_logprobs`) and the chunk matmuls in cuBLAS with fp32 output.
 Everywhere else the same chunk loop runs with torch row operations. Autocast is switched off inside
@@ -27,8 +40,8 @@ plus the fp32 V x H gradient of W. On CUDA with half-precision inputs the backwa
 chunk's gradient to that dtype for cuBLAS (one more chunk_size x V buffer at half the size).
 
 Invariant: the outputs and the gradients of h and W equal `reference_logprobs_entropy`'s to fp32
-tolerance for every chunk_size >= 1 and temperature > 0; no fp32 tensor larger than
-chunk_size x V is allocated besides the fp32 gradient of W (V x H).
+tolerance for every chunk_size >= 1, temperature > 0 and 0 < top_p <= 1; without top-p no
+fp32 tensor larger than chunk_size x V is allocated besides the fp32 gradient of W (V x H).
 """
 
 from __future__ import annotations
@@ -38,6 +51,29 @@ from typing import Protocol
 import torch
 
 DEFAULT_CHUNK_SIZE = 1024
+# Written over raw logits outside the nucleus: exp() of it is 0 after any temperature > 1e-8, and it
+# stays finite after division by the temperature (fp32 max 3.4e38), so 0 * logit is 0, never NaN.
+MASKED_LOGIT = -1e30
+
+
+def nucleus_mask_(
+    logits_C_V: torch.Tensor, targets_C: torch.Tensor, temperature: float, top_p: float
+) -> torch.Tensor:
+    """Write MASKED_LOGIT over the raw logits outside each row's top-p nucleus (in place).
+
+    The nucleus is vLLM's (see the module docstring), computed on logits / temperature; each
+    row's target stays in it. Returns ``logits_C_V``.
+    """
+    if top_p >= 1.0 or logits_C_V.shape[0] == 0:
+        return logits_C_V
+    sorted_C_V, order_C_V = logits_C_V.sort(dim=-1)  # ascending, as vLLM
+    cumulative_C_V = (sorted_C_V / temperature).softmax(dim=-1).cumsum_(dim=-1)
+    drop_sorted_C_V = cumulative_C_V <= 1.0 - top_p
+    drop_sorted_C_V[:, -1] = False  # the most likely token always stays
+    del sorted_C_V, cumulative_C_V
+    drop_C_V = torch.empty_like(drop_sorted_C_V).scatter_(-1, order_C_V, drop_sorted_C_V)
+    drop_C_V.scatter_(-1, targets_C.unsqueeze(-1), False)
+    return logits_C_V.masked_fill_(drop_C_V, MASKED_LOGIT)
 
 
 class RowOps(Protocol):
@@ -121,10 +157,10 @@ def _add_mm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _ChunkedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_N_H, lm_head_V_H, targets_N, chunk_size, temperature, row_ops):
+    def forward(ctx, hidden_N_H, lm_head_V_H, targets_N, chunk_size, temperature, top_p, row_ops):
         with torch.autocast(hidden_N_H.device.type, enabled=False):
             return _ChunkedLogprobsEntropy._forward(
-                ctx, hidden_N_H, lm_head_V_H, targets_N, chunk_size, temperature, row_ops
+                ctx, hidden_N_H, lm_head_V_H, targets_N, chunk_size, temperature, top_p, row_ops
             )
 
     @staticmethod
@@ -133,7 +169,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             return _ChunkedLogprobsEntropy._backward(ctx, grad_logprobs_N, grad_entropy_N)
 
     @staticmethod
-    def _forward(ctx, hidden_N_H, lm_head_V_H, targets_N, chunk_size, temperature, row_ops):
+    def _forward(ctx, hidden_N_H, lm_head_V_H, targets_N, chunk_size, temperature, top_p, row_ops):
         num_tokens = hidden_N_H.shape[0]
         logprobs_N = hidden_N_H.new_empty(num_tokens, dtype=torch.float32)
         entropy_N = torch.empty_like(logprobs_N)
@@ -142,12 +178,14 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         for start in range(0, num_tokens, chunk_size):
             rows = slice(start, min(start + chunk_size, num_tokens))
             logits_C_V = _mm_fp32(hidden_N_H[rows], weight_H_V)
+            nucleus_mask_(logits_C_V, targets_N[rows], temperature, top_p)
             logprobs_N[rows], entropy_N[rows], lse_N[rows] = row_ops.forward(
                 logits_C_V, targets_N[rows], temperature
             )
             del logits_C_V
         ctx.save_for_backward(hidden_N_H, lm_head_V_H, targets_N, lse_N, entropy_N)
-        ctx.chunk_size, ctx.temperature, ctx.row_ops = chunk_size, temperature, row_ops
+        ctx.chunk_size, ctx.temperature, ctx.top_p = chunk_size, temperature, top_p
+        ctx.row_ops = row_ops
         ctx.device_type = hidden_N_H.device.type
         ctx.set_materialize_grads(False)
         return logprobs_N, entropy_N
@@ -157,7 +195,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         hidden_N_H, lm_head_V_H, targets_N, lse_N, entropy_N = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprobs_N is None and grad_entropy_N is None) or not (need_hidden or need_weight):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         num_tokens = hidden_N_H.shape[0]
         grad_hidden_N_H = torch.empty_like(hidden_N_H) if need_hidden else None
         # fp32 accumulator across chunks; cast to W's dtype once at the end.
@@ -171,6 +209,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             rows = slice(start, min(start + ctx.chunk_size, num_tokens))
             hidden_C_H = hidden_N_H[rows]
             logits_C_V = _mm_fp32(hidden_C_H, weight_H_V)
+            nucleus_mask_(logits_C_V, targets_N[rows], ctx.temperature, ctx.top_p)
             grad_C_V = ctx.row_ops.backward_(
                 logits_C_V,
                 targets_N[rows],
@@ -187,7 +226,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             del logits_C_V, grad_C_V
         if grad_weight_V_H is not None:
             grad_weight_V_H = grad_weight_V_H.to(lm_head_V_H.dtype)
-        return grad_hidden_N_H, grad_weight_V_H, None, None, None, None
+        return grad_hidden_N_H, grad_weight_V_H, None, None, None, None, None
 
 
 def _row_ops_for(hidden_N_H: torch.Tensor) -> RowOps:
@@ -208,6 +247,7 @@ def selective_logprobs_entropy(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
+    top_p: float = 1.0,
     row_ops: RowOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets_N` and entropy at each position, fp32, without N x V logits.
@@ -216,7 +256,8 @@ def selective_logprobs_entropy(
     gradient accumulator for the LM head; smaller chunks cost time only through more, smaller
     matmuls. Both outputs are differentiable w.r.t. `hidden_N_H` and
     `lm_head_V_H`. `targets_N` must lie in [0, V): mask ignored positions (prompt, padding) after
-    the call, not with a sentinel id. `row_ops` overrides the dispatch (tests use it).
+    the call, not with a sentinel id. With `top_p < 1` both are of the nucleus distribution
+    (see the module docstring). `row_ops` overrides the dispatch (tests use it).
     """
     if hidden_N_H.dim() != 2 or lm_head_V_H.dim() != 2 or targets_N.dim() != 1:
         raise ValueError("expected hidden [N, H], lm_head [V, H] and targets [N]")
@@ -229,9 +270,17 @@ def selective_logprobs_entropy(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     row_ops = row_ops if row_ops is not None else _row_ops_for(hidden_N_H)
     return _ChunkedLogprobsEntropy.apply(
-        hidden_N_H, lm_head_V_H, targets_N.long(), chunk_size, float(temperature), row_ops
+        hidden_N_H,
+        lm_head_V_H,
+        targets_N.long(),
+        chunk_size,
+        float(temperature),
+        float(top_p),
+        row_ops,
     )
 
 
@@ -241,10 +290,23 @@ def reference_logprobs_entropy(
     targets_N: torch.Tensor,
     *,
     temperature: float = 1.0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same quantities from full fp32 N x V logits and torch autograd: the definition."""
+    """The same quantities from full fp32 N x V logits and torch autograd: the definition.
+
+    The nucleus is computed as vLLM does, with -inf outside it (entropy terms there are 0).
+    """
     logits_N_V = (hidden_N_H.float() @ lm_head_V_H.float().t()) / temperature
+    if top_p < 1.0:
+        with torch.no_grad():
+            sorted_N_V, order_N_V = logits_N_V.sort(dim=-1)
+            drop_sorted = sorted_N_V.softmax(-1).cumsum(-1) <= 1.0 - top_p
+            drop_sorted[:, -1] = False
+            drop_N_V = torch.zeros_like(drop_sorted).scatter(-1, order_N_V, drop_sorted)
+            drop_N_V[torch.arange(len(targets_N)), targets_N.long()] = False
+        logits_N_V = logits_N_V.masked_fill(drop_N_V, -float("inf"))
     logp_N_V = torch.log_softmax(logits_N_V, dim=-1)
     logprobs_N = logp_N_V.gather(-1, targets_N.long().unsqueeze(-1)).squeeze(-1)
-    entropy_N = -(logp_N_V.exp() * logp_N_V).sum(-1)
+    p_N_V = logp_N_V.exp()
+    entropy_N = -(p_N_V * logp_N_V.masked_fill(p_N_V == 0, 0.0)).sum(-1)
     return logprobs_N, entropy_N

@@ -122,6 +122,22 @@ class EnvSpec(_Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env.")
 
 
+class PromptSection(_Section):
+    """How prompts become token ids (``tasks/generate/chat.py``)."""
+
+    system: str | None = Field(
+        None,
+        description="System prompt put first in every chat-formatted prompt, unless the env's "
+        "messages start with their own.",
+    )
+    chat_template: Literal["messages", "always", "never"] = Field(
+        "messages",
+        description="When the tokenizer's chat template renders a prompt: 'messages' for prompts "
+        "an env gives as chat messages (raw text goes as it is), 'always' (raw text too, as one "
+        "user message), 'never' (a base model: message prompts are refused).",
+    )
+
+
 class SamplingSection(_Section):
     """How rollouts are sampled from vLLM."""
 
@@ -135,6 +151,18 @@ class SamplingSection(_Section):
     num_eval_prompts: int = Field(
         256, ge=1, description="Held-out prompts per environment per evaluation."
     )
+
+    def behaviour(self) -> tuple[float, float]:
+        """(temperature, top_p) of the distribution training rollouts are sampled from.
+
+        The trainer takes its log-probs at these and vLLM returns processed log-probs (after
+        temperature and top-p), so the behaviour policy of every ratio is the one that sampled.
+        Greedy (temperature 0) has no distribution: vLLM then returns raw temperature-1
+        log-probs, and so does the trainer.
+        """
+        if self.temperature == 0:
+            return 1.0, 1.0
+        return self.temperature, self.top_p
 
 
 class LossConfig(_Section):
@@ -241,6 +269,27 @@ class TrainSection(_Section):
         ge=0,
         description="Dynamic sampling's budget: groups replaced per step at most (default: "
         "train_batch_size, i.e. at most twice the sampling).",
+    truncated: Literal["keep", "drop", "penalize"] = Field(
+        "keep",
+        description="Samples cut short (a turn hit max_tokens, an episode its limits): trained as "
+        "they are, dropped (DAPO overlong filtering) or penalised (DAPO soft overlong punishment).",
+    )
+    overlong_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="truncated = 'penalize': the length (model tokens) whose reward gets the whole "
+        "penalty; default sampling.max_tokens (set it for multi-turn episodes).",
+    )
+    overlong_buffer_tokens: int = Field(
+        0,
+        ge=0,
+        description="truncated = 'penalize': the penalty ramps up over this many tokens before "
+        "overlong_max_tokens (0: only truncated samples are penalised).",
+    )
+    overlong_penalty: float = Field(
+        1.0,
+        ge=0,
+        description="truncated = 'penalize': the largest penalty, subtracted from the reward.",
     )
     loss: LossConfig = Field(
         default_factory=LossConfig,
@@ -309,6 +358,17 @@ class InferenceSection(_Section):
         le=1,
         description="vLLM's share of each GPU's memory (None: vLLM's 0.9, or 0.45 when colocated).",
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _owned_args(cls, value: list[str]) -> list[str]:
+        if any(arg.split("=")[0] == "--logprobs-mode" for arg in value):
+            raise ValueError(
+                "inference.extra_args may not set --logprobs-mode: rollflow serves "
+                "processed_logprobs (the log-probs of the distribution that sampled, which the "
+                "trainer matches); remove it"
+            )
+        return value
 
 
 class TrainerSection(_Section):
@@ -410,6 +470,7 @@ class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection
     envs: list[EnvSpec] = Field(min_length=1, description="Environment mix.")
+    prompt: PromptSection = Field(default_factory=PromptSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     train: TrainSection = Field(default_factory=TrainSection)
     inference: InferenceSection = Field(default_factory=InferenceSection)

@@ -50,9 +50,9 @@ def _assert_matches_reference(use="both", dtype=torch.float32, tol=1e-5, **kw):
     and the chunked paths by ~1e-6 (different summation order): 1e-5 is fp32 agreement.
     """
     inputs = _inputs(dtype)
-    temperature = kw.get("temperature", 1.0)
+    ref_kw = {k: kw[k] for k in ("temperature", "top_p") if k in kw}
     got = _values_and_grads(selective_logprobs_entropy, *inputs, use, **kw)
-    want = _values_and_grads(reference_logprobs_entropy, *inputs, use, temperature=temperature)
+    want = _values_and_grads(reference_logprobs_entropy, *inputs, use, **ref_kw)
     for name, g, w in zip(
         ("logprobs", "entropy", "grad hidden", "grad lm_head"), got, want, strict=True
     ):
@@ -67,6 +67,33 @@ def _assert_matches_reference(use="both", dtype=torch.float32, tol=1e-5, **kw):
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
 def test_chunked_equals_reference(chunk_size, temperature):
     _assert_matches_reference(chunk_size=chunk_size, temperature=temperature)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 16, 1024])
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 0.9), (0.7, 0.9), (1.3, 0.5)])
+def test_top_p_equals_reference(chunk_size, temperature, top_p):
+    _assert_matches_reference(chunk_size=chunk_size, temperature=temperature, top_p=top_p)
+
+
+def test_top_p_is_vllms_nucleus_renormalised():
+    """By hand on one row: the kept tokens are the fewest most likely ones whose mass exceeds
+    top_p (vLLM's rule), renormalised; the target stays in even when outside the nucleus."""
+    probs_V = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    hidden_1_H = torch.eye(4)[:1]  # logits = log probs through an identity LM head row
+    lm_head_V_H = torch.zeros(4, 4)
+    lm_head_V_H[:, 0] = probs_V.log()
+    for target, top_p, want in [
+        (0, 0.7, 0.5 / 0.8),  # nucleus {0, 1}: 0.5 + 0.3 = 0.8 > 0.7
+        (1, 0.7, 0.3 / 0.8),
+        (2, 0.7, 0.15 / 0.95),  # outside the nucleus: kept, with the nucleus (0.8 + 0.15)
+        (0, 0.5, 1.0),  # 1 - 0.5 = 0.5 >= 0.05 + 0.15 + 0.3: only token 0 is left
+        (2, 0.96, 0.15),  # 0.05 > 0.04: nothing is cut
+    ]:
+        logp_1, entropy_1 = selective_logprobs_entropy(
+            hidden_1_H, lm_head_V_H, torch.tensor([target]), top_p=top_p
+        )
+        assert logp_1.exp().item() == pytest.approx(want, rel=1e-5), (target, top_p)
+        assert torch.isfinite(entropy_1).all()
 
 
 @pytest.mark.parametrize("use", ["lp", "ent"])
@@ -107,6 +134,8 @@ def test_rejects_bad_arguments():
         selective_logprobs_entropy(hidden_N_H, lm_head_V_H, targets_N, chunk_size=0)
     with pytest.raises(ValueError, match="temperature"):
         selective_logprobs_entropy(hidden_N_H, lm_head_V_H, targets_N, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        selective_logprobs_entropy(hidden_N_H, lm_head_V_H, targets_N, top_p=0.0)
     with pytest.raises(ValueError, match="shape mismatch"):
         selective_logprobs_entropy(hidden_N_H, lm_head_V_H[:, :-1], targets_N)
 
@@ -161,6 +190,12 @@ def interpreted_triton_row_ops(monkeypatch):
 def test_interpreted_triton_kernels_equal_reference(interpreted_triton_row_ops, temperature):
     _assert_matches_reference(
         chunk_size=16, temperature=temperature, row_ops=interpreted_triton_row_ops
+    )
+
+
+def test_interpreted_triton_kernels_with_top_p(interpreted_triton_row_ops):
+    _assert_matches_reference(
+        chunk_size=16, temperature=0.7, top_p=0.9, row_ops=interpreted_triton_row_ops
     )
 
 

@@ -177,3 +177,19 @@ def test_trainer_backend_and_loss_choices():
     # A key that moved into a section is found there.
     with pytest.raises(ConfigError, match="did you mean 'train.loss.kl_coef'"):
         load_config(QUICKSTART, ["train.kl_coef=0.1"])
+
+
+def test_sampling_behaviour_is_what_the_trainer_takes_log_probs_at():
+    """The trainer reproduces vLLM's processed log-probs: tempered and top-p cut when sampling,
+    raw (temperature 1) when greedy, as vLLM returns them then."""
+    cfg = load_config(QUICKSTART, ["sampling.temperature=0.7", "sampling.top_p=0.9"])
+    assert cfg.sampling.behaviour() == (0.7, 0.9)
+    cfg = load_config(QUICKSTART, ["sampling.temperature=0", "sampling.top_p=0.9"])
+    assert cfg.sampling.behaviour() == (1.0, 1.0)
+
+
+def test_logprobs_mode_is_not_a_users_extra_arg():
+    with pytest.raises(ConfigError, match="--logprobs-mode"):
+        load_config(QUICKSTART, ['inference.extra_args=["--logprobs-mode=raw_logprobs"]'])
+    with pytest.raises(ConfigError, match="--logprobs-mode"):
+        load_config(QUICKSTART, ['inference.extra_args=["--logprobs-mode", "raw_logprobs"]'])

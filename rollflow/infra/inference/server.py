@@ -87,6 +87,10 @@ class InferenceServer:
             "--middleware",
             auth.MIDDLEWARE,
             "--disable-log-stats",
+            # Log-probs after temperature and top-p: the behaviour policy that sampled, which the
+            # trainer reproduces (SamplingSection.behaviour). vLLM's default is raw (T = 1).
+            "--logprobs-mode",
+            "processed_logprobs",
             "--uvicorn-log-level",
             "warning",
         ]

@@ -21,6 +21,34 @@ from rollflow.infra.errors import ConfigError
 AdvantageFn = Callable[[Sequence[float]], list[float]]
 
 
+@dataclass(frozen=True)
+class Overlong:
+    """What happens to samples cut short (``truncated``: a model turn hit ``max_tokens``, or an
+    episode its turn or token limit), after DAPO (Yu et al. 2025, section 3.4):
+
+    - ``keep``: trained as they are;
+    - ``drop``: overlong filtering: left out of the batch, and out of their group's baseline;
+    - ``penalize``: soft overlong punishment added to the reward: 0 up to ``max_tokens -
+      buffer_tokens`` model tokens, then falling linearly to ``-penalty`` at ``max_tokens``;
+      a truncated sample always gets the whole ``-penalty``.
+    """
+
+    mode: str = "keep"
+    max_tokens: int = 0
+    buffer_tokens: int = 0
+    penalty: float = 1.0
+
+    def reward_penalty(self, row: dict) -> float:
+        if row.get("truncated"):
+            return -self.penalty
+        if self.buffer_tokens <= 0:
+            return 0.0
+        mask = row.get("completion_mask")
+        length = sum(mask) if mask is not None else len(row["completion_ids"])
+        over = length - (self.max_tokens - self.buffer_tokens)
+        return -self.penalty * min(max(over / self.buffer_tokens, 0.0), 1.0)
+
+
 def grpo_advantages(
     rewards_G: Sequence[float], normalize_std: bool = False, eps: float = 1e-6
 ) -> list[float]:
@@ -132,6 +160,7 @@ class BatchStats:
     num_samples_kept: int = 0
     num_failed_samples: int = 0
     num_zero_advantage_groups: int = 0
+    num_truncated: int = 0  # samples marked truncated (dropped with Overlong "drop")
     failure_reasons: Counter = field(default_factory=Counter)
 
 
@@ -140,17 +169,30 @@ def build_batch(
     advantage_fn: AdvantageFn,
     group_scored_envs: set[str] = frozenset(),
     filter_zero_advantage: bool = True,
+    overlong: Overlong = Overlong(),
 ) -> tuple[pa.Table, BatchStats]:
     """Rows of the groups that carry signal, with ``advantage`` set.
 
     A failed sample (error or no reward) is dropped; its group keeps the survivors, unless its
-    environment scores whole groups, in which case the whole group is dropped.
+    environment scores whole groups, in which case the whole group is dropped. Truncated samples
+    are kept, dropped or penalised as ``overlong`` says (the batch's ``reward`` then holds the
+    penalised reward; the rollouts keep the environment's).
     """
     rows = rollouts.to_pylist()
+    num_truncated = sum(bool(r.get("truncated")) for r in rows)
+    if overlong.mode == "drop":
+        rows = [r for r in rows if not r.get("truncated")]
+    elif overlong.mode == "penalize":
+        rows = [
+            {**r, "reward": r["reward"] + overlong.reward_penalty(r)}
+            if r["reward"] is not None
+            else r
+            for r in rows
+        ]
     groups: dict[int, list[dict]] = {}
     for row in rows:
         groups.setdefault(row["group_index"], []).append(row)
-    stats = BatchStats(num_groups=len(groups), num_samples=len(rows))
+    stats = BatchStats(num_groups=len(groups), num_samples=len(rows), num_truncated=num_truncated)
     kept: list[dict] = []
     for group in groups.values():
         survivors = [r for r in group if r["error"] is None and r["reward"] is not None]

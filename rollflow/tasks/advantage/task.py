@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.context import RunContext
-from rollflow.tasks.advantage.advantages import advantage_fn, build_batch
+from rollflow.tasks.advantage.advantages import Overlong, advantage_fn, build_batch
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ class Batch:
     num_failed_samples: int | None = None
     num_zero_advantage_groups: int | None = None
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    num_truncated: int | None = None  # samples cut short (train.truncated says what became of them)
 
     @property
     def num_groups_kept(self) -> int:
@@ -51,6 +52,12 @@ def advantage(
         advantage_fn(cfg.train),
         set(group_scored_envs),
         cfg.train.filter_zero_advantage,
+        Overlong(
+            cfg.train.truncated,
+            cfg.train.overlong_max_tokens or cfg.sampling.max_tokens,
+            cfg.train.overlong_buffer_tokens,
+            cfg.train.overlong_penalty,
+        ),
     )
     if stats.num_failed_samples:
         log.warning(
@@ -66,4 +73,5 @@ def advantage(
         stats.num_failed_samples,
         stats.num_zero_advantage_groups,
         dict(stats.failure_reasons),
+        stats.num_truncated,
     )

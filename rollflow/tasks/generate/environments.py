@@ -27,17 +27,30 @@ Split = Literal["train", "eval"]
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of an environment; ``answer`` is the reference completion."""
+    """One prompt of an environment; ``answer`` is the reference completion.
+
+    ``messages`` (OpenAI-style chat messages) makes it a chat prompt, rendered by the model's
+    chat template (``chat.py``); ``text`` is then what the rollout rows show (e.g. the user's
+    question). ``tools`` are JSON-schema function specs the template lists for the model.
+    """
 
     env: str
     prompt_id: str
     text: str
     answer: str
+    messages: tuple[dict[str, Any], ...] | None = field(default=None, hash=False, compare=False)
+    tools: tuple[dict[str, Any], ...] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass
 class Sample:
-    """One scored rollout of a prompt."""
+    """One scored rollout of a prompt.
+
+    A multi-turn episode sets the turn fields (see ``infra/schema.py``): ``completion_mask``
+    (1: the model's token, 0: the environment's), ``turn_offsets`` / ``turn_roles`` /
+    ``turn_versions`` per turn, ``stop_reason`` and ``truncated``. Left unset, the sample is
+    one model turn: every token trained, stopped for ``finish_reason``.
+    """
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -49,16 +62,66 @@ class Sample:
     generate_s: float = 0.0
     reward_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    completion_mask: list[int] | None = None
+    turn_offsets: list[int] | None = None
+    turn_roles: list[str] | None = None
+    turn_versions: list[int] | None = None
+    stop_reason: str | None = None
+    truncated: bool | None = None
+
+    def turn_columns(self, version_started: int) -> dict[str, Any]:
+        """The schema's multi-turn columns of this sample (single-turn defaults filled in)."""
+        n = len(self.completion_ids)
+        roles = self.turn_roles or (["assistant"] if n else [])
+        stop = self.stop_reason or self.finish_reason
+        return {
+            "completion_mask": self.completion_mask
+            if self.completion_mask is not None
+            else [1] * n,
+            "turn_offsets": self.turn_offsets
+            if self.turn_offsets is not None
+            else [0] * len(roles),
+            "turn_roles": roles,
+            "turn_versions": self.turn_versions or [version_started] * len(roles),
+            "num_turns": sum(r == "assistant" for r in roles),
+            "stop_reason": stop,
+            "truncated": self.truncated if self.truncated is not None else stop == "length",
+        }
 
 
 @dataclass
 class RolloutContext:
-    """What a rollout may use: a sampling call (with retries) and the tokenizer."""
+    """What a rollout may use: a sampling call (with retries) and the tokenizer.
+
+    ``render`` turns a prompt into token ids (chat template for message prompts, see
+    ``chat.PromptRenderer``); without one, prompts are raw text through ``encode``.
+    ``renderer`` is the ``PromptRenderer`` itself, for multi-turn envs that append turns;
+    ``policy_version()`` the version vLLM holds now (the rollout producer's; None elsewhere);
+    ``max_tokens`` the longest model turn (``sampling.max_tokens``).
+    """
 
     sample: Callable[..., Awaitable[list[Any]]]  # (prompt_ids, n=...) -> list[Completion]
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     eos_token_id: int | None
+    render: Callable[[Prompt], list[int]] | None = None
+    renderer: Any = None
+    stop_token_ids: tuple[int, ...] = ()
+    policy_version: Callable[[], int | None] = lambda: None
+    max_tokens: int | None = None
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The token ids of ``prompt`` as vLLM gets them."""
+        if self.render is not None:
+            return self.render(prompt)
+        if prompt.messages is not None:
+            raise ValueError(
+                f"env {prompt.env}: a chat prompt needs a rollout context with a renderer"
+            )
+        return self.encode(prompt.text)
+
+    def is_stop(self, token_id: int) -> bool:
+        return token_id == self.eos_token_id or token_id in self.stop_token_ids
 
 
 class Environment(ABC):
@@ -97,7 +160,7 @@ class SingleTurnEnv(Environment):
         self, prompt: Prompt, group_size: int, ctx: RolloutContext
     ) -> list[Sample]:
         # Tokenising, detokenising and scoring run in a worker thread, off the producer's loop.
-        prompt_ids = await asyncio.to_thread(ctx.encode, prompt.text)
+        prompt_ids = await asyncio.to_thread(ctx.prompt_ids, prompt)
         start = time.perf_counter()
         completions = await ctx.sample(prompt_ids, n=group_size)
         generate_s = time.perf_counter() - start
@@ -118,7 +181,7 @@ class SingleTurnEnv(Environment):
     def _decode_and_score(self, prompt: Prompt, samples: list[Sample], ctx: RolloutContext) -> None:
         for s in samples:
             ids = s.completion_ids
-            s.completion_text = ctx.decode(ids[:-1] if ids and ids[-1] == ctx.eos_token_id else ids)
+            s.completion_text = ctx.decode(ids[:-1] if ids and ctx.is_stop(ids[-1]) else ids)
             start = time.perf_counter()
             try:
                 s.reward = float(self.reward(prompt, s.completion_text))
@@ -221,6 +284,10 @@ BUILTIN_ENVS: dict[str, str] = {
     "sort_letters": "rollflow.tasks.generate.environments:SortLettersEnv",
     "dataset": "rollflow.tasks.generate.dataset_envs:DatasetEnv",
     "math": "rollflow.tasks.generate.dataset_envs:MathEnv",
+    "calculator": "rollflow.tasks.generate.tool_env:ToolEnv",
+    "guess_number": "rollflow.tasks.generate.tool_env:GuessNumberEnv",
+    "reasoning_gym": "rollflow.tasks.generate.ecosystems:ReasoningGymEnv",
+    "verifiers": "rollflow.tasks.generate.ecosystems:VerifiersEnv",
 }
 
 

@@ -85,8 +85,9 @@ class ProducerHost:
         async def build() -> tuple[InferencePool, RolloutProducer]:
             client = InferencePool.of(inference_urls, timeout_s=cfg.inference.request_timeout_s)
             t = cfg.train
+            rollout_ctx = make_ctx(client, self.sampling_stats)
             producer = RolloutProducer(
-                group_runner(envs, make_ctx(client, self.sampling_stats), cfg.sampling.group_size),
+                group_runner(envs, rollout_ctx, cfg.sampling.group_size),
                 prompt_stream(
                     envs,
                     {e.name: e.weight for e in cfg.envs},
@@ -104,6 +105,8 @@ class ProducerHost:
                     t.train_batch_size if t.max_resampled_groups is None else t.max_resampled_groups
                 ),
             )
+            # Multi-turn episodes record the version each turn was requested at.
+            rollout_ctx.policy_version = lambda: producer.version
             producer.start()
             return client, producer
 

@@ -251,6 +251,7 @@ def to_rows(
                     "generate_s": s.generate_s,
                     "reward_s": s.reward_s,
                     "info": json.dumps({"answer": prompt.answer, **s.info}),
+                    **s.turn_columns(version_started),
                 }
             )
     return rows

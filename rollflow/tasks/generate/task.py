@@ -27,7 +27,8 @@ from rollflow.infra.config import RunConfig
 from rollflow.infra.context import RunContext
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.pool import InferencePool
-from rollflow.infra.schema import rows_to_table
+from rollflow.infra.schema import loss_mask, rows_to_table
+from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
 from rollflow.tasks.generate.host import host_for, step_flows_in_flight
 from rollflow.tasks.generate.rollouts import (
@@ -52,11 +53,13 @@ class Rollouts:
     num_errors: int
     reward_mean: float
     reward_by_env: dict[str, float]
-    completion_tokens: int
+    completion_tokens: int  # the model's tokens (mask 1); environment tokens are not counted
     reused: bool
     num_skipped_rows: int
     group_scored_envs: list[str]
     producer: dict[str, float] = field(default_factory=dict)
+    # Episodes: environment tokens, model turns per episode, the share cut short, stop reasons.
+    turns: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,22 +99,28 @@ def make_rollout_context(
         stats=stats,
         deadline_s=inf.startup_timeout_s + inf.request_timeout_s,
     )
+    renderer = PromptRenderer(tok, cfg.prompt, model_path)
     return RolloutContext(
         sample=sampler,
-        encode=_encoder(tok),
+        encode=renderer.encode_text,
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
         eos_token_id=tok.eos_token_id,
+        render=renderer,
+        renderer=renderer,
+        stop_token_ids=tuple(_stop_ids(model_path)),
+        max_tokens=s.max_tokens,
     )
 
 
-def _encoder(tok):
-    """``text -> token ids`` as ``tok(text).input_ids``; for a fast tokenizer, its Rust backend
-    called directly (the same ids, special tokens included, at a third of the cost: the rollout
-    producer tokenises every prompt on its event loop)."""
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
-        return lambda text: tok(text).input_ids
-    return lambda text: backend.encode(text, add_special_tokens=True).ids
+def _stop_ids(model_path: str) -> list[int]:
+    """Every id vLLM stops on: generation_config.json's eos_token_id (an int or a list)."""
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def _sample(
@@ -218,8 +227,28 @@ def _summary(rows: list[dict]) -> dict:
         "num_errors": sum(r["error"] is not None for r in rows),
         "reward_mean": fmean(rewards) if rewards else float("nan"),
         "reward_by_env": {k: fmean(v) for k, v in sorted(by_env.items())},
-        "completion_tokens": sum(len(r["completion_ids"]) for r in rows),
+        "completion_tokens": sum(sum(loss_mask(r)) for r in rows),
+        "turns": _turn_summary(rows),
     }
+
+
+def _turn_summary(rows: list[dict]) -> dict[str, float]:
+    """Per-step episode numbers: model turns per episode (mean, max), environment tokens, the
+    truncated share, and the count of each stop reason (``stop_reason/<reason>``)."""
+    done = [r for r in rows if r["error"] is None]
+    if not done:
+        return {}
+    turns = [r.get("num_turns") or 1 for r in done]
+    out = {
+        "turns_mean": fmean(turns),
+        "turns_max": float(max(turns)),
+        "env_tokens": float(sum(len(r["completion_ids"]) - sum(loss_mask(r)) for r in done)),
+        "truncated_fraction": fmean(bool(r.get("truncated")) for r in done),
+    }
+    for r in done:
+        key = f"stop_reason/{r.get('stop_reason') or r['finish_reason']}"
+        out[key] = out.get(key, 0.0) + 1.0
+    return out
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)

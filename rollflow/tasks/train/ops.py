@@ -55,6 +55,7 @@ BATCH_COLUMNS = [
     "completion_logprobs",
     "advantage",
 ]
+OPTIONAL_BATCH_COLUMNS = ["completion_mask"]  # absent in batches of older runs: all ones
 
 
 class RankOps:
@@ -135,7 +136,8 @@ class RankOps:
             absent = sorted(set(groups) - set(table["group_index"].to_pylist()))
             if absent:
                 raise InputError(f"batch step={step} has no rows for groups {absent}")
-        rows = table.select(BATCH_COLUMNS).to_pylist()
+        optional = [c for c in OPTIONAL_BATCH_COLUMNS if c in table.column_names]
+        rows = table.select(BATCH_COLUMNS + optional).to_pylist()
         if not rows:
             raise InputError(f"batch step={step} has no rows for groups {groups}")
         old = self._old_logprobs(step) if old_logprobs else {}
@@ -152,6 +154,7 @@ class RankOps:
                     r["env"] or "",
                     key,
                     old.get(key),
+                    _mask_or_none(r.get("completion_mask")),
                 )
             )
         return seqs
@@ -211,7 +214,7 @@ class RankOps:
         def prepare() -> int:
             seqs = self.sequences(req.step, req.group_indices, req.old_logprobs == "trainer")
             mbs.extend(self.my_micro_batches(seqs))
-            return sum(len(s.completion_ids) for mb in mbs for s in mb.sequences)
+            return sum(s.num_loss_tokens for mb in mbs for s in mb.sequences)
 
         # The global loss-token count: each rank's count, summed over ranks (the all-gather above
         # is the all-reduce).
@@ -375,6 +378,12 @@ def _check_row(step: int, i: int, r: dict, old: list[float] | None, want_old: bo
             f"{where}: {len(r['completion_logprobs'] or [])} completion_logprobs for "
             f"{len(r['completion_ids'])} completion_ids"
         )
+    mask = r.get("completion_mask")
+    if mask is not None and (len(mask) != len(r["completion_ids"]) or set(mask) - {0, 1}):
+        raise InputError(
+            f"{where}: completion_mask must hold one 0 or 1 per completion token "
+            f"({len(mask)} values for {len(r['completion_ids'])} tokens)"
+        )
     if r["advantage"] is None or not math.isfinite(r["advantage"]):
         raise InputError(f"{where}: advantage is {r['advantage']}; it must be a finite number")
     if want_old and (old is None or len(old) != len(r["completion_ids"])):
@@ -382,6 +391,13 @@ def _check_row(step: int, i: int, r: dict, old: list[float] | None, want_old: bo
             f"{where}: no trainer log-probs of matching length in logprobs/step={step}; "
             "call forward on this batch first"
         )
+
+
+def _mask_or_none(mask: list[int] | None) -> list[int] | None:
+    """None for an all-ones mask (the common single-turn row): nothing to mask."""
+    if mask is None or all(mask):
+        return None
+    return list(mask)
 
 
 def _merge_forward_backward(parts: list[dict], denominator: float, elapsed_s: float) -> dict:

@@ -40,10 +40,16 @@ class Sequence:
     env: str = ""
     key: tuple[int, int] = (0, 0)  # (group_index, sample_index): names the row in outputs
     old_logprobs: list[float] | None = None  # the trainer's own, from an earlier `forward`
+    # 1: the model's token (trained), 0: an environment's token (context only); None: all 1.
+    loss_mask: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def split_across_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
@@ -89,8 +95,10 @@ def plan_micro_batches(lengths: list[int], world_size: int, budget: int) -> list
 class PackedBatch:
     """A micro-batch as tensors: packed rows in, per-loss-token gather indices and inputs.
 
-    ``N`` is the number of loss (completion) tokens, ``B`` of sequences, ``T`` the longest
-    completion; ``slot_N`` places loss token n at ``[n // T, n % T]`` of a [B, T] layout.
+    ``N`` is the number of completion tokens, ``B`` of sequences, ``T`` the longest
+    completion; ``slot_N`` places completion token n at ``[n // T, n % T]`` of a [B, T] layout.
+    ``loss_mask_N`` is 1 for the model's tokens and 0 for environment tokens of multi-turn
+    episodes: those are context for the forward pass and in no loss, count or metric.
     """
 
     input_ids_R_P: torch.Tensor
@@ -101,6 +109,7 @@ class PackedBatch:
     inference_logprobs_N: torch.Tensor
     old_logprobs_N: torch.Tensor | None
     advantages_B: torch.Tensor
+    loss_mask_N: torch.Tensor
     num_seqs: int
     max_completion: int
     num_tokens: int  # real tokens (prompt + completion) in the rows
@@ -116,7 +125,7 @@ class PackedBatch:
         return flat.index_copy(0, self.slot_N, x_N).view(self.num_seqs, self.max_completion)
 
     def mask_B_T(self) -> torch.Tensor:
-        return self.to_B_T(torch.ones_like(self.inference_logprobs_N))
+        return self.to_B_T(self.loss_mask_N)
 
     def to(self, device: torch.device) -> PackedBatch:
         moved = {
@@ -158,7 +167,7 @@ def pack(sequences: list[Sequence], row_tokens: int | None) -> PackedBatch:
     # Padding gets its own run of positions, so it forms its own (ignored) segment.
     pos_R_P = torch.arange(width).repeat(len(rows), 1)
     T = max(len(s.completion_ids) for s in sequences)
-    hidden_index, targets, slots, inference, old = [], [], [], [], []
+    hidden_index, targets, slots, inference, old, mask = [], [], [], [], [], []
     for r, row in enumerate(rows):
         offset = 0
         for b in row:
@@ -174,6 +183,7 @@ def pack(sequences: list[Sequence], row_tokens: int | None) -> PackedBatch:
             targets.extend(s.completion_ids)
             slots.extend(range(b * T, b * T + c))
             inference.extend(s.inference_logprobs)
+            mask.extend(s.loss_mask if s.loss_mask is not None else [1] * c)
             if s.old_logprobs is not None:
                 old.extend(s.old_logprobs)
             offset += p + c
@@ -187,6 +197,7 @@ def pack(sequences: list[Sequence], row_tokens: int | None) -> PackedBatch:
         inference_logprobs_N=torch.tensor(inference, dtype=torch.float32),
         old_logprobs_N=torch.tensor(old, dtype=torch.float32) if has_old else None,
         advantages_B=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
+        loss_mask_N=torch.tensor(mask, dtype=torch.float32),
         num_seqs=len(sequences),
         max_completion=T,
         num_tokens=sum(lengths),
@@ -204,6 +215,7 @@ def _dummy() -> PackedBatch:
         inference_logprobs_N=torch.zeros(1),
         old_logprobs_N=None,
         advantages_B=torch.zeros(1),
+        loss_mask_N=torch.zeros(1),
         num_seqs=0,
         max_completion=1,
         num_tokens=0,

@@ -27,7 +27,7 @@ PREFIX = "hf."  # state-dict keys of the wrapper are the HF model's, behind this
 class PackedPolicy(nn.Module):
     """A causal LM returning (logprobs_N, entropy_N) of the tokens it is asked about."""
 
-    def __init__(self, hf_model: nn.Module, temperature: float = 1.0):
+    def __init__(self, hf_model: nn.Module, temperature: float = 1.0, top_p: float = 1.0):
         super().__init__()
         if getattr(hf_model.config, "final_logit_softcapping", None):
             raise ValueError(
@@ -35,7 +35,9 @@ class PackedPolicy(nn.Module):
                 "kernel computes plain lm_head logits and would be wrong for it"
             )
         self.hf = hf_model
-        self.temperature = temperature
+        # The distribution the rollouts were sampled from (SamplingSection.behaviour): the
+        # log-probs of every ratio, entropy and KL are of it, as vLLM's processed log-probs are.
+        self.temperature, self.top_p = temperature, top_p
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -64,7 +66,11 @@ class PackedPolicy(nn.Module):
         hidden_RP_H = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         hidden_N_H = hidden_RP_H.index_select(0, hidden_index_N)
         return selective_logprobs_entropy(
-            hidden_N_H, self.lm_head_weight, targets_N, temperature=self.temperature
+            hidden_N_H,
+            self.lm_head_weight,
+            targets_N,
+            temperature=self.temperature,
+            top_p=self.top_p,
         )
 
 

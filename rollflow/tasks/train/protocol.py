@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
+from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
 
 
 class _Body(BaseModel):
@@ -35,6 +35,10 @@ class ServiceArgs(_Body):
     )
     train: TrainSection = Field(default_factory=TrainSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    sampling: SamplingSection = Field(
+        default_factory=SamplingSection,
+        description="How the rollouts were sampled: log-probs are taken at its temperature and top-p",
+    )
     reference_model_path: str | None = Field(
         None,
         description="The KL term's frozen policy; default: the checkpoint's record, else model_path",

@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         model_path=args.model_path,
         train=args.train,
         trainer=args.trainer,
+        sampling=args.sampling,
         seed=args.seed,
         reference_model_path=_reference_path(args),
     )

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
+from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
 from rollflow.infra.weights.group import weight_metadata
 from rollflow.tasks.train.backends import Backend, make_backend
 from rollflow.tasks.train.losses import LossInputs, compute_loss
@@ -53,11 +53,13 @@ SUM_KEYS = (
 @dataclass(frozen=True)
 class TrainerSpec:
     """How one rank builds its part of the trainer: the run config's train and trainer sections
-    (optimizer, schedule, backend), the seed, and a frozen copy of the policy for the KL term."""
+    (optimizer, schedule, backend), its sampling section (the temperature and top-p the log-probs
+    are taken at), the seed, and a frozen copy of the policy for the KL term."""
 
     model_path: str
     train: TrainSection = field(default_factory=TrainSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
     seed: int = 0
     reference_model_path: str | None = None
 
@@ -73,9 +75,10 @@ class Trainer:
         self.config = hf.config
         self.metadata = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
         t = spec.train
+        temperature, top_p = spec.sampling.behaviour()
         self.backend: Backend = make_backend(
             spec.trainer.backend,
-            PackedPolicy(hf),
+            PackedPolicy(hf, temperature, top_p),
             device,
             zero_stage=spec.trainer.zero_stage or 1,
             lr=t.lr,
@@ -86,7 +89,9 @@ class Trainer:
         self.reference = None
         if spec.reference_model_path is not None:
             self.reference = (
-                PackedPolicy(load_hf_model(spec.reference_model_path, device)).to(device).eval()
+                PackedPolicy(load_hf_model(spec.reference_model_path, device), temperature, top_p)
+                .to(device)
+                .eval()
             )
             self.reference.requires_grad_(False)
         self.step = 0  # optimizer steps taken
@@ -310,7 +315,8 @@ def _accumulate(
     sums["tis_weight_sum"] += out.tis_weight_sum
     sums["is_masked_tokens"] += out.is_masked_tokens
     # Importance weights of trainer vs sampler per token, for the effective sample size.
-    w_N = torch.exp(logp_N.double() - mb.inference_logprobs_N.double())
+    # Environment tokens (mask 0) weigh nothing.
+    w_N = torch.exp(logp_N.double() - mb.inference_logprobs_N.double()) * mb.loss_mask_N.double()
     seq_N = torch.div(mb.slot_N, mb.max_completion, rounding_mode="floor")
     w_B = torch.zeros(mb.num_seqs, dtype=torch.float64, device=w_N.device).index_add_(0, seq_N, w_N)
     w2_B = torch.zeros_like(w_B).index_add_(0, seq_N, w_N * w_N)
@@ -320,6 +326,8 @@ def _accumulate(
     w_B, w2_B = w_B.cpu().tolist(), w2_B.cpu().tolist()
     for b, seq in enumerate(mb.sequences):
         n = s["num_tokens"][b]
+        if n == 0:  # an episode with no model token (all masked): nothing to report
+            continue
         kl = s["kl"][b] if "kl" in s else 0.0
         per_env.add(
             "loss",

@@ -131,3 +131,33 @@ def test_estimators_by_name_or_path_with_arguments():
 def test_a_bad_estimator_is_one_clear_line(advantage, args, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         advantage_fn(TrainSection(advantage=advantage, advantage_args=args))
+
+
+def _truncation_rows():
+    """One group: a finished sample (reward 1, 2 model tokens), a truncated one (reward 1),
+    and a finished one with 6 model tokens of which 2 are environment tokens (reward 0)."""
+    table = _rows([[(1.0, None), (1.0, None), (0.0, None)]]).to_pylist()
+    table[1]["truncated"] = True
+    table[2].update(
+        completion_ids=[5, 6, 7, 8, 9, 2],
+        completion_logprobs=[-1.0] * 6,
+        completion_mask=[1, 1, 0, 0, 1, 1],
+    )
+    return rows_to_table(table)
+
+
+def test_truncated_samples_kept_dropped_or_penalised():
+    from rollflow.tasks.advantage.advantages import Overlong
+
+    kept, stats = build_batch(_truncation_rows(), grpo_advantages)
+    assert kept.num_rows == 3 and stats.num_truncated == 1
+    dropped, _ = build_batch(_truncation_rows(), grpo_advantages, overlong=Overlong("drop"))
+    # Out of the batch and out of the baseline: the group's mean is over the other two.
+    assert dropped.column("sample_index").to_pylist() == [0, 2]
+    assert dropped.column("advantage").to_pylist() == [0.5, -0.5]
+    # DAPO's soft punishment with L_max = 4, buffer 2: 2 model tokens -> 0, 4 -> the whole
+    # penalty (environment tokens do not count), truncated -> the whole penalty.
+    rule = Overlong("penalize", max_tokens=4, buffer_tokens=2, penalty=0.5)
+    penalised, _ = build_batch(_truncation_rows(), grpo_advantages, overlong=rule)
+    assert penalised.column("reward").to_pylist() == [1.0, 0.5, -0.5]
+    assert rule.reward_penalty({"completion_ids": [1, 2, 3], "truncated": False}) == -0.25

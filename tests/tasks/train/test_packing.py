@@ -84,3 +84,24 @@ def test_packed_rows_attend_within_each_sequence_only(tiny_model_dir, row_tokens
                 row_tokens,
                 b,
             )
+
+
+def test_the_loss_mask_packs_with_its_tokens_and_bad_masks_are_named():
+    from rollflow.infra.errors import InputError
+    from rollflow.tasks.train.ops import _check_row
+
+    rows = make_rows(12, seed=3, masked=True)
+    seqs = sequences(rows)
+    for seq, row in zip(seqs, rows, strict=True):
+        seq.loss_mask = row.get("completion_mask")
+    mb = pack(seqs, row_tokens=32)
+    # Rows are packed longest first; in the loss's [B, T] layout each sequence's mask is its own.
+    mask_B_T = mb.mask_B_T()
+    for b, row in enumerate(rows):
+        want = row.get("completion_mask") or [1] * len(row["completion_ids"])
+        assert mask_B_T[b, : len(want)].tolist() == want
+        assert mask_B_T[b, len(want) :].sum() == 0
+    assert sum(0 in (r.get("completion_mask") or []) for r in rows) >= 2
+    bad = {**rows[1], "completion_mask": [1, 0]}
+    with pytest.raises(InputError, match="completion_mask must hold one 0 or 1 per completion"):
+        _check_row(3, 1, bad, None, False)

@@ -79,6 +79,7 @@ def service(request, tiny_model_dir, tmp_path_factory):
     storage = RunStorage(str(root / "runs"), "t")
     write_batch(storage, 1, make_rows(22, seed=11))
     write_batch(storage, 2, make_rows(9, seed=12, step=2))
+    write_batch(storage, 3, make_rows(14, seed=13, step=3, masked=True))
     args = ServiceArgs(
         model_path=str(tiny_model_dir),
         storage_root=str(root / "runs"),
@@ -154,6 +155,23 @@ def test_two_ranks_match_one_process_on_the_whole_batch(service):
     assert 0 < fb["ess"] <= 1 and fb["num_loss_tokens"] == sum(
         len(r["completion_ids"]) for r in rows
     )
+
+
+def test_environment_tokens_are_context_only_on_two_ranks(service):
+    """Multi-turn rows: mask-0 tokens are in the forward pass (context) but in no loss, count or
+    gradient; two ranks match one process computing the masked loss by hand."""
+    rows = service.storage.read_step_table("batches", 3).to_pylist()
+    assert sum(0 in (r["completion_mask"] or []) for r in rows) >= 3
+    before = service.export("before-masked")
+    fb = service.client.forward_backward(3, loss=PPO)
+    ref = reference(before, rows, PPO)
+    assert fb["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    assert fb["num_loss_tokens"] == sum(
+        sum(r["completion_mask"] or [1] * len(r["completion_ids"])) for r in rows
+    )
+    grads = service.gradients("masked")
+    assert max_abs_diff(grads, ref["grads"]) < 1e-6 * max_abs(ref["grads"])
+    service.client.optim_step()
 
 
 def test_forward_then_gspo_with_truncated_importance_sampling(service):
