@@ -269,6 +269,7 @@ class TrainSection(_Section):
         ge=0,
         description="Dynamic sampling's budget: groups replaced per step at most (default: "
         "train_batch_size, i.e. at most twice the sampling).",
+    )
     truncated: Literal["keep", "drop", "penalize"] = Field(
         "keep",
         description="Samples cut short (a turn hit max_tokens, an episode its limits): trained as "
