@@ -81,7 +81,7 @@ def _train(config: dict | RunConfig) -> dict:
         policy_dir = base_model
     publish(storage, "run_started", resumed_from=resumed_from)
     progress = RunProgress(cfg.run.name, cfg.run.num_steps, resumed_from)
-    log_dir = _log_dir(storage)
+    log_dir = storage.log_dir()
     # Sinks open first: a configured sink whose package is missing fails before services start.
     with (
         MetricSinks.from_config(cfg, log_dir) as sinks,
@@ -283,12 +283,8 @@ def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:
 
 
 def run_log_dir(cfg: RunConfig) -> Path:
-    """Where the run's logs go (services' logs and run.log): see ``_log_dir``."""
-    return _log_dir(RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options))
-
-
-def _log_dir(storage: RunStorage) -> Path:
-    return storage.log_dir()
+    """Where the run's logs go (services' logs and run.log): see ``RunStorage.log_dir``."""
+    return RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options).log_dir()
 
 
 def _fmt_env(total: float, by_env: dict[str, float]) -> str:

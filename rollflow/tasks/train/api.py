@@ -221,17 +221,22 @@ def build_app(
     def connect(req: WeightConnect) -> dict:
         return run("weights_connect", req)
 
-    @app.post("/weights/capture")
-    def capture(req: Broadcast) -> dict:
-        """Keep the current weights as ``req.version`` (default: the last finished step's) for a
-        later ``/weights/broadcast`` of that version, which then leaves the ranks free to train."""
+    def queue_tagged(op: str, version: int | None) -> tuple[int, _Pending]:
+        """Queue a weight-plane command for ``version`` (None: the last finished step's), in
+        order after the calls before it; 409 while a step is training (no version yet)."""
         with order:
-            version = state["weights_version"] if req.version is None else req.version
+            version = state["weights_version"] if version is None else version
             if version is None:
                 raise HTTPException(
                     409, "a step is training: its weights are no policy version yet"
                 )
-            pending = queue("weights_capture", Broadcast(version=version))
+            return version, queue(op, Broadcast(version=version))
+
+    @app.post("/weights/capture")
+    def capture(req: Broadcast) -> dict:
+        """Keep the current weights as ``req.version`` (default: the last finished step's) for a
+        later ``/weights/broadcast`` of that version, which then leaves the ranks free to train."""
+        _, pending = queue_tagged("weights_capture", req.version)
         return result(pending)
 
     @app.post("/weights/broadcast")
@@ -244,13 +249,7 @@ def build_app(
                 sent = ops.send_captured(req.version)
             if sent is not None:
                 return {"version": req.version, **sent}
-        with order:
-            version = state["weights_version"] if req.version is None else req.version
-            if version is None:
-                raise HTTPException(
-                    409, "a step is training: its weights are no policy version yet"
-                )
-            pending = queue("weights_broadcast", Broadcast(version=version))
+        version, pending = queue_tagged("weights_broadcast", req.version)
         return {"version": version, **result(pending)}
 
     @app.post("/weights/close")
