@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import secrets
 import time
 
 import pytest
@@ -62,7 +61,8 @@ def arch_server(request, tmp_path_factory):
     srv.stop()
 
 
-def _trainer(root, policy, behaviour: tuple[float, float], name: str) -> TrainerProcess:
+def _trainer(root, policy, behaviour: tuple[float, float], name: str, token: str) -> TrainerProcess:
+    """The trainer of a run whose token is vLLM's key: the weight group admits only the run."""
     temperature, top_p = behaviour
     args = ServiceArgs(
         model_path=str(policy),
@@ -72,7 +72,7 @@ def _trainer(root, policy, behaviour: tuple[float, float], name: str) -> Trainer
         trainer=TrainerSection(device="cpu", startup_timeout_s=300, request_timeout_s=120),
         sampling=SamplingSection(temperature=temperature, top_p=top_p),
     )
-    return TrainerProcess(args, token=secrets.token_hex(8), log_dir=root / name / "logs")
+    return TrainerProcess(args, token=token, log_dir=root / name / "logs")
 
 
 def _sample(url: str, prompts_ids: list[list[int]], behaviour) -> list[tuple[list[int], object]]:
@@ -148,7 +148,7 @@ def test_vllm_and_trainer_agree_after_a_weight_sync(arch_server, behaviour_name)
     arch, root, policy, srv = arch_server
     behaviour = BEHAVIOURS[behaviour_name]
     name = f"{arch}-{behaviour_name}"
-    trainer = _trainer(root, policy, behaviour, name)
+    trainer = _trainer(root, policy, behaviour, name, token=srv.api_key)
     trainer.start()
     try:
         trainer.wait_healthy()

@@ -60,6 +60,8 @@ def test_notebook_executes_on_a_run_made_by_the_tests(deployed_run, monkeypatch)
     assert "shape: (2, 5)" in text("completion-lengths")
     assert "│ 0         ┆ 0                 ┆ 64 " in text("staleness")  # on-policy run: all fresh
     assert "shape: (12, 6)" in text("sample")
+    # Single-turn episodes: one model turn each, nothing truncated at the episode limit.
+    assert "shape: (2, 7)" in text("turns") and images("turns") == 1
     assert [
         images(t) for t in ("reward-by-step", "reward-by-env", "completion-lengths", "staleness")
     ] == [1, 1, 1, 1]

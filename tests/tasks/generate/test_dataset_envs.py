@@ -181,7 +181,7 @@ def test_generate_task_reports_the_skipped_rows(tmp_path):
     from rollflow.infra.context import RunContext
     from rollflow.infra.http import Endpoint
     from rollflow.infra.schema import rows_to_table
-    from rollflow.tasks.generate.environments import Sample
+    from rollflow.tasks.generate.environments import RolloutContext, Sample
     from rollflow.tasks.generate.host import ProducerHost
     from rollflow.tasks.generate.rollouts import to_rows
     from rollflow.tasks.generate.task import build_envs, generate
@@ -211,7 +211,7 @@ def test_generate_task_reports_the_skipped_rows(tmp_path):
     host = ProducerHost(
         cfg,
         build_envs(cfg),
-        lambda client, stats: None,
+        lambda client, stats: RolloutContext(None, str.split, " ".join, None),
         [nowhere.url],
         resumed_from=0,
         reused_steps=[1],
