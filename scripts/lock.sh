@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate requirements/cpu.lock, what scripts/setup.sh installs: pyproject.toml's extras cpu,
-# dev and deepspeed plus requirements/cpu.in, less requirements/overrides.txt, resolved with uv for
+# dev, deepspeed, lora and envs plus requirements/cpu.in, less requirements/overrides.txt, resolved with uv for
 # CPython 3.11 on Linux x86_64 (manylinux_2_28), every version pinned, every file's sha256 listed
 # (torch's excepted: see docs/install.md).
 #   bash scripts/lock.sh                        # after editing dependencies: keeps the other pins
@@ -18,7 +18,7 @@ uv=${UV:-.venv/bin/uv}
   || { echo "lock: needs uv: run bash scripts/setup.sh first (it puts uv in .venv), or set UV=/path/to/uv" >&2; exit 1; }
 if [ "${1:-}" = "--gpu" ]; then
   shift
-  "$uv" pip compile -q pyproject.toml --extra gpu --extra deepspeed --python-version 3.11 \
+  "$uv" pip compile -q pyproject.toml --extra gpu --extra deepspeed --extra lora --python-version 3.11 \
     --python-platform x86_64-manylinux_2_28 --generate-hashes \
     --custom-compile-command "bash scripts/lock.sh --gpu" -o requirements/gpu.lock "$@"
   echo "lock: wrote requirements/gpu.lock ($(grep -c '^[a-z0-9]' requirements/gpu.lock) packages)"
@@ -26,7 +26,7 @@ if [ "${1:-}" = "--gpu" ]; then
 fi
 . scripts/torch_source.sh
 torch_src=$(torch_source "$PYTHON")
-"$uv" pip compile -q pyproject.toml requirements/cpu.in --extra cpu --extra dev --extra deepspeed \
+"$uv" pip compile -q pyproject.toml requirements/cpu.in --extra cpu --extra dev --extra deepspeed --extra lora --extra envs \
   --overrides requirements/overrides.txt --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
   --find-links "$torch_src" --generate-hashes --custom-compile-command "bash scripts/lock.sh" \
   -o "$lock" "$@"
