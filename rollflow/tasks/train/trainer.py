@@ -98,6 +98,9 @@ class Trainer:
             )
             self.reference.requires_grad_(False)
         self.step = 0  # optimizer steps taken
+        # The model LoRA adapters apply to: a resumed trainer starts from a checkpoint's merged
+        # export, so load_checkpoint restores the original from the trainer state.
+        self.base_model_path = spec.model_path
         self._pending_micro_batches = 0
 
     # ------------------------------------------------------------------------------ compute
@@ -231,7 +234,7 @@ class Trainer:
         folder.mkdir(parents=True, exist_ok=True)
         if self.spec.train.lora:
             lora.save_adapter(
-                folder / lora.ADAPTER_DIR, full, self.spec.train.lora, self.spec.model_path
+                folder / lora.ADAPTER_DIR, full, self.spec.train.lora, self.base_model_path
             )
         if getattr(self.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)  # safetensors refuses shared tensors; HF re-ties it
@@ -277,6 +280,7 @@ class Trainer:
                 "backend": self.backend.name,
                 "world_size": self.world_size,
                 "reference_model": self.spec.reference_model_path,
+                "base_model": self.base_model_path,
             }
             (state_dir / "state.json").write_text(json.dumps(state, indent=2))
         dist.barrier()
@@ -298,6 +302,7 @@ class Trainer:
             if "cuda" in rng and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.step = state["step"]
+        self.base_model_path = state.get("base_model", self.base_model_path)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradient, full and HF-named, on rank 0 (a collective; debugging and tests)."""

@@ -1,6 +1,8 @@
 """LoRA on the trainer (one in-process gloo rank, FSDP2): only adapters train, the merged weights
 and the saved adapter are what peft computes, and a checkpoint round trip continues exactly."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,3 +122,7 @@ def test_lora_checkpoint_round_trip_continues_identically(tiny_model_dir, tmp_pa
     resumed.load_checkpoint(tmp_path / "ckpt")
     step(resumed)
     assert max_abs_diff(dict(first.named_weights()), dict(resumed.named_weights())) < 1e-6
+    # The resumed trainer started from the merged export; its adapter still names the base.
+    resumed.save_checkpoint(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / lora.ADAPTER_DIR / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(tiny_model_dir)
