@@ -373,7 +373,7 @@ def print_lora(sizes: list[str], rank: int, repeats: int) -> None:
                 f"{ours_s * 1000:.1f}",
                 f"{a['ours'] * 1000:.2f}",
                 f"{m['bytes'] / a['bytes']:.0f}×",
-                f"{ours_s / a['ours']:.0f}×",
+                f"{ours_s / a['ours']:.1f}×",
             ]
         )
     print(f"\nLoRA rank {rank} on every projection, one sync, median of {repeats}\n")

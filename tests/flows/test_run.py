@@ -180,15 +180,25 @@ def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache):
     the adapter beside the merged model (peft's merge of the one is the other), and `rollflow
     export` writes the adapter in peft's format (the merged model with --merged)."""
     peft = pytest.importorskip("peft")
+    import duckdb
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     config = write_config(tmp_path, model_cache, name="lora", steps=2)
-    out = run_cli(config, tmp_path, "train.lora.rank=4", "train.lr=1e-3", "run.eval_every=0")
+    # The tiny policy's rewards may all be zero in two steps; zero-advantage groups are kept and an
+    # entropy bonus gives them a gradient, so every step trains the adapter whatever the rewards.
+    lora = ["train.lora.rank=4", "train.lr=1e-3", "run.eval_every=0"]
+    train = ["train.filter_zero_advantage=false", "train.loss.entropy_coef=0.01"]
+    out = run_cli(config, tmp_path, *lora, *train)
     assert "step 2/2" in out
     run_dir = tmp_path / "runs" / "lora"
     assert_every_step_once(run_dir, 2)
+    optim_steps = duckdb.sql(
+        f"select step, num_optim_steps from read_parquet('{run_dir}/metrics/step=[12].parquet', "
+        "union_by_name=true) order by step"
+    ).fetchall()
+    assert optim_steps == [(1, 2), (2, 2)]  # train_batch_size 8 / mini_batch_size 4
     for step in (1, 2):
         adapter = run_dir / "checkpoints" / f"step={step}" / "adapter"
         assert (adapter / "adapter_model.safetensors").exists()
