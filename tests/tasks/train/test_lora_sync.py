@@ -1,6 +1,8 @@
 """A LoRA policy through the real weight plane: the trainer service (FSDP2 on 1 and 2 ranks,
-DeepSpeed ZeRO-3 on 2) trains adapters for a few optimizer steps and syncs to a real vLLM server after each one; vLLM's greedy
-output then equals transformers + peft running the trainer's own adapter on the base model."""
+DeepSpeed ZeRO-3 on 2) trains adapters for a few optimizer steps and syncs to a real vLLM server
+after each one (the second as the background sync does it: captured, then sent while the trainer
+takes the next step); vLLM's greedy output then equals transformers + peft running the trainer's
+own adapter of that version on the base model."""
 
 from __future__ import annotations
 
@@ -100,13 +102,22 @@ def test_vllm_serves_the_trainers_adapter_after_every_sync(
         proc.wait_healthy()
         join(client, [(url, 1)], GroupSpec.single(), timeout_s=60)
         try:
+            trained = 0
             for step in range(1, STEPS + 1):
-                client.forward_backward(step, loss=LossConfig())
-                client.optim_step()
+                while trained < step:
+                    trained += 1
+                    client.forward_backward(trained, loss=LossConfig())
+                    client.optim_step()
+                export = tmp_path / f"export-{step}"
+                client.export_hf(str(export))  # the adapter of this version
+                if step == 2:  # background sync: capture, train on, then send the capture (vLLM
+                    # must then equal this export, not the weights of the step trained since)
+                    client.weights_capture(step)
+                    trained += 1
+                    client.forward_backward(trained, loss=LossConfig())
+                    client.optim_step()
                 stats = publish(client, [url], step, timeout_s=60)
                 served.append(greedy(url))
-                export = tmp_path / f"export-{step}"
-                client.export_hf(str(export))
                 tokens, logprobs = peft_greedy(base, export / ADAPTER_DIR)
                 assert served[-1][0] == tokens, f"step {step}: vLLM {served[-1]} != peft {tokens}"
                 assert served[-1][1] == pytest.approx(logprobs, abs=1e-4)
