@@ -104,7 +104,9 @@ def merged_state(full: dict[str, torch.Tensor], cfg: LoraSection) -> dict[str, t
         if key.endswith(_BASE):
             layer = key[: -len(_BASE)]
             a, b = full[layer + _A].float(), full[layer + _B].float()
-            out[f"{layer}.weight"] = (value.float() + scale * (b @ a)).to(value.dtype)
+            # One fused product-and-add: a single full-size result per layer.
+            merged = torch.addmm(value.float(), b, a, alpha=scale)
+            out[f"{layer}.weight"] = merged.to(value.dtype)
         else:
             out[key.replace(".base_layer.", ".")] = value
     return out
