@@ -3,6 +3,7 @@
     .venv/bin/python bench/overhead.py                 # 30 steps at max_staleness 0 and 1, ~8 min
     .venv/bin/python bench/overhead.py --steps 20 --staleness 0
     git worktree add /tmp/before HEAD~3 && .venv/bin/python bench/overhead.py --compare /tmp/before
+    .venv/bin/python bench/overhead.py --sync background inline   # the sync off / on the trainer's path
 
 Method 1, inside a real run (``rollflow run configs/quickstart.toml``: vLLM, trainer service,
 Prefect flows) of a tiny step: the quickstart model, 16 groups × 4 completions of ≤ 8 tokens,
@@ -18,6 +19,10 @@ train → sync and nothing else. From the run's metrics and rollouts, per step a
   over its rollouts; with S ≥ 1 generation overlaps training and is off the path);
 - control plane = step − service time: Prefect flow and task runs, the producer hand-off, the
   advantage task (reads the step's rollouts, writes its batch), metrics, events and the commit;
+- trainer busy: ``train_s`` plus what the sync holds the trainer for: the whole sync inline
+  (``trainer.background_sync = false``), the capture of the weights (``capture_s``) with the
+  background sync, whose broadcast then runs while the next step trains (``--sync`` runs both);
+  trainer idle = 1 − busy / step;
 - CPU per step of each process of the run (the private Prefect API, the run process, vLLM, the
   trainer), sampled with psutil from the first to the last measured step: on 2 shared cores the
   API's CPU is taken from the trainer and vLLM even where its latency is hidden.
@@ -89,11 +94,18 @@ def _cpu_by_role(root) -> dict[str, float]:
     return out
 
 
-def run_one(storage: Path, staleness: int, steps: int, warmup: int, tree: Path = ROOT) -> dict:
+def run_one(
+    storage: Path,
+    staleness: int,
+    steps: int,
+    warmup: int,
+    tree: Path = ROOT,
+    sync: str = "background",
+) -> dict:
     """One run of the tiny step with the rollflow of ``tree``; its figures per measured step."""
     import psutil
 
-    name = f"overhead-s{staleness}-{abs(hash(str(tree))) % 10_000}"
+    name = f"overhead-s{staleness}-{sync}-{abs(hash(str(tree))) % 10_000}"
     cmd = [
         sys.executable,
         "-m",
@@ -105,6 +117,8 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int, tree: Path =
         f"run.num_steps={steps + warmup}",
         f"train.max_staleness={staleness}",
         *TINY,
+        # (a checkout from before the background sync has no such key: leave it out there)
+        *(["trainer.background_sync=false"] if sync == "inline" else []),
     ]
     env = {
         **os.environ,
@@ -129,8 +143,12 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int, tree: Path =
     log.close()
     if returncode or len(cpu) < 2:
         sys.exit(f"S={staleness} ({tree}) failed:\n{(storage / f'{name}.log').read_text()[-4000:]}")
+    columns = duckdb.sql(
+        f"select * from read_parquet('{storage}/{name}/metrics/*.parquet', union_by_name=true) limit 0"
+    ).columns
+    capture = "m.capture_s" if "capture_s" in columns else "null"
     m = duckdb.sql(f"""
-        select m.step, m.step_s, m.train_s, m.train_phase_s, m.sync_s, m.generate_phase_s, m.advantage_phase_s,
+        select m.step, m.step_s, m.train_s, m.train_phase_s, m.sync_s, {capture} as capture_s, m.generate_phase_s, m.advantage_phase_s,
                m.sync_phase_s, m.trainer_wait_for_data_s, g.gen_s
         from read_parquet('{storage}/{name}/metrics/*.parquet', union_by_name=true) m
         join (select step, max(generate_s) gen_s from read_parquet('{storage}/{name}/rollouts/*/*.parquet')
@@ -140,8 +158,12 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int, tree: Path =
     on_path = m.gen_s if staleness == 0 else m.gen_s * 0
     service = m.train_s + m.sync_s + on_path
     cpu_per_step = {r: (cpu[last].get(r, 0.0) - cpu[first].get(r, 0.0)) / len(m) for r in cpu[last]}
+    # A step that captured handed the broadcast off; one that did not held the trainer through it.
+    held = m.capture_s.where(m.capture_s.notna(), m.sync_s.fillna(0.0))
     return {
         "S": staleness,
+        "sync": sync,
+        "captured_steps": int(m.capture_s.notna().sum()),
         "tree": tree,
         "steps": len(m),
         "step_s": m.step_s.mean(),
@@ -151,7 +173,8 @@ def run_one(storage: Path, staleness: int, steps: int, warmup: int, tree: Path =
         "on_path_s": on_path.mean(),
         "service_s": service.mean(),
         "control_s": (m.step_s - service).mean(),
-        "trainer_idle": (m.step_s - m.train_s - m.sync_s).sum() / m.step_s.sum(),
+        "trainer_idle": (m.step_s - m.train_s - held).sum() / m.step_s.sum(),
+        "trainer_busy_s": (m.train_s + held).mean(),
         "advantage_s": m.advantage_phase_s.mean(),
         "cpu_per_step_s": cpu_per_step,
     }
@@ -204,6 +227,13 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--noop-repeats", type=int, default=20)
     parser.add_argument(
+        "--sync",
+        nargs="+",
+        default=["background"],
+        choices=["background", "inline"],
+        help="trainer.background_sync on (background) or off (inline); each runs",
+    )
+    parser.add_argument(
         "--compare",
         type=Path,
         help="another rollflow checkout (e.g. a git worktree of an earlier commit): each setting "
@@ -215,9 +245,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rollflow-bench-overhead-") as tmp:
         rows = []
         for s in args.staleness:
-            for tree in trees:
-                rows.append(run_one(Path(tmp), s, args.steps, args.warmup, tree))
-                print(f"S={s} ({tree}): done", file=sys.stderr, flush=True)
+            for sync in args.sync:
+                for tree in trees:
+                    rows.append(run_one(Path(tmp), s, args.steps, args.warmup, tree, sync))
+                    print(f"S={s} {sync} ({tree}): done", file=sys.stderr, flush=True)
         noop = prefect_noop(args.noop_repeats, Path(tmp))
 
     ms = lambda s: f"{s * 1000:.0f}"  # noqa: E731
@@ -232,6 +263,7 @@ def main() -> None:
             [
                 "checkout",
                 "max_staleness",
+                "sync",
                 "step",
                 "train (trainer)",
                 "sync (pause→resume)",
@@ -240,6 +272,7 @@ def main() -> None:
                 "service time",
                 "control plane = step − service",
                 "control plane share of the step",
+                "trainer busy",
                 "trainer idle share",
                 "advantage task",
             ],
@@ -247,6 +280,7 @@ def main() -> None:
                 [
                     label(r),
                     r["S"],
+                    f"{r['sync']} ({r['captured_steps']}/{r['steps']} captured)",
                     ms(r["step_s"]),
                     ms(r["train_s"]),
                     ms(r["sync_s"]),
@@ -255,6 +289,7 @@ def main() -> None:
                     ms(r["service_s"]),
                     ms(r["control_s"]),
                     f"{r['control_s'] / r['step_s']:.0%}",
+                    ms(r["trainer_busy_s"]),
                     f"{r['trainer_idle']:.0%}",
                     ms(r["advantage_s"]),
                 ]
@@ -269,11 +304,12 @@ def main() -> None:
     )
     print(
         table(
-            ["checkout", "max_staleness", *roles, "Prefect API share of the step's cores"],
+            ["checkout", "max_staleness", "sync", *roles, "Prefect API share of the step's cores"],
             [
                 [
                     label(r),
                     r["S"],
+                    r["sync"],
                     *(ms(r["cpu_per_step_s"].get(role, 0.0)) for role in roles),
                     f"{r['cpu_per_step_s'].get('prefect API', 0.0) / (r['step_s'] * os.cpu_count()):.0%}",
                 ]

@@ -174,6 +174,7 @@ def measure_transport(
             sender._broadcast(line_up)
             started["ours"].append(time.perf_counter())
             sender.broadcast(named, version)
+        sender_peak = sender.peak_bucket_bytes  # (close() lets the bucket go)
         out, _ = child.communicate(timeout=TIMEOUT_S)
     finally:
         sender.close()
@@ -181,7 +182,7 @@ def measure_transport(
             child.kill()
     done = json.loads(out.strip().splitlines()[-1])
     peaks = {
-        "sender_peak": sender.peak_bucket_bytes,
+        "sender_peak": sender_peak,
         "receiver_peak": done.pop("peak_bucket_bytes"),
     }
     result = {

@@ -114,10 +114,17 @@ async def sync_weights(
     start = time.perf_counter()
     what = f"weight sync v{version}" if version is not None else "weight sync"
     paused = []
+
+    async def pause(client: InferenceClient) -> None:
+        await client.pause(mode="keep")
+        paused.append(client)
+
     try:
-        for client in clients:
-            await client.pause(mode="keep")
-            paused.append(client)
+        # Together: each server's pause waits for its own forward pass in flight.
+        pauses = await asyncio.gather(*(pause(c) for c in clients), return_exceptions=True)
+        failed_pause = next((r for r in pauses if isinstance(r, BaseException)), None)
+        if failed_pause is not None:
+            raise failed_pause
         paused_at = time.perf_counter()
         rpcs = [
             client.collective_rpc("receive_weights", timeout_s=timeout_s + _RPC_MARGIN_S)

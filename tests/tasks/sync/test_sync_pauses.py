@@ -1,0 +1,80 @@
+"""How ``sync_weights`` pauses several servers: together, and every paused one resumed.
+
+Stand-in servers record the calls ``sync_weights`` makes (pause, collective_rpc, reset, resume);
+the wire itself runs against real vLLM in test_weights.py and tests/flows/test_scale_out.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollflow.infra.errors import WeightSyncError
+from rollflow.tasks.sync.weights import sync_weights
+
+
+class Server:
+    in_flight = 0  # pauses under way at once, across servers
+    most_in_flight = 0
+
+    def __init__(self, name: str, pause_fails: bool = False):
+        self.name, self.pause_fails, self.calls = name, pause_fails, []
+
+    async def pause(self, mode: str) -> None:
+        Server.in_flight += 1
+        Server.most_in_flight = max(Server.most_in_flight, Server.in_flight)
+        try:
+            await asyncio.sleep(0.05)  # a forward pass finishing
+        finally:
+            Server.in_flight -= 1
+        if self.pause_fails:
+            raise ConnectionError(f"{self.name}: connection refused")
+        self.calls.append(f"pause:{mode}")
+
+    async def collective_rpc(self, method: str, timeout_s: float) -> list[int]:
+        self.calls.append(method)
+        return [3]
+
+    async def reset_prefix_cache(self) -> None:
+        self.calls.append("reset")
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+
+
+@pytest.fixture(autouse=True)
+def _count():
+    Server.in_flight = Server.most_in_flight = 0
+
+
+async def _send() -> dict:
+    return {"bytes": 10}
+
+
+def test_servers_pause_together_then_load_and_resume():
+    servers = [Server("a"), Server("b"), Server("c")]
+    out = asyncio.run(sync_weights(servers, _send, 3, timeout_s=5))
+    assert out["version"] == 3 and out["bytes"] == 10
+    assert Server.most_in_flight == 3  # no server waits for another's pause
+    for s in servers:
+        assert s.calls == ["pause:keep", "receive_weights", "reset", "resume"]
+
+
+def test_a_pause_that_fails_resumes_the_others_and_names_the_server():
+    ok, dead = Server("a"), Server("b", pause_fails=True)
+    with pytest.raises(ConnectionError, match="b: connection refused"):
+        asyncio.run(sync_weights([ok, dead], _send, 3, timeout_s=5))
+    assert ok.calls == ["pause:keep", "resume"]  # nothing loaded, and generation goes on
+    assert dead.calls == []  # never paused: not resumed either
+
+
+def test_a_server_that_loaded_another_version_fails_the_sync_and_is_resumed():
+    class Stale(Server):
+        async def collective_rpc(self, method: str, timeout_s: float) -> list[int]:
+            return [2]
+
+    servers = [Server("a"), Stale("b")]
+    with pytest.raises(WeightSyncError, match=r"loaded versions \[3, 2\], expected 3"):
+        asyncio.run(sync_weights(servers, _send, 3, timeout_s=5))
+    assert all(s.calls[-1] == "resume" for s in servers)
