@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/weight_sync.py                     # ~10M, ~100M, ~500M + vLLM, ~6 min
     .venv/bin/python bench/weight_sync.py --sizes 10M --no-vllm
+    .venv/bin/python bench/weight_sync.py --sizes 10M 100M --lora 16   # part 4 alone
 
 Part 1, transport (float32, the CPU path; two processes on this machine, gloo over loopback):
 for Llama-shaped state dicts of ~10M, ~100M and ~500M parameters (random values; the transport
@@ -20,6 +21,12 @@ alone (``torch.cat(..., out=bucket)``), the extra copy the one-bucket wire forma
 
 Part 3, buckets: the ~100M model sent with buckets of ``--buckets-mb`` MiB (the first, 256 MiB,
 holds it whole): time, and the bucket each side holds beyond the weights (its peak extra memory).
+
+Part 4, LoRA (``--lora RANK``, run alone): what one sync of a LoRA policy costs, adapters of rank
+RANK on every projection. rollflow sends merged weights (``tasks/train/lora.merged_state`` on the
+trainer, then the full bytes through the weight group; docs/lora.md says why); the baseline is the
+adapter alone over the same group, what an adapter-only path would send (a lower bound of it: vLLM's
+runtime loading also reads the adapter from a file). Both timed with part 1's method, in one run.
 
 Part 2, generation paused (real vLLM, ``--no-vllm`` skips it): one and two vLLM servers (one
 weight group, ``--servers``) of the quickstart model (0.4M parameters) and of a ~10M one, under a load of 32 requests kept in flight, receives
@@ -320,6 +327,75 @@ def tiny_model_dirs(root: Path) -> list[tuple[str, Path]]:
 # ------------------------------------------------------------------------------ main
 
 
+# ------------------------------------------------------------------------------ part 4
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_costs(size: str, rank: int, repeats: int) -> dict:
+    """Bytes and seconds of one sync of a LoRA policy: merged (ours) against the adapter alone."""
+    from rollflow.infra.config import LoraSection
+    from rollflow.tasks.train.lora import adapter_num_bytes, merged_state
+
+    flat, named = flat_named_tensors(llama_shapes(*SHAPES[size]))
+    full, adapter = {}, []
+    for name, t in named:  # the trainer's state under LoRA: base_layer + lora_A / lora_B
+        layer = name.removesuffix(".weight")
+        if layer.endswith(PROJECTIONS):
+            a_r_in = torch.randn(rank, t.shape[1]) * 0.01
+            b_out_r = torch.randn(t.shape[0], rank) * 0.01
+            full[f"{layer}.base_layer.weight"] = t
+            full[f"{layer}.lora_A.default.weight"] = a_r_in
+            full[f"{layer}.lora_B.default.weight"] = b_out_r
+            adapter += [(f"{layer}.lora_A.weight", a_r_in), (f"{layer}.lora_B.weight", b_out_r)]
+        else:
+            full[name] = t
+    cfg = LoraSection(rank=rank, alpha=2.0 * rank)
+    merge_s = _best(lambda: merged_state(full, cfg), repeats)
+    merged = measure_transport(named, flat, repeats)
+    alone = measure_transport(adapter, None, repeats)
+    assert alone["bytes"] == adapter_num_bytes(full)
+    return {"merged": merged, "adapter": alone, "merge_s": merge_s}
+
+
+def print_lora(sizes: list[str], rank: int, repeats: int) -> None:
+    rows = []
+    for size in sizes:
+        c = lora_costs(size, rank, repeats)
+        m, a = c["merged"], c["adapter"]
+        ours_s = c["merge_s"] + m["ours"]
+        rows.append(
+            [
+                f"{m['params'] / 1e6:.0f}M",
+                f"{m['bytes'] / 1e6:.1f}",
+                f"{a['bytes'] / 1e6:.2f}",
+                f"{c['merge_s'] * 1000:.1f}",
+                f"{m['ours'] * 1000:.1f}",
+                f"{ours_s * 1000:.1f}",
+                f"{a['ours'] * 1000:.2f}",
+                f"{m['bytes'] / a['bytes']:.0f}×",
+                f"{ours_s / a['ours']:.1f}×",
+            ]
+        )
+    print(f"\nLoRA rank {rank} on every projection, one sync, median of {repeats}\n")
+    print(
+        table(
+            [
+                "params",
+                "full MB",
+                "adapter MB",
+                "merge ms",
+                "merged transport ms",
+                "merged sync ms (ours)",
+                "adapter transport ms",
+                "bytes full / adapter",
+                "time ours / adapter",
+            ],
+            rows,
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -336,10 +412,16 @@ def main() -> None:
         default=[256, 64, 16],
         help="bucket sizes for part 3 (the ~100M model)",
     )
+    parser.add_argument("--lora", type=int, metavar="RANK", help="part 4 alone: LoRA of this rank")
     parser.add_argument("--receiver", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.receiver:
         receiver(json.loads(args.receiver))
+        return
+    if args.lora:
+        machine = Machine()
+        print_lora(args.sizes, args.lora, args.repeats)
+        print("\n" + machine.line())
         return
 
     machine = Machine()

@@ -4,7 +4,7 @@
     rollflow plan CONFIG [key.path=value ...] [--gpus N] [--nodes M]
     rollflow status RUN [--storage ROOT]
     rollflow deploy [CONFIG ...] [--pool NAME] [--prefect-file prefect.yaml]
-    rollflow export RUN --step N [--out DIR] [--storage ROOT]
+    rollflow export RUN --step N [--out DIR] [--storage ROOT] [--merged]
 
 Config errors are reported before anything heavy is imported, so a misspelt key fails at once.
 """
@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         "--step", type=int, required=True, help="a step with a committed checkpoint"
     )
     export.add_argument("--out", help="folder to create, default: exports/<run>-step-<N>")
+    export.add_argument(
+        "--merged",
+        action="store_true",
+        help="LoRA runs: write the merged model instead of the adapter alone",
+    )
     export.add_argument(
         "--storage", default="runs", help="storage root (run.storage), default: runs"
     )
@@ -290,10 +295,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     storage = RunStorage(args.storage, args.run)
     out = args.out or f"exports/{args.run}-step-{args.step}"
     try:
-        path = export_checkpoint(storage, args.step, out, show_progress=sys.stderr.isatty())
+        path = export_checkpoint(
+            storage, args.step, out, show_progress=sys.stderr.isatty(), merged=args.merged
+        )
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if (path / "adapter_config.json").exists():
+        print(
+            f"exported the LoRA adapter of step {args.step} of run {args.run} to {path}; load it "
+            f"with PeftModel.from_pretrained(base_model, {str(path)!r}) or `vllm serve BASE "
+            f"--enable-lora --lora-modules policy={path}` (--merged writes the merged model)"
+        )
+        return 0
     print(
         f"exported step {args.step} of run {args.run} to {path}; load it with "
         f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`"

@@ -4,7 +4,8 @@ Owns the checks a user's mistake would otherwise meet half a minute into a run, 
 traceback from a service: the model (a folder with a config and weights, or a hub id that is
 cached or reachable), the storage (reachable, credentials present, writable: a probe object is
 written and removed), the environments (they load, their datasets included), the metric sinks
-(their packages are installed) and the free disk for checkpoints.
+(their packages are installed), LoRA's target modules (each names a linear layer of the model)
+and the free disk for checkpoints.
 
 Invariant: every check runs under a deadline (``PROBE_DEADLINE_S`` for anything that touches the
 network), every failure is one line naming the key, its value and what to do, and all failures
@@ -55,7 +56,15 @@ class Preflight:
     weight_bytes: int = 0
 
     def run(self) -> None:
-        for check in (self.model, self.storage, self.envs, self.advantage, self.sinks, self.disk):
+        for check in (
+            self.model,
+            self.storage,
+            self.envs,
+            self.advantage,
+            self.lora,
+            self.sinks,
+            self.disk,
+        ):
             check()
         if self.problems:
             raise PreflightError(self.problems)
@@ -211,6 +220,37 @@ class Preflight:
         except ConfigError as exc:
             self.fail("train.advantage", self.cfg.train.advantage, str(exc))
 
+    def lora(self) -> None:
+        """train.lora: peft is installed, and every target module is a linear layer of the model
+        (peft's rule: a module's name equals it or ends with '.' + it). The model is built from its
+        config on the meta device: no weights are read."""
+        import importlib.util
+
+        lora = self.cfg.train.lora
+        if lora is None:
+            return
+        if importlib.util.find_spec("peft") is None:
+            self.fail(
+                "train.lora",
+                lora.model_dump(),
+                "the peft package is not installed: pip install 'rollflow[lora]', or remove "
+                "[train.lora]",
+            )
+            return
+        linear = _linear_layer_names(self.cfg)
+        if linear is None:
+            return  # the model's config is not here (a hub id not cached): the trainer checks it
+        unmatched = [
+            t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in linear)
+        ]
+        if unmatched:
+            kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
+            self.fail(
+                "train.lora.target_modules",
+                lora.target_modules,
+                f"{unmatched} name no linear layer of the model; its linear layers are {kinds}",
+            )
+
     def sinks(self) -> None:
         import importlib.util
 
@@ -258,6 +298,28 @@ class Preflight:
 def preflight(cfg: RunConfig, *, dry_run: bool = False, note=lambda _: None) -> None:
     """Run every check of ``cfg``; raise ``PreflightError`` with one line per failure."""
     Preflight(cfg, dry_run=dry_run, note=note).run()
+
+
+def _linear_layer_names(cfg: RunConfig) -> list[str] | None:
+    """Names of the policy's ``nn.Linear`` modules, built from its config on the meta device;
+    None when the config cannot be read here."""
+    import torch
+
+    if cfg.model.tiny is not None:
+        from rollflow.infra.models.tiny import build_tiny_llama
+
+        with torch.random.fork_rng(), torch.device("meta"):  # it seeds torch's global RNG
+            model = build_tiny_llama(cfg.model.tiny, vocab_size=64)
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        except (OSError, ValueError):
+            return None  # model() reports a folder without a config
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
 def _probe_storage(root: str, run: str, options: dict[str, Any]) -> tuple[str, str] | None:

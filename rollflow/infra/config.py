@@ -223,6 +223,31 @@ class LossConfig(_Section):
         return self.tis_cap is not None or self.mask_low is not None or self.mask_high is not None
 
 
+class LoraSection(_Section):
+    """LoRA adapters ([train.lora], with peft): only the adapters train; vLLM gets merged weights."""
+
+    rank: int = Field(16, ge=1, description="Adapter rank r.")
+    alpha: float = Field(
+        32.0, gt=0, description="Scale numerator: the update is (alpha / r) · B A."
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapter's input, in forward_backward only."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        min_length=1,
+        description="Names (suffixes) of the linear layers that get an adapter.",
+    )
+
+
 class TrainSection(_Section):
     """The algorithm: GRPO advantages, the policy loss (PPO clip or GSPO), mini-batches and epochs."""
 
@@ -295,6 +320,9 @@ class TrainSection(_Section):
     loss: LossConfig = Field(
         default_factory=LossConfig,
         description='The policy loss ([train.loss]); a string is its kind: train.loss = "gspo".',
+    )
+    lora: LoraSection | None = Field(
+        None, description="[train.lora]: train LoRA adapters instead of every weight; unset = off."
     )
     old_logprobs: Literal["inference", "trainer"] = Field(
         "inference",

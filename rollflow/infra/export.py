@@ -2,6 +2,8 @@
 
 The folder holds what ``from_pretrained`` and vLLM load (config, safetensors, tokenizer), without
 the checkpoint's ``trainer/`` sub-folder (optimizer and trainer state) or its ``_SUCCESS`` marker.
+A LoRA run's checkpoint also holds ``adapter/`` (peft's format): by default its export is that
+adapter alone, and with ``merged`` the merged model (the checkpoint's top level).
 It is written next to its target and renamed into place, so a folder at ``out`` is always whole.
 """
 
@@ -16,13 +18,19 @@ from rollflow.infra.errors import InputError
 from rollflow.infra.storage import SUCCESS, RunStorage
 
 TRAINER_STATE = "trainer"
+ADAPTER = "adapter"  # a LoRA checkpoint's sub-folder: the adapter alone (peft's format)
 CHUNK_BYTES = 8 << 20
 
 
 def export_checkpoint(
-    storage: RunStorage, step: int, out: str | Path, show_progress: bool = True
+    storage: RunStorage,
+    step: int,
+    out: str | Path,
+    show_progress: bool = True,
+    merged: bool = False,
 ) -> Path:
-    """Copy ``checkpoints/step=<step>`` of the run, less its trainer state, to the folder ``out``."""
+    """Copy ``checkpoints/step=<step>`` of the run, less its trainer state, to the folder ``out``:
+    the model, or for a LoRA run the adapter (the merged model with ``merged``)."""
     committed = storage.committed_steps("checkpoints")
     if step not in committed:
         listed = _ranges(committed) if committed else "none yet"
@@ -45,6 +53,12 @@ def export_checkpoint(
         for rel, size in sorted(files.items())
         if rel != SUCCESS and not rel.startswith(f"{TRAINER_STATE}/")
     }
+    adapter = {rel: size for rel, size in files.items() if rel.startswith(f"{ADAPTER}/")}
+    if adapter and not merged:
+        files = {rel[len(ADAPTER) + 1 :]: size for rel, size in adapter.items()}
+        source = f"{source}/{ADAPTER}"
+    else:
+        files = {rel: size for rel, size in files.items() if rel not in adapter}
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     with tqdm(

@@ -176,6 +176,18 @@ def test_local_storage_that_cannot_be_written(tmp_path):
     ]
 
 
+def test_lora_target_modules_that_name_no_linear_layer(local_storage, tiny_model_dir):
+    pytest.importorskip("peft")
+    lora = ["train.lora.rank=4", 'train.lora.target_modules=["q_proj", "qkv_proj"]']
+    for model in ([], on_model(tiny_model_dir)):  # a built tiny model, and a model folder
+        assert problems([*local_storage, *model, *lora]) == [
+            "train.lora.target_modules = ['q_proj', 'qkv_proj']: ['qkv_proj'] name no linear "
+            "layer of the model; its linear layers are ['down_proj', 'gate_proj', 'k_proj', "
+            "'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']"
+        ]
+    assert problems([*local_storage, *on_model(tiny_model_dir), "train.lora.rank=4"]) == []
+
+
 def test_envs_and_sinks_and_every_failure_at_once(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     found = problems(

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from deployed_run import processes_marked
-from run_support import assert_every_step_once, run_cli, write_config
+from run_support import ROOT, assert_every_step_once, env_for, run_cli, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -173,3 +173,60 @@ def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path,
     for step, v_min, v_fin in versions:
         assert step - 2 <= v_min and v_fin <= step - 1
     assert (run_dir / "checkpoints" / "step=4" / "_SUCCESS").exists()
+
+
+def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache):
+    """[train.lora] through the whole run: vLLM serves the merged policy, every checkpoint holds
+    the adapter beside the merged model (peft's merge of the one is the other), and `rollflow
+    export` writes the adapter in peft's format (the merged model with --merged)."""
+    peft = pytest.importorskip("peft")
+    import duckdb
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = write_config(tmp_path, model_cache, name="lora", steps=2)
+    # The tiny policy's rewards may all be zero in two steps; zero-advantage groups are kept and an
+    # entropy bonus gives them a gradient, so every step trains the adapter whatever the rewards.
+    lora = ["train.lora.rank=4", "train.lr=1e-3", "run.eval_every=0"]
+    train = ["train.filter_zero_advantage=false", "train.loss.entropy_coef=0.01"]
+    out = run_cli(config, tmp_path, *lora, *train)
+    assert "step 2/2" in out
+    run_dir = tmp_path / "runs" / "lora"
+    assert_every_step_once(run_dir, 2)
+    optim_steps = duckdb.sql(
+        f"select step, num_optim_steps from read_parquet('{run_dir}/metrics/step=[12].parquet', "
+        "union_by_name=true) order by step"
+    ).fetchall()
+    assert optim_steps == [(1, 2), (2, 2)]  # train_batch_size 8 / mini_batch_size 4
+    for step in (1, 2):
+        adapter = run_dir / "checkpoints" / f"step={step}" / "adapter"
+        assert (adapter / "adapter_model.safetensors").exists()
+        assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    checkpoint = run_dir / "checkpoints" / "step=2"
+    base_path = json.loads((checkpoint / "adapter/adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ]
+    base = AutoModelForCausalLM.from_pretrained(base_path)
+    by_peft = peft.PeftModel.from_pretrained(base, checkpoint / "adapter").merge_and_unload()
+    merged = load_file(checkpoint / "model.safetensors")
+    assert merged.keys() <= by_peft.state_dict().keys()
+    assert max((merged[k] - by_peft.state_dict()[k]).abs().max().item() for k in merged) < 1e-6
+    assert any(  # the adapter moved: the merged model is not the base
+        not torch.equal(merged[k], v)
+        for k, v in load_file(f"{base_path}/model.safetensors").items()
+    )
+    storage = ["--storage", str(tmp_path / "runs")]
+    for extra, wanted in (([], "adapter_config.json"), (["--merged"], "model.safetensors")):
+        folder = tmp_path / f"export{len(extra)}"
+        done = subprocess.run(
+            [sys.executable, "-m", "rollflow.cli", "export", "lora", "--step", "2"]
+            + ["--out", str(folder), *storage, *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env_for(tmp_path),
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stderr
+        assert (folder / wanted).exists()

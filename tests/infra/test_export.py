@@ -105,3 +105,27 @@ def test_export_of_a_trained_run_loads_and_matches_its_checkpoint(deployed_run, 
     assert (deployed_run.run_dir / "checkpoints/step=2/trainer").is_dir() and not (
         out / "trainer"
     ).exists()
+
+
+def test_a_lora_checkpoint_exports_its_adapter_or_the_merged_model(
+    run_with_checkpoints, tmp_path, capsys
+):
+    folder = tmp_path / "runs/r/checkpoints/step=5/adapter"
+    folder.mkdir()
+    save_file(
+        {"base_model.model.x.lora_A.weight": torch.ones(2, 2)}, folder / "adapter_model.safetensors"
+    )
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    adapter = export_checkpoint(run_with_checkpoints, 5, tmp_path / "adapter", show_progress=False)
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    merged = export_checkpoint(
+        run_with_checkpoints, 5, tmp_path / "merged", show_progress=False, merged=True
+    )
+    names = {p.relative_to(merged).as_posix() for p in merged.rglob("*")}
+    assert "model.safetensors" in names and not any(n.startswith("adapter") for n in names)
+    storage = ["--storage", str(tmp_path / "runs")]
+    assert main(["export", "r", "--step", "5", "--out", str(tmp_path / "cli"), *storage]) == 0
+    assert "exported the LoRA adapter of step 5" in capsys.readouterr().out

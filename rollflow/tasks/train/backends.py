@@ -93,7 +93,7 @@ class FSDP2Backend:
         fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         self.module = policy
         self.max_grad_norm = max_grad_norm
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(trainable(policy), lr=lr, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_schedule(warmup_steps)
         )
@@ -204,7 +204,7 @@ class DeepSpeedBackend:
             "wall_clock_breakdown": False,
         }
         policy.to(device)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(trainable(policy), lr=lr, weight_decay=weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_schedule(warmup_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=policy,
@@ -288,6 +288,11 @@ class DeepSpeedBackend:
         destroy = getattr(self.engine, "destroy", None)
         if destroy is not None:
             destroy()
+
+
+def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: all of them, or the adapters alone under LoRA."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def make_backend(

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
 from rollflow.infra.weights.group import weight_metadata
+from rollflow.tasks.train import lora
 from rollflow.tasks.train.backends import Backend, make_backend
 from rollflow.tasks.train.losses import LossInputs, compute_loss
 from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size
@@ -75,6 +76,8 @@ class Trainer:
         self.config = hf.config
         self.metadata = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
         t = spec.train
+        # LoRA: adapters injected before sharding; the HF names above stay what leaves the trainer.
+        self._lora_dropouts = lora.apply_lora(hf, t.lora, spec.seed) if t.lora else []
         temperature, top_p = spec.sampling.behaviour()
         self.backend: Backend = make_backend(
             spec.trainer.backend,
@@ -95,6 +98,9 @@ class Trainer:
             )
             self.reference.requires_grad_(False)
         self.step = 0  # optimizer steps taken
+        # The model LoRA adapters apply to: a resumed trainer starts from a checkpoint's merged
+        # export, so load_checkpoint restores the original from the trainer state.
+        self.base_model_path = spec.model_path
         self._pending_micro_batches = 0
 
     # ------------------------------------------------------------------------------ compute
@@ -131,18 +137,19 @@ class Trainer:
         sums = dict.fromkeys(SUM_KEYS, 0.0)
         hist: list[float] = []
         per_env = PerEnvMoments()
-        for mb in micro_batches:
-            mb = mb.to(self.device)
-            logp_N, entropy_N = self._run(mb)
-            self._pending_micro_batches += 1
-            if mb.is_empty:  # nothing to train here, but collectives must stay in step
-                self.backend.backward((logp_N.sum() + entropy_N.sum()) * 0.0)
-                continue
-            inputs = self._loss_inputs(mb, logp_N, entropy_N, cfg)
-            out = compute_loss(inputs, cfg)
-            self.backend.backward(out.loss_sum * scale)
-            _accumulate(sums, per_env, mb, out, logp_N.detach(), cfg)
-            hist = add_counts(hist, out.is_hist)
+        with lora.dropout_active(self._lora_dropouts):  # LoRA dropout acts here only
+            for mb in micro_batches:
+                mb = mb.to(self.device)
+                logp_N, entropy_N = self._run(mb)
+                self._pending_micro_batches += 1
+                if mb.is_empty:  # nothing to train here, but collectives must stay in step
+                    self.backend.backward((logp_N.sum() + entropy_N.sum()) * 0.0)
+                    continue
+                inputs = self._loss_inputs(mb, logp_N, entropy_N, cfg)
+                out = compute_loss(inputs, cfg)
+                self.backend.backward(out.loss_sum * scale)
+                _accumulate(sums, per_env, mb, out, logp_N.detach(), cfg)
+                hist = add_counts(hist, out.is_hist)
         return {"sums": sums, "per_env": per_env.to_json(), "is_hist": hist}
 
     def _loss_inputs(
@@ -181,11 +188,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ weights
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Full HF-named weights in metadata order on rank 0 (a collective; [] on other ranks)."""
-        full = self.backend.full_state_dict()
+    def named_weights(
+        self, full: dict[str, torch.Tensor] | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Full HF-named weights in metadata order on rank 0 (a collective; [] on other ranks).
+
+        Under LoRA the adapters are merged in: vLLM and HF loaders get a plain model.
+        """
+        full = self.backend.full_state_dict() if full is None else full
         if self.rank != 0:
             return []
+        if self.spec.train.lora:
+            full = lora.merged_state(full, self.spec.train.lora)
         missing = [m["name"] for m in self.metadata if m["name"] not in full]
         if missing:
             raise RuntimeError(f"the backend's full state dict lacks {missing[:5]}")
@@ -208,12 +222,20 @@ class Trainer:
     # -------------------------------------------------------------------------- checkpoints
 
     def export_hf(self, folder: str | Path) -> Path | None:
-        """Write an HF directory (config, safetensors, tokenizer) on rank 0; a collective."""
-        weights = dict(self.named_weights())
+        """Write an HF directory (config, safetensors, tokenizer) on rank 0; a collective.
+
+        Under LoRA the model is merged, and ``adapter/`` holds the adapter alone (peft's format).
+        """
+        full = self.backend.full_state_dict()
+        weights = dict(self.named_weights(full))
         if self.rank != 0:
             return None
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        if self.spec.train.lora:
+            lora.save_adapter(
+                folder / lora.ADAPTER_DIR, full, self.spec.train.lora, self.base_model_path
+            )
         if getattr(self.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)  # safetensors refuses shared tensors; HF re-ties it
         save_file(
@@ -258,6 +280,7 @@ class Trainer:
                 "backend": self.backend.name,
                 "world_size": self.world_size,
                 "reference_model": self.spec.reference_model_path,
+                "base_model": self.base_model_path,
             }
             (state_dir / "state.json").write_text(json.dumps(state, indent=2))
         dist.barrier()
@@ -279,6 +302,7 @@ class Trainer:
             if "cuda" in rng and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.step = state["step"]
+        self.base_model_path = state.get("base_model", self.base_model_path)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradient, full and HF-named, on rank 0 (a collective; debugging and tests)."""
