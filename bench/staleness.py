@@ -71,7 +71,7 @@ def diagnostics(storage: Path, k: int) -> dict:
         select avg({k} * (step - 1 - version_started)) as age_batch,
                max({k} * (step - 1 - version_started)) as age_batch_max
         from read_parquet('{run}/rollouts/*/*.parquet', union_by_name=true) where error is null
-    """).fetchone()
+    """).fetchall()[0]
 
     def mean(col: str) -> float:
         return float(m[col].mean()) if col in m and m[col].notna().any() else float("nan")
@@ -97,6 +97,13 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--max-s", type=float, default=900.0, help="training seconds per run")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=40,
+        help="optimizer steps between held-out evaluations (vs_trl's 10 makes a 3000-step run "
+        "spend most of its time evaluating)",
+    )
     parser.add_argument("--json-out", help="write every run's result and curve here")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
@@ -113,7 +120,7 @@ def main() -> None:
                 "extra": [*args.overrides, *overrides, f"run.seed={seed}"],
                 "model": model,
                 "threshold": w["threshold"],
-                "eval_every": w["eval_every"],
+                "eval_every": args.eval_every,
                 "max_steps": w["max_steps"],
                 "max_s": args.max_s,
                 "staleness": staleness,
