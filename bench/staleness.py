@@ -98,6 +98,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--max-s", type=float, default=900.0, help="training seconds per run")
     parser.add_argument(
+        "--max-steps",
+        type=int,
+        help="optimizer steps before a run gives up (default: the workload's)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=int,
         default=40,
@@ -121,7 +126,7 @@ def main() -> None:
                 "model": model,
                 "threshold": w["threshold"],
                 "eval_every": args.eval_every,
-                "max_steps": w["max_steps"],
+                "max_steps": args.max_steps or w["max_steps"],
                 "max_s": args.max_s,
                 "staleness": staleness,
                 "minibatches": k,
@@ -130,14 +135,14 @@ def main() -> None:
                 out = rollflow_side(spec, Path(tmp))
                 out.update(diagnostics(Path(tmp), k), setting=name, seed=seed)
             results.append(out)
+            if args.json_out:  # after every run: a long bench stopped early keeps what it has
+                Path(args.json_out).write_text(json.dumps(results, default=str))
             print(
                 f"seed {seed} {name}: {'reached' if out['reached'] else 'NOT reached'} at "
                 f"{out['steps']} optimizer steps ({out['train_s']:.0f} s)",
                 file=sys.stderr,
                 flush=True,
             )
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, default=str))
 
     base = {r["seed"]: r["steps"] for r in results if r["setting"] == "s0" and r["reached"]}
     print(
