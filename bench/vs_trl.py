@@ -20,6 +20,11 @@ TRL's ``loss_type="dapo"``, ``scale_rewards="none"``, ``beta=0``).
   to the same policy, ``max_staleness`` as given (``--staleness``; (a) 0, as the CPU quickstart,
   (b) 1), in a child process.
 
+TRL need not be in the venv: ``--trl-path DIR`` (or ``ROLLFLOW_TRL_PATH=DIR``) names a folder
+that holds it, put on the TRL child's ``PYTHONPATH`` only (rollflow's side never sees it), e.g.
+``.venv/bin/python -m pip install --target /tmp/trl_pkgs --no-deps trl==1.16.0`` beside the
+venv's torch, transformers, accelerate and datasets.
+
 Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a) 3, (b) 1)
 and the ratio of the median times is printed: one run's crossing of the threshold is noisy.
 
@@ -34,7 +39,7 @@ reported with the best reward it reached.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib.machinery
 import json
 import os
 import signal
@@ -63,6 +68,24 @@ WORKLOADS = {
         ],
         # 4 optimizer steps per generation batch on both sides: DESIGN.md's answer to a step
         # this small (one Prefect flow run per 4 optimizer steps). --minibatches 1 for one.
+        "threshold": 0.8,
+        "eval_every": 10,
+        "max_steps": 4000,
+        "minibatches": 4,
+        "seeds": 3,
+        "staleness": 0,
+    },
+    # A second task for learning per optimizer step (issue 18): (a)'s settings on addition.
+    "c": {
+        "what": "tiny on a second task: quickstart model (~0.4M), add a+b with a, b ≤ 49, ≤ 8 tokens",
+        "overrides": [
+            "envs=[{name='add', args={max_value=49}}]",
+            "sampling.group_size=8",
+            "train.train_batch_size=8",
+            "train.mini_batch_size=8",
+            "sampling.max_tokens=8",
+            "train.lr=2e-4",
+        ],
         "threshold": 0.8,
         "eval_every": 10,
         "max_steps": 4000,
@@ -303,7 +326,7 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
         f"run.name={name}",
         f"run.storage={tmp}",
         f"run.num_steps={spec['max_steps'] // k}",
-        f"run.eval_every={max(1, spec['eval_every'] // k)}",
+        f"run.eval_every={spec['eval_every'] // k}",
         f"train.max_staleness={spec['staleness']}",
         "run.checkpoint_every=100000",
         "metrics.sinks=[]",
@@ -409,6 +432,11 @@ def main() -> None:
         type=int,
         help="runs per side, run.seed = 0..N-1, and the medians' ratio; " + per_workload("seeds"),
     )
+    parser.add_argument(
+        "--trl-path",
+        default=os.environ.get("ROLLFLOW_TRL_PATH"),
+        help="a folder holding TRL, on the TRL child's PYTHONPATH only (default: $ROLLFLOW_TRL_PATH)",
+    )
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
     args = parser.parse_args()
@@ -416,10 +444,21 @@ def main() -> None:
         print(json.dumps(trl_child(json.loads(args.trl_child))))
         return
 
-    if args.only != "rollflow" and importlib.util.find_spec("trl") is None:
+    trl_paths = [args.trl_path] if args.trl_path else None  # None: the interpreter's own path
+    if (
+        args.only != "rollflow"
+        and importlib.machinery.PathFinder.find_spec("trl", trl_paths) is None
+    ):
         sys.exit(
-            "bench/vs_trl.py needs TRL: .venv/bin/pip install -e '.[bench]' (or pass --only rollflow)"
+            "bench/vs_trl.py needs TRL: .venv/bin/pip install -e '.[bench]', or --trl-path DIR "
+            "(or pass --only rollflow)"
         )
+    trl_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in [args.trl_path, os.environ.get("PYTHONPATH")] if p
+        ),
+    }
     machine = Machine()
     w = WORKLOADS[args.workload]
     args.minibatches = args.minibatches or w["minibatches"]
@@ -430,7 +469,9 @@ def main() -> None:
         "extra": args.overrides,
         "model": model,
         "threshold": args.threshold or w["threshold"],
-        "eval_every": w["eval_every"],
+        # Both sides evaluate after the same optimizer steps: a multiple of K, where rollflow's
+        # outer steps end (more evaluations are more chances for a noisy crossing).
+        "eval_every": args.minibatches * max(1, w["eval_every"] // args.minibatches),
         "max_steps": args.max_steps or w["max_steps"],
         "max_s": args.max_s,
         "staleness": args.staleness,
@@ -452,6 +493,7 @@ def main() -> None:
                     cwd=ROOT,
                     capture_output=True,
                     text=True,
+                    env=trl_env,
                 )
                 if child.returncode:
                     sys.exit("TRL failed:\n" + child.stderr[-4000:])
