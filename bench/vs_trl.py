@@ -266,7 +266,7 @@ def trl_child(spec: dict) -> dict:
         scale_rewards="none",
         num_iterations=1,
         max_steps=spec["max_steps"],
-        logging_steps=10**9,
+        logging_steps=spec["eval_every"],  # into log_history: the diagnostics of --json-out
         report_to="none",
         save_strategy="no",
         use_cpu=True,
@@ -298,7 +298,21 @@ def trl_child(spec: dict) -> dict:
         "setup_s": setup_s,
         "eval_s": state["eval_s"],
         "curve": curve,
+        "log": [
+            {k: v for k, v in row.items() if k in TRL_LOG_KEYS} for row in trainer.state.log_history
+        ],
     }
+
+
+# What --json-out keeps of each side's per-step logs, to compare the two runs' training.
+TRL_LOG_KEYS = ("step", "reward", "grad_norm", "frac_reward_zero_std", "clip_ratio/region_mean")
+ROLLFLOW_LOG_KEYS = (
+    "reward_mean",
+    "grad_norm",
+    "num_groups_kept",
+    "clip_fraction",
+    "num_optim_steps",
+)
 
 
 # ------------------------------------------------------------------------------ rollflow
@@ -389,6 +403,11 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
         "setup_s": wall_s - first,
         "eval_s": sum(r.get("eval_phase_s") or 0.0 for r in rows.values()),
         "curve": curve,
+        "log": [
+            {"step": step * k, **{key: rows[step].get(key) for key in ROLLFLOW_LOG_KEYS}}
+            for step in sorted(rows)
+            if step > 0
+        ],
     }
 
 
@@ -437,6 +456,9 @@ def main() -> None:
         default=os.environ.get("ROLLFLOW_TRL_PATH"),
         help="a folder holding TRL, on the TRL child's PYTHONPATH only (default: $ROLLFLOW_TRL_PATH)",
     )
+    parser.add_argument(
+        "--json-out", help="write every run's result, curve and per-step log to this JSON file"
+    )
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
     args = parser.parse_args()
@@ -479,6 +501,11 @@ def main() -> None:
     }
     seeds = args.seeds or w["seeds"]
     results = []
+
+    def save(results: list[dict]) -> None:  # after every run: a long bench may be cut short
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"spec": spec, "results": results}))
+
     for seed in range(
         seeds
     ):  # a fresh storage and Prefect home per seed (the same run name resumes)
@@ -498,6 +525,7 @@ def main() -> None:
                 if child.returncode:
                     sys.exit("TRL failed:\n" + child.stderr[-4000:])
                 results.append({**json.loads(child.stdout.strip().splitlines()[-1]), "seed": seed})
+                save(results)
                 print(
                     f"seed {seed} TRL: done ({results[-1]['train_s']:.0f} s)",
                     file=sys.stderr,
@@ -505,6 +533,7 @@ def main() -> None:
                 )
             if args.only != "trl":
                 results.append({**rollflow_side(run, Path(tmp)), "seed": seed})
+                save(results)
                 print(
                     f"seed {seed} rollflow: done ({results[-1]['train_s']:.0f} s)",
                     file=sys.stderr,
