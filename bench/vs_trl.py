@@ -22,8 +22,9 @@ TRL's ``loss_type="dapo"``, ``scale_rewards="none"``, ``beta=0``).
 
 TRL need not be in the venv: ``--trl-path DIR`` (or ``ROLLFLOW_TRL_PATH=DIR``) names a folder
 that holds it, put on the TRL child's ``PYTHONPATH`` only (rollflow's side never sees it), e.g.
-``.venv/bin/python -m pip install --target /tmp/trl_pkgs --no-deps trl==1.16.0`` beside the
-venv's torch, transformers, accelerate and datasets.
+``.venv/bin/python -m pip install --target /tmp/trl_pkgs --no-deps trl==1.16.0 openai-harmony``
+beside the venv's torch, transformers, accelerate and datasets (TRL imports the venv's vLLM,
+whose config module needs ``openai_harmony``).
 
 Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a) 3, (b) 1)
 and the ratio of the median times is printed: one run's crossing of the threshold is noisy.
