@@ -240,6 +240,7 @@ def trl_child(spec: dict) -> dict:
             state["eval_s"] += time.perf_counter() - e0
             train_s = time.perf_counter() - state["train_start"] - state["eval_s"]
             curve.append((st.global_step, round(train_s, 2), reward))
+            print(f"TRL step {curve[-1]}", file=sys.stderr, flush=True)  # progress, live
             if reward >= spec["threshold"] and state["reached"] is None:
                 state["reached"] = (st.global_step, train_s, reward)
                 control.should_training_stop = True
@@ -358,7 +359,7 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
     )
     metrics_dir = tmp / name / "metrics"
     rows: dict[int, dict] = {}
-    reached = None
+    reached, shown = None, 0
     try:
         while proc.poll() is None and reached is None:
             time.sleep(0.5)
@@ -377,6 +378,9 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
                 train_s += r["step_s"] - (r.get("eval_phase_s") or 0.0)
                 if r.get("eval_reward") is not None:
                     curve.append((step * k, round(train_s, 2), r["eval_reward"]))
+                    if step * k > shown:  # progress, live
+                        shown = step * k
+                        print(f"rollflow step {curve[-1]}", file=sys.stderr, flush=True)
                     if r["eval_reward"] >= spec["threshold"]:
                         reached = curve[-1]
                         break
@@ -519,12 +523,12 @@ def main() -> None:
                 child = subprocess.run(
                     [sys.executable, __file__, "--trl-child", json.dumps({**run, "out": tmp})],
                     cwd=ROOT,
-                    capture_output=True,
+                    stdout=subprocess.PIPE,  # its result; its stderr (progress, errors) passes through
                     text=True,
                     env=trl_env,
                 )
                 if child.returncode:
-                    sys.exit("TRL failed:\n" + child.stderr[-4000:])
+                    sys.exit("TRL failed: its stderr is above")
                 results.append({**json.loads(child.stdout.strip().splitlines()[-1]), "seed": seed})
                 save(results)
                 print(
