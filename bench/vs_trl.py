@@ -462,6 +462,13 @@ def main() -> None:
         help="a folder holding TRL, on the TRL child's PYTHONPATH only (default: $ROLLFLOW_TRL_PATH)",
     )
     parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=1,
+        help="TRL's torch threads (default 1, as rollflow's trainer on 2 cores: two OpenMP threads "
+        "wait at every barrier for the one that shares a busy core; 0: torch's default)",
+    )
+    parser.add_argument(
         "--json-out", help="write every run's result, curve and per-step log to this JSON file"
     )
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
@@ -503,6 +510,7 @@ def main() -> None:
         "max_s": args.max_s,
         "staleness": args.staleness,
         "minibatches": args.minibatches,
+        "threads": args.trl_threads,
     }
     seeds = args.seeds or w["seeds"]
     results = []
