@@ -421,6 +421,13 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
 # ------------------------------------------------------------------------------ main
 
 
+def steps_ratio(runs: dict[str, list[dict]]) -> float:
+    """rollflow's median optimizer steps to the threshold over TRL's: learning per step."""
+    return statistics.median(r["steps"] for r in runs["rollflow"]) / statistics.median(
+        r["steps"] for r in runs["TRL"]
+    )
+
+
 def prepare_model(workload: str, extra: list[str]) -> str:
     from rollflow.flows.rl_run import prepare_policy
 
@@ -610,6 +617,11 @@ def main() -> None:
                 f"{side} {m:.1f} (reached {reached[side]}/{seeds})" for side, m in med.items()
             )
             + (f"; rollflow / TRL = {med['rollflow'] / med['TRL']:.2f}×" if len(med) == 2 else "")
+            + "; median optimizer steps: "
+            + ", ".join(
+                f"{side} {statistics.median(r['steps'] for r in runs[side]):g}" for side in med
+            )
+            + (f" (rollflow / TRL = {steps_ratio(runs):.2f}×)" if len(med) == 2 else "")
             + (
                 ""
                 if all(reached[side] == seeds for side in med)
