@@ -421,6 +421,53 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
 # ------------------------------------------------------------------------------ main
 
 
+def compare(files: list[str]) -> None:
+    """Learning per optimizer step across saved runs: the crossing of a threshold is one noisy
+    evaluation (held-out swings ±0.05 between evaluations), so the mean held-out over the
+    evaluations every run reached is printed beside it."""
+    runs = []
+    for item in files:
+        label, _, path = item.partition("=")
+        for r in json.loads(Path(path).read_text())["results"]:
+            runs.append({**r, "label": f"{r['side']} ({label})"})
+    horizon = {  # per seed: the last evaluation every run of the seed reached
+        seed: min(r["curve"][-1][0] for r in runs if r["seed"] == seed and r["curve"])
+        for seed in {r["seed"] for r in runs}
+    }
+    rows = []
+    for label in dict.fromkeys(r["label"] for r in runs):
+        mine = [r for r in runs if r["label"] == label]
+        means = [
+            statistics.fmean(x for step, _, x in r["curve"] if step <= horizon[r["seed"]])
+            for r in mine
+        ]
+        rows.append(
+            [
+                label,
+                " ".join(str(r["seed"]) for r in mine),
+                " ".join(str(r["steps"]) + ("" if r["reached"] else "+") for r in mine),
+                f"{statistics.median(r['steps'] for r in mine):g}",
+                " ".join(f"{m:.3f}" for m in means),
+                f"{statistics.fmean(means):.3f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "runs",
+                "seeds",
+                "optimizer steps to the threshold",
+                "median",
+                "mean held-out over the steps all runs of the seed reached ("
+                + ", ".join(f"seed {k}: ≤ {v}" for k, v in sorted(horizon.items()))
+                + ")",
+                "mean over seeds",
+            ],
+            rows,
+        )
+    )
+
+
 def steps_ratio(runs: dict[str, list[dict]]) -> float:
     """rollflow's median optimizer steps to the threshold over TRL's: learning per step."""
     return statistics.median(r["steps"] for r in runs["rollflow"]) / statistics.median(
@@ -480,11 +527,21 @@ def main() -> None:
     parser.add_argument(
         "--json-out", help="write every run's result, curve and per-step log to this JSON file"
     )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="LABEL=FILE",
+        help="no runs: compare --json-out files' runs per optimizer step (steps to the threshold, "
+        "mean held-out over the steps every run of a seed reached), each side of FILE labelled LABEL",
+    )
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
     args = parser.parse_args()
     if args.trl_child:
         print(json.dumps(trl_child(json.loads(args.trl_child))))
+        return
+    if args.compare:
+        compare(args.compare)
         return
 
     trl_paths = [args.trl_path] if args.trl_path else None  # None: the interpreter's own path
