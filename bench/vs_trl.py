@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/vs_trl.py --workload a          # tiny, ~0.4M params, ≤ 8 tokens
     .venv/bin/python bench/vs_trl.py --workload b          # ~10M params, ≥ 24-token completions
+    .venv/bin/python bench/vs_trl.py --workload c          # (a)'s settings on the add env
+    .venv/bin/python bench/vs_trl.py --compare base=c.json samples=s.json  # saved runs, per step
     .venv/bin/python bench/vs_trl.py --workload a --only trl   # one side (e.g. to tune)
     .venv/bin/python bench/vs_trl.py --workload a --minibatches 1  # one optimizer step per generation
 
@@ -26,8 +28,11 @@ that holds it, put on the TRL child's ``PYTHONPATH`` only (rollflow's side never
 beside the venv's torch, transformers, accelerate and datasets (TRL imports the venv's vLLM,
 whose config module needs ``openai_harmony``).
 
-Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a) 3, (b) 1)
-and the ratio of the median times is printed: one run's crossing of the threshold is noisy.
+Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a), (c) 3,
+(b) 1) and the ratios of the median times and of the median optimizer steps are printed: one
+run's crossing of the threshold is noisy. Extra ``key=value`` overrides go to both sides' config;
+those TRL has no counterpart for (``train.mini_batch_split``, ``train.old_logprobs``) change
+rollflow only, e.g. ``--only rollflow train.mini_batch_split=samples``.
 
 Held-out reward: the env's reward (exact match for (a), the fraction of positions right for (b))
 of greedy completions on the same 256 held-out prompts (rollflow's ``evaluate`` set), every ``--eval-every`` steps on both sides; TRL evaluates with HF generate in
