@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/vs_trl.py --workload a          # tiny, ~0.4M params, ≤ 8 tokens
     .venv/bin/python bench/vs_trl.py --workload b          # ~10M params, ≥ 24-token completions
+    .venv/bin/python bench/vs_trl.py --workload c          # (a)'s settings on the add env
+    .venv/bin/python bench/vs_trl.py --compare base=c.json samples=s.json  # saved runs, per step
     .venv/bin/python bench/vs_trl.py --workload a --only trl   # one side (e.g. to tune)
     .venv/bin/python bench/vs_trl.py --workload a --minibatches 1  # one optimizer step per generation
 
@@ -20,8 +22,19 @@ TRL's ``loss_type="dapo"``, ``scale_rewards="none"``, ``beta=0``).
   to the same policy, ``max_staleness`` as given (``--staleness``; (a) 0, as the CPU quickstart,
   (b) 1), in a child process.
 
-Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a) 3, (b) 1)
-and the ratio of the median times is printed: one run's crossing of the threshold is noisy.
+TRL need not be in the venv: ``--trl-path DIR`` (or ``ROLLFLOW_TRL_PATH=DIR``) names a folder
+that holds it, put on the TRL child's ``PYTHONPATH`` only (rollflow's side never sees it), e.g.
+``.venv/bin/python -m pip install --target /tmp/trl_pkgs --no-deps trl==1.16.0`` beside the
+venv's torch, transformers, accelerate and datasets. (TRL imports the venv's vLLM, whose config
+module needs ``openai_harmony``: the venv has it, from vLLM's ``oss-harmony``; it was missing for a
+few minutes on 2026-11-25 while the venv was resynced, which is why the first runs installed
+``openai-harmony`` beside TRL.)
+
+Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a), (c) 3,
+(b) 1) and the ratios of the median times and of the median optimizer steps are printed: one
+run's crossing of the threshold is noisy. Extra ``key=value`` overrides go to both sides' config;
+those TRL has no counterpart for (``train.mini_batch_split``, ``train.old_logprobs``) change
+rollflow only, e.g. ``--only rollflow train.mini_batch_split=samples``.
 
 Held-out reward: the env's reward (exact match for (a), the fraction of positions right for (b))
 of greedy completions on the same 256 held-out prompts (rollflow's ``evaluate`` set), every ``--eval-every`` steps on both sides; TRL evaluates with HF generate in
@@ -34,7 +47,7 @@ reported with the best reward it reached.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib.machinery
 import json
 import os
 import signal
@@ -66,6 +79,26 @@ WORKLOADS = {
         "threshold": 0.8,
         "eval_every": 10,
         "max_steps": 4000,
+        "minibatches": 4,
+        "seeds": 3,
+        "staleness": 0,
+    },
+    # A second task for learning per optimizer step (issue 18): (a)'s settings on addition.
+    "c": {
+        "what": "tiny on a second task: quickstart model (~0.4M), add a+b with a, b ≤ 49, ≤ 8 tokens",
+        "overrides": [
+            "envs=[{name='add', args={max_value=49}}]",
+            "sampling.group_size=8",
+            "train.train_batch_size=8",
+            "train.mini_batch_size=8",
+            "sampling.max_tokens=8",
+            "train.lr=2e-4",
+        ],
+        # From the warm start's ~0.55 TRL's held-out plateaus at 0.62-0.75 within 1840 steps
+        # (seed 0), never 0.8: this tiny model does not learn carrying to unseen sums in minutes.
+        "threshold": 0.7,
+        "eval_every": 10,
+        "max_steps": 3000,
         "minibatches": 4,
         "seeds": 3,
         "staleness": 0,
@@ -216,6 +249,7 @@ def trl_child(spec: dict) -> dict:
             state["eval_s"] += time.perf_counter() - e0
             train_s = time.perf_counter() - state["train_start"] - state["eval_s"]
             curve.append((st.global_step, round(train_s, 2), reward))
+            print(f"TRL step {curve[-1]}", file=sys.stderr, flush=True)  # progress, live
             if reward >= spec["threshold"] and state["reached"] is None:
                 state["reached"] = (st.global_step, train_s, reward)
                 control.should_training_stop = True
@@ -243,7 +277,7 @@ def trl_child(spec: dict) -> dict:
         scale_rewards="none",
         num_iterations=1,
         max_steps=spec["max_steps"],
-        logging_steps=10**9,
+        logging_steps=spec["eval_every"],  # into log_history: the diagnostics of --json-out
         report_to="none",
         save_strategy="no",
         use_cpu=True,
@@ -275,7 +309,21 @@ def trl_child(spec: dict) -> dict:
         "setup_s": setup_s,
         "eval_s": state["eval_s"],
         "curve": curve,
+        "log": [
+            {k: v for k, v in row.items() if k in TRL_LOG_KEYS} for row in trainer.state.log_history
+        ],
     }
+
+
+# What --json-out keeps of each side's per-step logs, to compare the two runs' training.
+TRL_LOG_KEYS = ("step", "reward", "grad_norm", "frac_reward_zero_std", "clip_ratio/region_mean")
+ROLLFLOW_LOG_KEYS = (
+    "reward_mean",
+    "grad_norm",
+    "num_groups_kept",
+    "clip_fraction",
+    "num_optim_steps",
+)
 
 
 # ------------------------------------------------------------------------------ rollflow
@@ -303,7 +351,7 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
         f"run.name={name}",
         f"run.storage={tmp}",
         f"run.num_steps={spec['max_steps'] // k}",
-        f"run.eval_every={max(1, spec['eval_every'] // k)}",
+        f"run.eval_every={spec['eval_every'] // k}",
         f"train.max_staleness={spec['staleness']}",
         "run.checkpoint_every=100000",
         "metrics.sinks=[]",
@@ -320,7 +368,7 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
     )
     metrics_dir = tmp / name / "metrics"
     rows: dict[int, dict] = {}
-    reached = None
+    reached, shown = None, 0
     try:
         while proc.poll() is None and reached is None:
             time.sleep(0.5)
@@ -339,6 +387,9 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
                 train_s += r["step_s"] - (r.get("eval_phase_s") or 0.0)
                 if r.get("eval_reward") is not None:
                     curve.append((step * k, round(train_s, 2), r["eval_reward"]))
+                    if step * k > shown:  # progress, live
+                        shown = step * k
+                        print(f"rollflow step {curve[-1]}", file=sys.stderr, flush=True)
                     if r["eval_reward"] >= spec["threshold"]:
                         reached = curve[-1]
                         break
@@ -366,10 +417,69 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
         "setup_s": wall_s - first,
         "eval_s": sum(r.get("eval_phase_s") or 0.0 for r in rows.values()),
         "curve": curve,
+        "log": [
+            {"step": step * k, **{key: rows[step].get(key) for key in ROLLFLOW_LOG_KEYS}}
+            for step in sorted(rows)
+            if step > 0
+        ],
     }
 
 
 # ------------------------------------------------------------------------------ main
+
+
+def compare(files: list[str]) -> None:
+    """Learning per optimizer step across saved runs: the crossing of a threshold is one noisy
+    evaluation (held-out swings ±0.05 between evaluations), so the mean held-out over the
+    evaluations every run reached is printed beside it."""
+    runs = []
+    for item in files:
+        label, _, path = item.partition("=")
+        for r in json.loads(Path(path).read_text())["results"]:
+            runs.append({**r, "label": f"{r['side']} ({label})"})
+    horizon = {  # per seed: the last evaluation every run of the seed reached
+        seed: min(r["curve"][-1][0] for r in runs if r["seed"] == seed and r["curve"])
+        for seed in {r["seed"] for r in runs}
+    }
+    rows = []
+    for label in dict.fromkeys(r["label"] for r in runs):
+        mine = [r for r in runs if r["label"] == label]
+        means = [
+            statistics.fmean(x for step, _, x in r["curve"] if step <= horizon[r["seed"]])
+            for r in mine
+        ]
+        rows.append(
+            [
+                label,
+                " ".join(str(r["seed"]) for r in mine),
+                " ".join(str(r["steps"]) + ("" if r["reached"] else "+") for r in mine),
+                f"{statistics.median(r['steps'] for r in mine):g}",
+                " ".join(f"{m:.3f}" for m in means),
+                f"{statistics.fmean(means):.3f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "runs",
+                "seeds",
+                "optimizer steps to the threshold",
+                "median",
+                "mean held-out over the steps all runs of the seed reached ("
+                + ", ".join(f"seed {k}: ≤ {v}" for k, v in sorted(horizon.items()))
+                + ")",
+                "mean over seeds",
+            ],
+            rows,
+        )
+    )
+
+
+def steps_ratio(runs: dict[str, list[dict]]) -> float:
+    """rollflow's median optimizer steps to the threshold over TRL's: learning per step."""
+    return statistics.median(r["steps"] for r in runs["rollflow"]) / statistics.median(
+        r["steps"] for r in runs["TRL"]
+    )
 
 
 def prepare_model(workload: str, extra: list[str]) -> str:
@@ -409,17 +519,53 @@ def main() -> None:
         type=int,
         help="runs per side, run.seed = 0..N-1, and the medians' ratio; " + per_workload("seeds"),
     )
+    parser.add_argument(
+        "--trl-path",
+        default=os.environ.get("ROLLFLOW_TRL_PATH"),
+        help="a folder holding TRL, on the TRL child's PYTHONPATH only (default: $ROLLFLOW_TRL_PATH)",
+    )
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=1,
+        help="TRL's torch threads (default 1, as rollflow's trainer on 2 cores: two OpenMP threads "
+        "wait at every barrier for the one that shares a busy core; 0: torch's default)",
+    )
+    parser.add_argument(
+        "--json-out", help="write every run's result, curve and per-step log to this JSON file"
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="LABEL=FILE",
+        help="no runs: compare --json-out files' runs per optimizer step (steps to the threshold, "
+        "mean held-out over the steps every run of a seed reached), each side of FILE labelled LABEL",
+    )
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
     args = parser.parse_args()
     if args.trl_child:
         print(json.dumps(trl_child(json.loads(args.trl_child))))
         return
+    if args.compare:
+        compare(args.compare)
+        return
 
-    if args.only != "rollflow" and importlib.util.find_spec("trl") is None:
+    trl_paths = [args.trl_path] if args.trl_path else None  # None: the interpreter's own path
+    if (
+        args.only != "rollflow"
+        and importlib.machinery.PathFinder.find_spec("trl", trl_paths) is None
+    ):
         sys.exit(
-            "bench/vs_trl.py needs TRL: .venv/bin/pip install -e '.[bench]' (or pass --only rollflow)"
+            "bench/vs_trl.py needs TRL: .venv/bin/pip install -e '.[bench]', or --trl-path DIR "
+            "(or pass --only rollflow)"
         )
+    trl_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in [args.trl_path, os.environ.get("PYTHONPATH")] if p
+        ),
+    }
     machine = Machine()
     w = WORKLOADS[args.workload]
     args.minibatches = args.minibatches or w["minibatches"]
@@ -430,14 +576,22 @@ def main() -> None:
         "extra": args.overrides,
         "model": model,
         "threshold": args.threshold or w["threshold"],
-        "eval_every": w["eval_every"],
+        # Both sides evaluate after the same optimizer steps: a multiple of K, where rollflow's
+        # outer steps end (more evaluations are more chances for a noisy crossing).
+        "eval_every": args.minibatches * max(1, w["eval_every"] // args.minibatches),
         "max_steps": args.max_steps or w["max_steps"],
         "max_s": args.max_s,
         "staleness": args.staleness,
         "minibatches": args.minibatches,
+        "threads": args.trl_threads,
     }
     seeds = args.seeds or w["seeds"]
     results = []
+
+    def save(results: list[dict]) -> None:  # after every run: a long bench may be cut short
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"spec": spec, "results": results}))
+
     for seed in range(
         seeds
     ):  # a fresh storage and Prefect home per seed (the same run name resumes)
@@ -450,12 +604,14 @@ def main() -> None:
                 child = subprocess.run(
                     [sys.executable, __file__, "--trl-child", json.dumps({**run, "out": tmp})],
                     cwd=ROOT,
-                    capture_output=True,
+                    stdout=subprocess.PIPE,  # its result; its stderr (progress, errors) passes through
                     text=True,
+                    env=trl_env,
                 )
                 if child.returncode:
-                    sys.exit("TRL failed:\n" + child.stderr[-4000:])
+                    sys.exit("TRL failed: its stderr is above")
                 results.append({**json.loads(child.stdout.strip().splitlines()[-1]), "seed": seed})
+                save(results)
                 print(
                     f"seed {seed} TRL: done ({results[-1]['train_s']:.0f} s)",
                     file=sys.stderr,
@@ -463,6 +619,7 @@ def main() -> None:
                 )
             if args.only != "trl":
                 results.append({**rollflow_side(run, Path(tmp)), "seed": seed})
+                save(results)
                 print(
                     f"seed {seed} rollflow: done ({results[-1]['train_s']:.0f} s)",
                     file=sys.stderr,
@@ -524,6 +681,11 @@ def main() -> None:
                 f"{side} {m:.1f} (reached {reached[side]}/{seeds})" for side, m in med.items()
             )
             + (f"; rollflow / TRL = {med['rollflow'] / med['TRL']:.2f}×" if len(med) == 2 else "")
+            + "; median optimizer steps: "
+            + ", ".join(
+                f"{side} {statistics.median(r['steps'] for r in runs[side]):g}" for side in med
+            )
+            + (f" (rollflow / TRL = {steps_ratio(runs):.2f}×)" if len(med) == 2 else "")
             + (
                 ""
                 if all(reached[side] == seeds for side in med)

@@ -56,7 +56,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
     with m.timed("wait_for_previous_step_s"):
         m.record_trainer_wait(order.wait_trainer(step, deadline_s))
     with m.timed("train_phase_s"):
-        trained = train(run, step, batch.group_indices)
+        trained = train(run, step, batch.group_indices, quote(batch.sample_keys))
     holds_trainer = evaluates or checkpoints  # they must see this step's weights
     if not holds_trainer and (not syncs or cfg.trainer.background_sync):
         if syncs:

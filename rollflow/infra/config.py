@@ -332,6 +332,13 @@ class TrainSection(_Section):
     num_epochs: int = Field(
         1, ge=1, description="Passes over each step's batch (each mini-batch one optimizer step)."
     )
+    mini_batch_split: Literal["groups", "samples"] = Field(
+        "groups",
+        description="How a step's batch becomes its mini-batches: whole groups, in order; or its "
+        "samples in a seeded random order (TRL's steps_per_generation), so that each optimizer "
+        "step sees samples of every group. Either way a mini-batch holds mini_batch_size groups' "
+        "worth of samples.",
+    )
     lr_warmup_steps: int = Field(
         0, ge=0, description="Linear learning-rate warm-up, in optimizer steps."
     )

@@ -21,6 +21,7 @@ class Batch:
 
     group_indices: list[int]
     num_samples_kept: int
+    sample_keys: list[tuple[int, int]] = field(default_factory=list)  # (group, sample) per row
     num_failed_samples: int | None = None
     num_zero_advantage_groups: int | None = None
     failure_reasons: dict[str, int] = field(default_factory=dict)
@@ -44,7 +45,11 @@ def advantage(
     storage, cfg = ctx.storage, ctx.config
     if reuse and storage.is_committed("batches", step):
         batch = storage.read_step_table("batches", step)
-        return Batch(sorted(set(batch.column("group_index").to_pylist())), batch.num_rows)
+        return Batch(
+            sorted(set(batch.column("group_index").to_pylist())),
+            batch.num_rows,
+            sample_keys=_sample_keys(batch),
+        )
     storage.remove_step("batches", step)
     rollouts = storage.read_step_table("rollouts", step)
     batch, stats = build_batch(
@@ -70,8 +75,19 @@ def advantage(
     return Batch(
         sorted(set(batch.column("group_index").to_pylist())),
         batch.num_rows,
+        _sample_keys(batch),
         stats.num_failed_samples,
         stats.num_zero_advantage_groups,
         dict(stats.failure_reasons),
         stats.num_truncated,
+    )
+
+
+def _sample_keys(batch) -> list[tuple[int, int]]:
+    return list(
+        zip(
+            batch.column("group_index").to_pylist(),
+            batch.column("sample_index").to_pylist(),
+            strict=True,
+        )
     )

@@ -72,16 +72,19 @@ class TrainerClient:
         step: int,
         group_indices: list[int] | None = None,
         *,
+        samples: list[tuple[int, int]] | None = None,
         loss: LossConfig,
         old_logprobs: str = "inference",
         num_loss_tokens: int | None = None,
     ) -> dict[str, Any]:
-        """Accumulate the gradients of ``loss`` over batch ``step`` (restricted to the groups)."""
+        """Accumulate the gradients of ``loss`` over batch ``step`` (restricted to the groups,
+        and to the ``samples`` keys when given)."""
         return self._post(
             "/forward_backward",
             ForwardBackward(
                 step=step,
                 group_indices=group_indices,
+                samples=samples,
                 loss=loss,
                 old_logprobs=old_logprobs,
                 num_loss_tokens=num_loss_tokens,

@@ -123,8 +123,15 @@ class RankOps:
             self._cache[key] = self.storage.read_step_table(kind, step)
         return self._cache[key]
 
-    def sequences(self, step: int, groups: list[int] | None, old_logprobs: bool) -> list[Sequence]:
-        """The rows of batch ``step`` (restricted to ``groups``), checked, in storage order."""
+    def sequences(
+        self,
+        step: int,
+        groups: list[int] | None,
+        old_logprobs: bool,
+        samples: list[tuple[int, int]] | None = None,
+    ) -> list[Sequence]:
+        """The rows of batch ``step`` (restricted to ``groups``, then to the (group, sample) keys
+        ``samples``), checked, in storage order."""
         table = self._table("batches", step)
         missing = [c for c in BATCH_COLUMNS if c not in table.column_names]
         if missing:
@@ -138,6 +145,14 @@ class RankOps:
                 raise InputError(f"batch step={step} has no rows for groups {absent}")
         optional = [c for c in OPTIONAL_BATCH_COLUMNS if c in table.column_names]
         rows = table.select(BATCH_COLUMNS + optional).to_pylist()
+        if samples is not None:
+            wanted = {tuple(k) for k in samples}
+            rows = [r for r in rows if (r["group_index"], r["sample_index"]) in wanted]
+            if len(rows) != len(wanted):
+                have = {(r["group_index"], r["sample_index"]) for r in rows}
+                raise InputError(
+                    f"batch step={step} has no rows for samples {sorted(wanted - have)[:8]}"
+                )
         if not rows:
             raise InputError(f"batch step={step} has no rows for groups {groups}")
         old = self._old_logprobs(step) if old_logprobs else {}
@@ -212,7 +227,9 @@ class RankOps:
         mbs: list[PackedBatch] = []
 
         def prepare() -> int:
-            seqs = self.sequences(req.step, req.group_indices, req.old_logprobs == "trainer")
+            seqs = self.sequences(
+                req.step, req.group_indices, req.old_logprobs == "trainer", req.samples
+            )
             mbs.extend(self.my_micro_batches(seqs))
             return sum(s.num_loss_tokens for mb in mbs for s in mb.sequences)
 

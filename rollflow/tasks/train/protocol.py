@@ -63,6 +63,9 @@ class BatchRef(_Body):
 
 
 class ForwardBackward(BatchRef):
+    samples: list[tuple[int, int]] | None = Field(
+        None, description="(group, sample) keys: only these rows of the groups"
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     old_logprobs: Literal["inference", "trainer"] = "inference"
     num_loss_tokens: int | None = Field(

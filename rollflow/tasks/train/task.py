@@ -38,20 +38,59 @@ def minibatches(group_indices: list[int], train: TrainSection) -> list[list[int]
     ]
 
 
+def sample_minibatches(
+    sample_keys: list[tuple[int, int]], train: TrainSection, seed: int
+) -> list[list[tuple[int, int]]]:
+    """The step's (group, sample) keys in a random order drawn from ``seed``, in
+    ``train_batch_size / mini_batch_size`` near-equal slices (fewer when fewer samples than
+    slices): every sample in exactly one slice, each slice one optimizer step."""
+    count = train.train_batch_size // train.mini_batch_size
+    order = np.random.default_rng(seed).permutation(len(sample_keys))
+    return [
+        sorted(sample_keys[i] for i in part) for part in np.array_split(order, count) if len(part)
+    ]
+
+
+def split_seed(run_seed: int, step: int) -> int:
+    """The seed of step ``step``'s sample split: a resumed step trains the same mini-batches."""
+    return run_seed * 1_000_003 + step
+
+
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
-def train(ctx: RunContext, step: int, group_indices: list[int]) -> dict[str, float]:
-    """For each epoch, for each mini-batch of the step's groups: forward_backward then optim_step."""
+def train(
+    ctx: RunContext,
+    step: int,
+    group_indices: list[int],
+    sample_keys: list[tuple[int, int]] = (),
+) -> dict[str, float]:
+    """For each epoch, for each mini-batch of the step's batch: forward_backward then optim_step.
+
+    Mini-batches are whole groups, or (``train.mini_batch_split = "samples"``) slices of the
+    step's ``sample_keys`` in a seeded random order."""
     t = ctx.config.train
     trainer = trainer_client(ctx)
     start = time.perf_counter()
     metrics: dict[str, float] = {}
-    parts = minibatches(group_indices, t)
+    if t.mini_batch_split == "samples":
+        seed = split_seed(ctx.config.run.seed, step)
+        parts = [
+            {"groups": sorted({g for g, _ in keys}), "samples": keys}
+            for keys in sample_minibatches(list(sample_keys), t, seed)
+        ]
+    else:
+        parts = [{"groups": groups, "samples": None} for groups in minibatches(group_indices, t)]
     if t.old_logprobs == "trainer" and parts:
         metrics["forward_s"] = trainer.forward(step, sorted(group_indices))["forward_s"]
     results = []
     for _ in range(t.num_epochs):
-        for groups in parts:
-            fb = trainer.forward_backward(step, groups, loss=t.loss, old_logprobs=t.old_logprobs)
+        for part in parts:
+            fb = trainer.forward_backward(
+                step,
+                part["groups"],
+                samples=part["samples"],
+                loss=t.loss,
+                old_logprobs=t.old_logprobs,
+            )
             fb.update(trainer.optim_step())
             results.append(fb)
     metrics.update(summarize_optimizer_steps(results))

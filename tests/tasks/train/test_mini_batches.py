@@ -1,0 +1,69 @@
+"""A step's mini-batches: whole groups in order, or the step's samples in a seeded random order
+(``train.mini_batch_split``), and the rank's selection of a mini-batch's rows from the batch."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from rollflow.infra.config import TrainSection
+from rollflow.infra.errors import InputError
+from rollflow.infra.storage import RunStorage
+from rollflow.tasks.train.ops import RankOps
+from rollflow.tasks.train.task import minibatches, sample_minibatches, split_seed
+
+from trainer_support import make_rows, write_batch
+
+K4 = TrainSection(train_batch_size=32, mini_batch_size=8)
+
+
+def keys(num_groups: int, group_size: int) -> list[tuple[int, int]]:
+    return [(g, s) for g in range(num_groups) for s in range(group_size)]
+
+
+def test_group_mini_batches_are_whole_groups_in_order():
+    assert minibatches(list(range(10)), K4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert minibatches([3, 7], K4) == [[3], [7]]  # fewer groups than slices: fewer steps
+
+
+def test_sample_mini_batches_hold_every_sample_once_in_near_equal_slices():
+    all_keys = keys(13, 8)  # 104 samples into 4 slices
+    parts = sample_minibatches(all_keys, K4, seed=5)
+    assert len(parts) == 4
+    assert sorted(len(p) for p in parts) == [26, 26, 26, 26]
+    seen = Counter(k for p in parts for k in p)
+    assert set(seen) == set(all_keys) and set(seen.values()) == {1}
+    # Mixed: a slice holds samples of many groups, not whole groups.
+    assert all(len({g for g, _ in p}) > 8 for p in parts)
+    odd = sample_minibatches(keys(3, 3), K4, seed=0)  # 9 samples: 3, 2, 2, 2
+    assert sorted(len(p) for p in odd) == [2, 2, 2, 3]
+    assert len(sample_minibatches(keys(1, 2), K4, seed=0)) == 2  # fewer samples than slices
+
+
+def test_sample_mini_batches_depend_on_the_seed_only():
+    all_keys = keys(8, 8)
+    assert sample_minibatches(all_keys, K4, 7) == sample_minibatches(list(all_keys), K4, 7)
+    assert sample_minibatches(all_keys, K4, 7) != sample_minibatches(all_keys, K4, 8)
+    assert split_seed(0, 3) != split_seed(1, 3) and split_seed(0, 3) != split_seed(0, 4)
+
+
+@pytest.fixture
+def ops(tmp_path):
+    storage = RunStorage(str(tmp_path), "t")
+    write_batch(storage, 1, make_rows(16, seed=3))  # 4 groups of 4 samples
+    control = SimpleNamespace(rank=0, world_size=1)  # sequences() reads storage only
+    return RankOps(None, control, storage, micro_batch_tokens=64, row_tokens=None)
+
+
+def test_a_rank_takes_exactly_the_mini_batch_samples(ops):
+    want = [(0, 1), (2, 0), (2, 3), (3, 2)]
+    seqs = ops.sequences(1, [0, 2, 3], old_logprobs=False, samples=want)
+    assert sorted(s.key for s in seqs) == want
+    assert len(ops.sequences(1, [0, 2, 3], old_logprobs=False)) == 12  # no samples: the groups
+
+
+def test_a_sample_the_batch_lacks_is_named(ops):
+    with pytest.raises(InputError, match=r"no rows for samples \[\(1, 9\)\]"):
+        ops.sequences(1, [0, 1], old_logprobs=False, samples=[(0, 0), (1, 9)])
