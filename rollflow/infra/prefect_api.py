@@ -110,8 +110,12 @@ def require_prefect_server(timeout_s: float = 5.0) -> str:
 
 
 @contextlib.contextmanager
-def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str | None]:
-    """Use the configured Prefect API, or run a private one for the duration of the block."""
+def local_prefect_api(timeout_s: float = 120.0) -> Iterator[str | None]:
+    """Use the configured Prefect API, or run a private one for the duration of the block.
+
+    The private API runs niced, so on a host whose cores are all busy it starts last: 60 s was
+    exceeded twice at load average 11-16 on 2 cores (2026-11-25). A server that exits fails the
+    wait at once, whatever the deadline."""
     settings = get_current_settings()
     if settings.api.url:
         yield settings.api.url
