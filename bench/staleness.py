@@ -175,7 +175,11 @@ def main() -> None:
                     r["seed"],
                     "yes" if r["reached"] else "NO",
                     r["steps"],
-                    f"{r['steps'] / base[r['seed']]:.2f}×" if r["seed"] in base else "–",
+                    (
+                        f"{'' if r['reached'] else '> '}{r['steps'] / base[r['seed']]:.2f}×"
+                        if r["seed"] in base
+                        else "–"
+                    ),
                     f2(r["reward"]),
                     f"{r['age_mean']:.1f} / {r['age_max']:.0f}",
                     f"{r['clip_fraction']:.3f}",

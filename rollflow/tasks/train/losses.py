@@ -112,9 +112,10 @@ def tis_weights_B_T(
         return torch.exp(old_logprobs_B_T - inference_logprobs_B_T).clamp(max=cap)
 
 
-# Bins of the log importance ratio for its quantiles: 0.02 wide over [-3, 3] (a ratio known to
-# ~2%), plus one bin below and one above.
-IS_HIST_EDGES = torch.linspace(-3.0, 3.0, 301, dtype=torch.float64)
+# Bins of the log importance ratio for its quantiles: 0.02 wide over [-3.01, 3.01] (a ratio known
+# to ~2%), centred on -3.00, ..., 0, ..., 3.00 so that ratios of exactly 1 (on-policy tokens) read
+# as 1, plus one bin below and one above.
+IS_HIST_EDGES = torch.linspace(-3.01, 3.01, 302, dtype=torch.float64)
 
 
 def importance_log_ratio_B_T(
@@ -162,7 +163,7 @@ def rollout_correction_B_T(
 
 def ratio_quantiles(hist: list[float], qs: tuple[float, ...] = (0.05, 0.5, 0.95)) -> list[float]:
     """Quantiles of the importance ratio from ``is_hist`` counts (bin midpoints; the outer bins
-    report their edge, e^-3 or e^3)."""
+    report their edge, e^-3.01 or e^3.01)."""
     total = sum(hist)
     if total <= 0:
         return [float("nan")] * len(qs)

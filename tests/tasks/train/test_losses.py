@@ -397,7 +397,7 @@ def test_ratio_quantiles_from_the_histogram():
     )
     out = compute_loss(inputs, LossConfig())
     q05, q50, q95 = ratio_quantiles(out.is_hist)
-    assert q50 == pytest.approx(1.0, abs=0.02)
+    assert q50 == pytest.approx(1.0, abs=1e-12)  # the median token is on-policy: exactly 1
     assert q05 == pytest.approx(math.exp(-0.45), rel=0.03)
     assert q95 == pytest.approx(math.exp(0.45), rel=0.03)
 
@@ -407,12 +407,12 @@ def test_correction_metrics_reach_the_step_metrics():
     from rollflow.tasks.train.trainer import SUM_KEYS
 
     hist = [0.0] * (len(IS_HIST_EDGES) + 1)
-    hist[150] = (
-        10.0  # every token at log-ratio ~0 (bin 150 spans [-0.01, 0.01] after the under-bin)
+    hist[151] = (
+        10.0  # every token at log-ratio ~0 (inner bin 150, [-0.01, 0.01], after the under-bin)
     )
     part = {"sums": dict.fromkeys(SUM_KEYS, 0.0), "per_env": {}, "is_hist": hist}
     part["sums"].update(num_loss_tokens=10, is_masked_tokens=2)
     merged = _merge_forward_backward([part, part], denominator=20, elapsed_s=0.1)
     assert merged["is_masked_fraction"] == pytest.approx(0.2)
-    assert merged["is_ratio_q50"] == pytest.approx(1.0, abs=0.02)
+    assert merged["is_ratio_q50"] == pytest.approx(1.0, abs=1e-12)
     assert {"is_ratio_q05", "is_ratio_q95"} <= set(merged)
