@@ -62,8 +62,10 @@ def peft_greedy(base_dir, adapter_dir) -> tuple[list[int], list[float]]:
 
 @pytest.mark.parametrize(
     ("backend", "zero_stage", "num_ranks"),
-    [("fsdp2", None, 1), ("fsdp2", None, 2), ("deepspeed", 3, 2)],
-    ids=["fsdp2-1", "fsdp2-2", "zero3-2"],
+    # (one FSDP2 rank runs in tests/flows/test_run.py's LoRA run, which syncs every step; the
+    # greedy equality is checked here, on the sharded cases, to keep the suite short)
+    [("fsdp2", None, 2), ("deepspeed", 3, 2)],
+    ids=["fsdp2-2", "zero3-2"],
 )
 def test_vllm_serves_the_trainers_adapter_after_every_sync(
     vllm_server, vllm_model_dirs, tmp_path, backend, zero_stage, num_ranks
