@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
-from test_trainer import _micro_batches, _tokens
+from test_trainer import _micro_batches, _tokens, one_rank  # noqa: F401 (one_rank: autouse, one gloo rank)
 
 from rollflow.infra.config import LoraSection, LossConfig, TrainSection
 from rollflow.tasks.train import lora
@@ -18,15 +17,6 @@ peft = pytest.importorskip("peft")
 
 CPU = torch.device("cpu")
 LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank(tmp_path_factory):
-    if not dist.is_initialized():
-        store = tmp_path_factory.mktemp("dist") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _trainer(model_dir, **train) -> Trainer:
