@@ -4,6 +4,8 @@
     .venv/bin/python bench/overhead.py --steps 20 --staleness 0
     git worktree add /tmp/before HEAD~3 && .venv/bin/python bench/overhead.py --compare /tmp/before
     .venv/bin/python bench/overhead.py --sync background inline   # the sync off / on the trainer's path
+    .venv/bin/python bench/overhead.py --staleness 0 --set model.tiny.hidden_size=512 \
+        model.tiny.num_layers=8 sampling.max_tokens=64       # a longer step: the share at scale
 
 Method 1, inside a real run (``rollflow run configs/quickstart.toml``: vLLM, trainer service,
 Prefect flows) of a tiny step: the quickstart model, 16 groups × 4 completions of ≤ 8 tokens,
@@ -101,6 +103,7 @@ def run_one(
     warmup: int,
     tree: Path = ROOT,
     sync: str = "background",
+    overrides: tuple[str, ...] = (),
 ) -> dict:
     """One run of the tiny step with the rollflow of ``tree``; its figures per measured step."""
     import psutil
@@ -119,6 +122,7 @@ def run_one(
         *TINY,
         # (a checkout from before the background sync has no such key: leave it out there)
         *(["trainer.background_sync=false"] if sync == "inline" else []),
+        *overrides,
     ]
     env = {
         **os.environ,
@@ -239,6 +243,13 @@ def main() -> None:
         help="another rollflow checkout (e.g. a git worktree of an earlier commit): each setting "
         "runs with both, alternating, and the table shows both",
     )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides after the tiny step's (e.g. a larger model.tiny or sampling.max_tokens)",
+    )
     args = parser.parse_args()
     machine = Machine()
     trees = [ROOT] + ([args.compare.resolve()] if args.compare else [])
@@ -247,7 +258,9 @@ def main() -> None:
         for s in args.staleness:
             for sync in args.sync:
                 for tree in trees:
-                    rows.append(run_one(Path(tmp), s, args.steps, args.warmup, tree, sync))
+                    rows.append(
+                        run_one(Path(tmp), s, args.steps, args.warmup, tree, sync, tuple(args.set))
+                    )
                     print(f"S={s} {sync} ({tree}): done", file=sys.stderr, flush=True)
         noop = prefect_noop(args.noop_repeats, Path(tmp))
 
@@ -256,6 +269,7 @@ def main() -> None:
     print(
         f"\ncontrol plane on the critical path: quickstart model, 16 groups × 4 per step, "
         f"{args.steps} steps measured after {args.warmup}; means per step (ms)"
+        + (f"; overrides: {' '.join(args.set)}" if args.set else "")
     )
     print(machine.line() + "\n")
     print(
