@@ -200,7 +200,7 @@ class _Episode:
     def reward(self) -> float:
         """The trace's weighted reward once ``run()`` has returned (ended by rollflow if need be)."""
         self.reply(None)  # run() sees its turn terminated (a turn after that raises) and returns
-        if not self.trace.is_completed:
+        if not self.trace.ok:
             raise ValueError(f"{self.where}: run() returned without playing the task")
         return float(self.trace.reward)
 
@@ -211,7 +211,7 @@ class _Episode:
             agents = self.vf.Agents(self.env.config, lambda name, _spec: _Seat(self, name))
             await self.env.setup(agents)
             await self.env.run(self.task, agents)
-            if self.trace.is_completed:
+            if self.trace.ok:  # the seat's exchange closed, its rewards scored
                 episode = self.vf.Episode(task=self.trace.task, traces=[self.trace], ok=True)
                 await self.env.finalize(self.task, episode)
         finally:
@@ -249,7 +249,8 @@ class _Episode:
             text = await asyncio.wait_for(self._replies.get(), self.timeout_s)
         except TimeoutError:
             text = None  # rollflow left the episode: end it
-        if text is None:
+            self.trace.record_timeout("agent")
+        if text is None:  # rollflow ended the episode at one of its limits
             self._over = True
             limit = "max_turns" if self.trace.num_turns >= self.max_turns else "max_total_tokens"
             self.trace.stop(limit)
@@ -279,6 +280,7 @@ class _Seat:
     async def run(self, task: Any, **_: Any) -> Any:
         async with self.interaction(task) as interaction:
             await interaction.turn()
+            interaction.trace.stop("agent_completed")  # as verifiers' Agent.run ends
         return interaction.trace
 
 

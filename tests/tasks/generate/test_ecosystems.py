@@ -122,6 +122,14 @@ def test_verifiers_adapter_plays_the_env_turns_masked_and_scores_with_the_tasks_
 
 
 @pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_single_agent_env_is_one_model_turn(tiny_verifiers, tok):  # noqa: F811
+    env = _tiny(env="single-agent")  # verifiers' plain env: Agent.run, one reply
+    prompt = env.prompts("train", 1, random.Random(0))[0]
+    s = asyncio.run(env.episode(prompt, _ctx(tok, Scripted(tok, [prompt.answer]))))
+    assert s.turn_roles == ["assistant"] and s.stop_reason == "env_done" and s.reward == 1.0
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
 def test_verifiers_episode_cut_by_rollflow_ends_the_envs_run_and_is_scored(tiny_verifiers, tok):  # noqa: F811
     env = _tiny(max_turns=1)
     prompt = env.prompts("train", 1, random.Random(0))[0]
