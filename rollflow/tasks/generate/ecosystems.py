@@ -26,7 +26,8 @@ from rollflow.tasks.generate.environments import Prompt, SingleTurnEnv, Split
 EVAL_SEED_OFFSET = 1_000_003
 
 
-def _import(module: str, pip_name: str, env: str) -> Any:
+def require(module: str, pip_name: str, env: str) -> Any:
+    """``module`` imported, or a one-line error for ``env`` with the pip command."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
@@ -58,7 +59,7 @@ class ReasoningGymEnv(SingleTurnEnv):
         answer_tag: str | None = None,
         instruction: str = "",
     ):
-        rg = _import("reasoning_gym", "reasoning-gym", "reasoning_gym")
+        rg = require("reasoning_gym", "reasoning-gym", "reasoning_gym")
         try:
             self.train_data = rg.create_dataset(dataset, seed=seed, size=size, **(config or {}))
             held = rg.create_dataset(

@@ -26,7 +26,9 @@ import random
 import threading
 from typing import Any
 
-from rollflow.tasks.generate.ecosystems import _import
+from pydantic import TypeAdapter
+
+from rollflow.tasks.generate.ecosystems import require
 from rollflow.tasks.generate.environments import Prompt, Split, in_eval_split
 from rollflow.tasks.generate.multi_turn import EnvReply, MultiTurnEnv
 
@@ -52,8 +54,9 @@ class VerifiersEnv(MultiTurnEnv):
         turn_timeout_s: float = 600.0,
     ):
         super().__init__(max_turns, max_total_tokens)
-        self.vf = _import("verifiers.v1", "'verifiers>=0.4,<0.5'", "verifiers")
+        self.vf = require("verifiers.v1", "'verifiers>=0.4,<0.5'", "verifiers")
         self.taskset_id, self.turn_timeout_s = taskset, turn_timeout_s
+        self.message = TypeAdapter(self.vf.Message)  # a chat message dict -> verifiers' type
         where = f"taskset {taskset!r}" + (f" with env {env!r}" if env else "")
         config = {**(env_args or {}), "taskset": {**(taskset_args or {}), "id": taskset}}
         try:
@@ -72,7 +75,10 @@ class VerifiersEnv(MultiTurnEnv):
                 )
         except Exception as exc:  # an unknown id, a misspelt key, a bad value: say which
             raise ValueError(f"env verifiers: cannot load {where}: {exc}") from exc
-        if not held:  # no held-out taskset: a stable hash split by the tasks' own keys
+        if held:  # the same prompt in both splits would leak the held-out set into training
+            held_prompts = {t.data.prompt_text for t in held}
+            train = [t for t in train if t.data.prompt_text not in held_prompts]
+        else:  # no held-out taskset: a stable hash split by the tasks' own keys
             held = [t for t in train if in_eval_split(t.key, eval_fraction)]
             train = [t for t in train if not in_eval_split(t.key, eval_fraction)]
         if not train or not held:
@@ -81,9 +87,8 @@ class VerifiersEnv(MultiTurnEnv):
                 "tasks; both need at least one"
             )
         self._tasks_of: dict[Split, list[Any]] = {"train": train, "eval": held}
-        if type(self.vf_env.taskset).toolsets(self.vf_env.taskset.config) or any(
-            type(t).toolsets(t.config) for t in train[:1]
-        ):
+        vf_taskset, task = self.vf_env.taskset, train[0]  # a taskset yields one Task type
+        if type(vf_taskset).toolsets(vf_taskset.config) or type(task).toolsets(task.config):
             raise ValueError(
                 f"env verifiers: {where} has tool servers, which rollflow does not run"
             )
@@ -152,9 +157,8 @@ class _Episode:
     Owns the episode's verifiers ``Trace`` (the conversation as verifiers' rewards read it) and the
     hand-over of turns. Invariant: one side runs at a time: ``run()`` waits in ``turn`` for
     rollflow's next model reply, rollflow waits in ``reply`` for ``run()``'s next environment
-    message or its end, and every wait ends within ``turn_timeout_s``. It plays as
-    ``Interaction``, ``Agent`` (``_Seat``) and ``Segment`` do in verifiers, for the one seat that
-    plays.
+    message or its end, and every wait ends within ``turn_timeout_s``. It stands in for
+    verifiers' ``Interaction`` of the one seat that plays (``_Seat`` for its ``Agent``).
     """
 
     def __init__(self, adapter: VerifiersEnv, task: Any, messages: Any, loop: Any):
@@ -168,7 +172,7 @@ class _Episode:
             ),
             agent=vf.AgentInfo(config=vf.AgentConfig()),
         )
-        self._message = _message_adapter(vf)
+        self._message = adapter.message
         for message in messages:
             self._add(self._message.validate_python(message), sampled=False)
         self._replies: asyncio.Queue = asyncio.Queue()  # rollflow -> run(): text, None to end
@@ -250,7 +254,7 @@ class _Episode:
         except TimeoutError:
             text = None  # rollflow left the episode: end it
             self.trace.record_timeout("agent")
-        if text is None:  # rollflow ended the episode at one of its limits
+        if text is None:  # rollflow ended the episode (at one of its limits, unless timed out)
             self._over = True
             limit = "max_turns" if self.trace.num_turns >= self.max_turns else "max_total_tokens"
             self.trace.stop(limit)
@@ -282,9 +286,3 @@ class _Seat:
             await interaction.turn()
             interaction.trace.stop("agent_completed")  # as verifiers' Agent.run ends
         return interaction.trace
-
-
-def _message_adapter(vf: Any) -> Any:
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(vf.Message)

@@ -122,6 +122,14 @@ def test_verifiers_adapter_plays_the_env_turns_masked_and_scores_with_the_tasks_
 
 
 @pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_held_out_taskset_leaves_its_prompts_out_of_training(tiny_verifiers):
+    env = _tiny(num_tasks=20, eval_taskset_args={"size": 5})
+    held = {t.data.prompt for t in env._tasks_of["eval"]}
+    assert len(held) == 5 and len(env._tasks_of["train"]) == 15
+    assert not held & {t.data.prompt for t in env._tasks_of["train"]}
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
 def test_verifiers_single_agent_env_is_one_model_turn(tiny_verifiers, tok):  # noqa: F811
     env = _tiny(env="single-agent")  # verifiers' plain env: Agent.run, one reply
     prompt = env.prompts("train", 1, random.Random(0))[0]
@@ -141,6 +149,14 @@ def test_verifiers_episode_cut_by_rollflow_ends_the_envs_run_and_is_scored(tiny_
     assert env.score(prompt, state) == 0.0
     trace = state["episode"].trace
     assert trace.stop_condition == "max_turns" and trace.metrics == {"turns": 1.0}
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_env_whose_other_seat_plays_is_refused(tiny_verifiers):
+    env = _tiny(env="user-sim")  # a modeled user (untrained, prompt-less) opens the exchange
+    prompt = env.prompts("train", 1, random.Random(0))[0]
+    with pytest.raises(ValueError, match=r"seat 'user' plays another prompt or untrained"):
+        env.respond(prompt, env.start(prompt), "hello")
 
 
 @pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
