@@ -88,7 +88,14 @@ def test_verifiers_env_trains(tmp_path):
     storage = _run(
         tmp_path,
         "verifiers",
-        "{ env_id = 'vf_tiny_env', max_turns = 2, max_total_tokens = 64 }",
+        "{ taskset = 'vf-tiny-env', max_turns = 2, max_total_tokens = 64 }",
     )
     rows = storage.read_step_table("rollouts", 1).to_pylist()
-    assert rows and all(r["error"] is None and r["reward"] is not None for r in rows)
+    assert rows and all(r["error"] is None and r["reward"] in (0.0, 1.0) for r in rows)
+    # The env's "Are you sure?" turn: in the sequence, out of the loss.
+    for r in rows:
+        assert r["turn_roles"] == ["assistant", "user", "assistant"], r["stop_reason"]
+        model, env, model2 = zip(r["turn_offsets"], [*r["turn_offsets"][1:], None], strict=True)
+        mask = r["completion_mask"]
+        assert set(mask[model[0] : model[1]]) == set(mask[model2[0] :]) == {1}
+        assert set(mask[env[0] : env[1]]) == {0}

@@ -287,7 +287,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "calculator": "rollflow.tasks.generate.tool_env:ToolEnv",
     "guess_number": "rollflow.tasks.generate.tool_env:GuessNumberEnv",
     "reasoning_gym": "rollflow.tasks.generate.ecosystems:ReasoningGymEnv",
-    "verifiers": "rollflow.tasks.generate.ecosystems:VerifiersEnv",
+    "verifiers": "rollflow.tasks.generate.verifiers_env:VerifiersEnv",
 }
 
 

@@ -3,10 +3,11 @@
 Both packages are optional (the extra ``envs``; the CPU lock installs them, so CI runs the real
 ones). Here: the one-line error naming the pip command (the package hidden), the config examples,
 and the adapters against stand-ins that implement the packages' public API as the adapters call it
-(reasoning-gym: ``create_dataset`` and ``score_answer``; verifiers: ``load_environment``, a
-dataset, an async ``env_response`` and a rubric's ``score_rollout(state)``), which pin the
-protocol whatever version is installed. The ``real_*`` tests run the installed package;
-``tests/flows/test_ecosystem_runs.py`` trains a few steps on each.
+(reasoning-gym: ``create_dataset`` and ``score_answer``), which pins the protocol whatever
+version is installed, and the real ones: reasoning-gym's ``real_*`` test, and verifiers 0.4 with
+the tiny taskset and env of ``tests/flows/vf_tiny_env.py`` (importing ``verifiers.v1`` takes
+~2 s, cheaper than a stand-in of its Task/Trace/Env API). ``tests/flows/test_ecosystem_runs.py``
+trains a few steps on each.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib.util
 import random
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from test_multi_turn import Scripted, _ctx, tok  # noqa: F401  (tok: the tokenizer fixture)
@@ -83,52 +85,98 @@ def test_reasoning_gym_adapter(fake_reasoning_gym, tok):  # noqa: F811
     assert [s.reward for s in samples] == [1.0, 1.0]
 
 
-class _VfRubric:
-    async def score_rollout(self, state):
-        last = state["completion"][-1]["content"] if state["completion"] else ""
-        state["reward"] = float(state["answer"] in last)
-
-
-class _VfDoubleCheck:
-    """A stand-in multi-turn verifiers env: asks "Are you sure?" once, then ends."""
-
-    def __init__(self):
-        self.dataset = [
-            {"question": f"What is {i}+{i}?", "answer": str(2 * i), "info": "{}", "task": "t"}
-            for i in range(40)
-        ]
-        self.eval_dataset = None
-        self.system_prompt = "Answer with a number."
-        self.rubric = _VfRubric()
-
-    async def env_response(self, messages, state, **kwargs):
-        if state["turn"] >= 2:
-            state["final_env_response"] = []
-            return []
-        return [{"role": "user", "content": "Are you sure?"}]
-
-
 @pytest.fixture
-def fake_verifiers(monkeypatch):
-    module = types.ModuleType("verifiers")
-    module.load_environment = lambda env_id, **kw: _VfDoubleCheck()
-    monkeypatch.setitem(sys.modules, "verifiers", module)
+def tiny_verifiers(monkeypatch):
+    """tests/flows/vf_tiny_env.py importable: the taskset id ``vf-tiny-env`` (real verifiers)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "flows"))
 
 
-def test_verifiers_adapter_runs_the_protocol_with_masked_env_turns(fake_verifiers, tok):  # noqa: F811
-    env = load_env("verifiers", {"env_id": "doublecheck", "max_turns": 4, "max_total_tokens": 512})
+def _tiny(**args):
+    return load_env(
+        "verifiers",
+        {"taskset": "vf-tiny-env", "max_turns": 4, "max_total_tokens": 512, **args},
+    )
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_adapter_plays_the_env_turns_masked_and_scores_with_the_tasks_reward(
+    tiny_verifiers,
+    tok,  # noqa: F811
+):
+    env = _tiny()
     train = env.prompts("train", 4, random.Random(0))
     held = env.prompts("eval", 100, random.Random(0))
-    assert held and not {p.prompt_id.split(":")[-1] for p in held} & set()
+    assert held and not {p.text for p in held} & {t.data.prompt for t in env._tasks_of["train"]}
     prompt = train[0]
-    assert prompt.messages[0] == {"role": "system", "content": "Answer with a number."}
+    assert prompt.messages == (
+        {"role": "system", "content": "Answer with the number only."},
+        {"role": "user", "content": prompt.text},
+    )
     model = Scripted(tok, ["0", prompt.answer])
     s = asyncio.run(env.episode(prompt, _ctx(tok, model)))
     assert s.turn_roles == ["assistant", "user", "assistant"] and s.stop_reason == "env_done"
-    assert s.reward == 1.0
+    assert s.reward == 1.0 and s.error is None  # the task's @vf.reward reads the last reply
     env_span = range(s.turn_offsets[1], s.turn_offsets[2])
     assert all(s.completion_mask[i] == 0 for i in env_span)
     assert "Are you sure?" in tok.decode(s.completion_ids[s.turn_offsets[1] : s.turn_offsets[2]])
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_held_out_taskset_leaves_its_prompts_out_of_training(tiny_verifiers):
+    env = _tiny(num_tasks=20, eval_taskset_args={"size": 5})
+    held = {t.data.prompt for t in env._tasks_of["eval"]}
+    assert len(held) == 5 and len(env._tasks_of["train"]) == 15
+    assert not held & {t.data.prompt for t in env._tasks_of["train"]}
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_single_agent_env_is_one_model_turn(tiny_verifiers, tok):  # noqa: F811
+    env = _tiny(env="single-agent")  # verifiers' plain env: Agent.run, one reply
+    prompt = env.prompts("train", 1, random.Random(0))[0]
+    s = asyncio.run(env.episode(prompt, _ctx(tok, Scripted(tok, [prompt.answer]))))
+    assert s.turn_roles == ["assistant"] and s.stop_reason == "env_done" and s.reward == 1.0
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_episode_cut_by_rollflow_ends_the_envs_run_and_is_scored(tiny_verifiers, tok):  # noqa: F811
+    env = _tiny(max_turns=1)
+    prompt = env.prompts("train", 1, random.Random(0))[0]
+    s = asyncio.run(env.episode(prompt, _ctx(tok, Scripted(tok, [prompt.answer]))))
+    assert s.stop_reason == "max_turns" and s.reward == 1.0
+    # What episode() did, step by step: run() waits in its second turn until score() ends it.
+    state = env.start(prompt)
+    assert env.respond(prompt, state, "0").messages[0]["content"].startswith("Are you sure?")
+    assert env.score(prompt, state) == 0.0
+    trace = state["episode"].trace
+    assert trace.stop_condition == "max_turns" and trace.metrics == {"turns": 1.0}
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_env_whose_other_seat_plays_is_refused(tiny_verifiers):
+    env = _tiny(env="user-sim")  # a modeled user (untrained, prompt-less) opens the exchange
+    prompt = env.prompts("train", 1, random.Random(0))[0]
+    with pytest.raises(ValueError, match=r"seat 'user' plays another prompt or untrained"):
+        env.respond(prompt, env.start(prompt), "hello")
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ({"taskset": "no-such-taskset"}, "no-such-taskset"),
+        ({"taskset_args": {"sise": 3}}, "taskset.sise"),
+        ({"env_args": {"agnet": {}}}, "agnet"),
+    ],
+)
+def test_verifiers_bad_id_or_key_is_named(tiny_verifiers, args, named):
+    with pytest.raises(ValueError, match=rf"(?s)env verifiers: cannot load taskset .*{named}"):
+        _tiny(**args)
+
+
+def test_verifiers_missing_is_one_line_with_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # verifiers < 0.3, or none
+    with pytest.raises(ValueError, match=r"pip install 'verifiers>=0.4,<0.5'"):
+        load_env("verifiers", {"taskset": "vf-tiny-env"})
 
 
 @pytest.mark.skipif(_missing("reasoning_gym"), reason="reasoning-gym is not installed")
