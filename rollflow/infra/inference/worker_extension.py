@@ -96,7 +96,7 @@ class WeightReceiver:
         makes vLLM read a file again. ``/v1/load_lora_adapter`` with ``load_inplace`` would mark
         every later request so, and vLLM then re-reads the adapter's files at every engine step
         (docs/lora.md). The caller resets the prefix cache: its blocks were computed with the
-        old adapter, and the id and the path the cache keys on stay the same.
+        old adapter, and the LoRA name and path the cache keys on stay the same.
         """
         from vllm.lora.request import LoRARequest
 
