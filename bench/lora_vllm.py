@@ -1,6 +1,7 @@
-"""vLLM's runtime LoRA loading, the adapter-only path docs/lora.md decides against on CPU: does a
-load inside rollflow's pause(keep) → load → reset prefix cache → resume work, what does it cost,
-and how much slower does vLLM generate through an adapter than with merged weights?
+"""vLLM's runtime LoRA loading through its API: does a load inside rollflow's pause(keep) → load →
+reset prefix cache → resume work, what does it cost, and how much slower does vLLM generate
+through an adapter than with merged weights? (``train.lora.sync = "adapter"`` loads the adapter
+in the workers instead of through ``/v1/load_lora_adapter``: docs/lora.md says why.)
 
     .venv/bin/python bench/lora_vllm.py            # ~3 min on 2 cores
 

@@ -23,10 +23,12 @@ Part 3, buckets: the ~100M model sent with buckets of ``--buckets-mb`` MiB (the 
 holds it whole): time, and the bucket each side holds beyond the weights (its peak extra memory).
 
 Part 4, LoRA (``--lora RANK``, run alone): what one sync of a LoRA policy costs, adapters of rank
-RANK on every projection. rollflow sends merged weights (``tasks/train/lora.merged_state`` on the
-trainer, then the full bytes through the weight group; docs/lora.md says why); the baseline is the
-adapter alone over the same group, what an adapter-only path would send (a lower bound of it: vLLM's
-runtime loading also reads the adapter from a file). Both timed with part 1's method, in one run.
+RANK on every projection. ``train.lora.sync = "merged"`` (the default) sends merged weights
+(``tasks/train/lora.merged_state`` on the trainer, then the full bytes through the weight group;
+docs/lora.md says why); ``"adapter"`` the adapter alone over the same group. Both timed with part
+1's method, in one run. Then, unless ``--no-vllm``, end to end on the ~10M model: each mode's sync
+into a real vLLM under load (part 2's method; adapter mode: the server serves the adapter, the
+worker writes it as a peft folder and loads it in place).
 
 Part 2, generation paused (real vLLM, ``--no-vllm`` skips it): one and two vLLM servers (one
 weight group, ``--servers``) of the quickstart model (0.4M parameters) and of a ~10M one, under a load of 32 requests kept in flight, receives
@@ -211,17 +213,56 @@ def _best(fn, repeats: int) -> float:
 # ------------------------------------------------------------------------------ part 2
 
 
-def vllm_pause(model_dir: Path, syncs: int, log_dir: Path, servers: int = 1) -> dict:
+def lora_policy(model_dir: Path, rank: int):
+    """The trainer's state of a LoRA policy on ``model_dir``: rank ``rank`` on every projection,
+    B random (peft starts it at zero)."""
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.infra.config import LoraSection
+    from rollflow.tasks.train.lora import apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).float()
+    cfg = LoraSection(rank=rank, alpha=2.0 * rank)
+    apply_lora(model, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape) * 0.01)
+    return {k: v.detach() for k, v in model.state_dict().items()}, cfg
+
+
+def vllm_pause(
+    model_dir: Path,
+    syncs: int,
+    log_dir: Path,
+    servers: int = 1,
+    lora: tuple[str, int] | None = None,
+) -> dict:
     """Syncs into ``servers`` real vLLM servers (one weight group) under load; returns the
-    sync_weights figures."""
+    sync_weights figures. ``lora = (sync, rank)``: a LoRA policy synced as ``train.lora.sync``
+    does it: ``"merged"`` merges on every sync, as the trainer does, then sends the model;
+    ``"adapter"`` sends the adapter to servers that serve it (``--enable-lora``)."""
     from transformers import AutoModelForCausalLM
 
     from rollflow.infra.inference.client import InferenceClient
     from rollflow.infra.inference.server import InferenceServer
     from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, sync_weights
+    from rollflow.tasks.train.lora import adapter_state, merged_state, save_initial_adapter
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).float()
-    named = [(n, t.detach()) for n, t in model.state_dict().items()]
+    initial = None
+    if lora is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).float()
+        named = [(n, t.detach()) for n, t in model.state_dict().items()]
+        sent = lambda: named  # noqa: E731
+    else:
+        full, cfg = lora_policy(model_dir, lora[1])
+        if lora[0] == "adapter":
+            named = list(adapter_state(full).items())
+            sent = lambda: named  # noqa: E731
+            initial = save_initial_adapter(log_dir / f"v0-{model_dir.name}", model_dir, cfg)
+        else:
+            named = list(merged_state(full, cfg).items())
+            sent = lambda: list(merged_state(full, cfg).items())  # noqa: E731
     transport = measure_transport(named, None, 5)
     group = [
         InferenceServer(
@@ -229,6 +270,7 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path, servers: int = 1) -> 
             max_model_len=64,
             log_path=log_dir / f"vllm-{model_dir.name}-{i}.log",
             api_key=SECRET,  # its workers prove the key to join the weight group
+            lora_adapter=initial,
         )
         for i in range(servers)
     ]
@@ -266,7 +308,7 @@ def vllm_pause(model_dir: Path, syncs: int, log_dir: Path, servers: int = 1) -> 
                 stats.append(
                     await sync_weights(
                         clients,
-                        lambda v=version: asyncio.to_thread(sender.broadcast, named, v),
+                        lambda v=version: asyncio.to_thread(lambda: sender.broadcast(sent(), v)),
                         version,
                         TIMEOUT_S,
                     )
@@ -396,6 +438,44 @@ def print_lora(sizes: list[str], rank: int, repeats: int) -> None:
     )
 
 
+def print_lora_vllm(rank: int, syncs: int) -> None:
+    """Part 4 end to end: a LoRA policy of the ~10M model synced into a real vLLM under load,
+    merged (merge + model bytes + reload_weights) against adapter (adapter bytes + peft folder +
+    in-place LoRA load), each through ``sync_weights``: pause(keep) to resume."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rollflow-bench-lora-") as tmp:
+        name, model_dir = tiny_model_dirs(Path(tmp))[1]
+        for sync in ("merged", "adapter"):
+            v = vllm_pause(model_dir, syncs, Path(tmp), lora=(sync, rank))
+            rows.append(
+                [
+                    sync,
+                    f"{v['bytes'] / 1e6:.2f}",
+                    v["syncs"],
+                    f"{v['pause_call_median_s'] * 1000:.0f}",
+                    f"{v['broadcast_median_s'] * 1000:.0f}",
+                    f"{v['paused_median_s'] * 1000:.0f}",
+                    f"{v['paused_max_s'] * 1000:.0f}",
+                ]
+            )
+            print(f"vLLM {sync}: done", file=sys.stderr, flush=True)
+    print(f"\n{name} model, LoRA rank {rank} on every projection, into one vLLM under load\n")
+    print(
+        table(
+            [
+                "train.lora.sync",
+                "MB sent",
+                "syncs",
+                "pause ms (median)",
+                "send + load ms (median)",
+                "paused ms (median)",
+                "paused ms (max)",
+            ],
+            rows,
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -421,6 +501,8 @@ def main() -> None:
     if args.lora:
         machine = Machine()
         print_lora(args.sizes, args.lora, args.repeats)
+        if not args.no_vllm:
+            print_lora_vllm(args.lora, args.vllm_syncs)
         print("\n" + machine.line())
         return
 

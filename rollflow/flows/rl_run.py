@@ -85,7 +85,9 @@ def _train(config: dict | RunConfig) -> dict:
     # Sinks open first: a configured sink whose package is missing fails before services start.
     with (
         MetricSinks.from_config(cfg, log_dir) as sinks,
-        RunServices(cfg, policy_dir, resumed_from or None, log_dir, progress=say) as services,
+        RunServices(
+            cfg, policy_dir, resumed_from or None, log_dir, progress=say, base_model=base_model
+        ) as services,
     ):
         ctx = RunContext(
             config=cfg,

@@ -32,6 +32,7 @@ from rollflow.infra.placement import Machine, make_plan
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
 from rollflow.tasks.sync.weights import GroupSpec
+from rollflow.tasks.train import lora
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.launch import TrainerProcess, node_argv
 from rollflow.tasks.train.protocol import ServiceArgs
@@ -55,8 +56,12 @@ class RunServices:
         log_dir: str | Path,
         progress=print,
         machine: Machine | None = None,
+        base_model: str | Path | None = None,
     ):
         self.cfg, self.policy_dir, self.checkpoint_step = cfg, str(policy_dir), checkpoint_step
+        # The model before any training (policy_dir is a checkpoint's merged model on resume):
+        # what vLLM serves under an adapter sync.
+        self.base_model = str(base_model or policy_dir)
         self.log_dir = Path(log_dir)
         self.progress = progress
         self.token = secrets.token_urlsafe(24)
@@ -108,11 +113,13 @@ class RunServices:
                 f"of {cfg.trainer.num_nodes}; on it, run: {env}{shlex.join(cmd)}"
             )
         storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
+        served, adapter = self._served_policy()
         self.supervisors = [
             InferenceSupervisor(
                 cfg,
-                self.policy_dir,
+                served,
                 self.log_dir,
+                lora_adapter=adapter,
                 index=i,
                 env=planned.env,
                 server_args=plan.server_args(i),
@@ -148,6 +155,18 @@ class RunServices:
             self.stop()
             raise
         return self
+
+    def _served_policy(self) -> tuple[str, Path | None]:
+        """What vLLM loads at start: the policy's model; or, under ``train.lora.sync =
+        "adapter"``, the base model and the adapter to serve as the policy (the checkpoint's on
+        resume, else a zero one: the base model)."""
+        lora_cfg = self.cfg.train.lora
+        if lora_cfg is None or lora_cfg.sync != "adapter":
+            return self.policy_dir, None
+        if self.checkpoint_step:
+            return self.base_model, Path(self.policy_dir) / lora.ADAPTER_DIR
+        folder = self.log_dir / "adapter-v0"
+        return self.base_model, lora.save_initial_adapter(folder, self.base_model, lora_cfg)
 
     def _rejoin(self) -> int:
         """A restarted server's re-join: the group forms anew with every server (see weights)."""

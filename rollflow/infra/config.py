@@ -223,8 +223,12 @@ class LossConfig(_Section):
         return self.tis_cap is not None or self.mask_low is not None or self.mask_high is not None
 
 
+# vLLM's --max-lora-rank takes one of these (vllm/config/lora.py, MaxLoRARanks).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class LoraSection(_Section):
-    """LoRA adapters ([train.lora], with peft): only the adapters train; vLLM gets merged weights."""
+    """LoRA adapters ([train.lora], with peft): only the adapters train (docs/lora.md)."""
 
     rank: int = Field(16, ge=1, description="Adapter rank r.")
     alpha: float = Field(
@@ -246,6 +250,21 @@ class LoraSection(_Section):
         min_length=1,
         description="Names (suffixes) of the linear layers that get an adapter.",
     )
+    sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="What a weight sync sends vLLM: the merged model W + (alpha / r) · B A (vLLM "
+        "generates at the base model's speed), or the adapter alone (vLLM serves it with "
+        "--enable-lora: far fewer bytes, slower generation on CPU). docs/lora.md, 'Decision'.",
+    )
+
+    @model_validator(mode="after")
+    def _servable(self) -> LoraSection:
+        if self.sync == "adapter" and self.rank > VLLM_MAX_LORA_RANKS[-1]:
+            raise ValueError(
+                f"train.lora.rank = {self.rank} with train.lora.sync = 'adapter': vLLM serves "
+                f"adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}; lower the rank or sync 'merged'"
+            )
+        return self
 
 
 class TrainSection(_Section):

@@ -179,6 +179,16 @@ def test_trainer_backend_and_loss_choices():
         load_config(QUICKSTART, ["train.kl_coef=0.1"])
 
 
+def test_lora_sync_choices():
+    assert load_config(QUICKSTART, ["train.lora.rank=8"]).train.lora.sync == "merged"
+    cfg = load_config(QUICKSTART, ["train.lora.rank=8", "train.lora.sync=adapter"])
+    assert cfg.train.lora.sync == "adapter"
+    with pytest.raises(ConfigError, match="train.lora.sync"):
+        load_config(QUICKSTART, ["train.lora.sync=lora"])
+    with pytest.raises(ConfigError, match="vLLM serves adapters up to rank 512"):
+        load_config(QUICKSTART, ["train.lora.rank=1024", "train.lora.sync=adapter"])
+
+
 def test_sampling_behaviour_is_what_the_trainer_takes_log_probs_at():
     """The trainer reproduces vLLM's processed log-probs: tempered and top-p cut when sampling,
     raw (temperature 1) when greedy, as vLLM returns them then."""

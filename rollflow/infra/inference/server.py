@@ -4,21 +4,30 @@ The server is started with ``VLLM_SERVER_DEV_MODE=1`` (which adds ``/pause``, ``
 ``/collective_rpc`` and ``/reset_prefix_cache``) and with rollflow's worker extension, so that
 new weights can be received over the weight group (see ``worker_extension.py``). Every route,
 those included, refuses a request without the server's key (``auth.py``).
+
+Given ``lora_adapter`` (``train.lora.sync = "adapter"``), the server serves the base model under
+``<name>-base`` and the adapter as ``<name>``, the name the clients request, so that sampling and
+evaluation are unchanged; each sync then replaces the adapter (``weights/adapter.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
+from rollflow.infra.config import VLLM_MAX_LORA_RANKS
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference import auth
 from rollflow.infra.inference.vllm_plugin import SPIN_ENV
 from rollflow.infra.service import ManagedProcess, cpu_split, free_port
+from rollflow.infra.weights import adapter
 
 WORKER_EXTENSION_CLS = "rollflow.infra.inference.worker_extension.WeightReceiver"
 
@@ -47,6 +56,7 @@ class InferenceServer:
         log_path: str | Path | None = None,
         kv_cache_space_gib: int = 1,
         api_key: str | None = None,
+        lora_adapter: str | Path | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.host = host
@@ -58,6 +68,10 @@ class InferenceServer:
         self.extra_env = dict(extra_env or {})
         self.log_path = Path(log_path or f"vllm-{self.port}.log")
         self.kv_cache_space_gib = kv_cache_space_gib
+        # Adapter mode: the adapter served at start (peft's format), and the server-local folder
+        # each sync's adapter is written to (made at spawn, removed at stop).
+        self.lora_adapter = Path(lora_adapter) if lora_adapter is not None else None
+        self.lora_root: Path | None = None
         self._proc: ManagedProcess | None = None
         # Every route needs this key (auth.py); clients of this URL in this process send it.
         self.api_key = api_key or auth.new_key()
@@ -70,6 +84,7 @@ class InferenceServer:
 
     def command(self) -> list[str]:
         """The command line that starts the server."""
+        name = self.served_model_name
         cmd = [
             sys.executable,
             "-m",
@@ -77,7 +92,7 @@ class InferenceServer:
             "--model",
             self.model_path,
             "--served-model-name",
-            self.served_model_name,
+            f"{name}-base" if self.lora_adapter else name,
             "--host",
             self.host,
             "--port",
@@ -100,6 +115,17 @@ class InferenceServer:
             cmd += ["--dtype", "float32", "--enforce-eager"]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.lora_adapter:
+            rank = json.loads((self.lora_adapter / adapter.CONFIG).read_text())["r"]
+            cmd += [
+                "--enable-lora",
+                "--max-loras",
+                "1",
+                "--max-lora-rank",  # vLLM takes only some values: the least that holds r
+                str(min(r for r in VLLM_MAX_LORA_RANKS if r >= rank)),
+                "--lora-modules",
+                f"{name}={self.lora_adapter}",
+            ]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -118,6 +144,8 @@ class InferenceServer:
         # The worker extension is imported by module path inside vLLM's worker processes.
         root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if self.lora_root is not None:
+            env[adapter.ROOT_ENV] = str(self.lora_root)
         env.update(self.extra_env)
         return env
 
@@ -131,6 +159,10 @@ class InferenceServer:
         several servers load at the same time."""
         if self.is_alive():
             return
+        if self.lora_adapter:
+            self.lora_root = adapter.prepare_root(
+                tempfile.mkdtemp(prefix="rollflow-lora-"), self.lora_adapter
+            )
         self._proc = ManagedProcess(
             "vLLM server", self.command(), self.log_path, self.environment()
         )
@@ -170,6 +202,9 @@ class InferenceServer:
         """SIGTERM the server's process group, then SIGKILL whatever is left after ``timeout_s``."""
         if self._proc is not None:
             self._proc.stop(timeout_s)
+        if self.lora_root is not None:
+            shutil.rmtree(self.lora_root, ignore_errors=True)
+            self.lora_root = None
 
     def __enter__(self) -> InferenceServer:
         return self.start()

@@ -64,7 +64,9 @@ class WeightLink:
 class InferenceSupervisor:
     """One vLLM server (``index`` of the deployment), restarted when it dies; see the module
     docstring. ``env`` and ``server_args`` are the placement plan's for it (its devices, tensor
-    parallelism, memory share)."""
+    parallelism, memory share); ``lora_adapter``, under ``train.lora.sync = "adapter"``, the
+    adapter it serves as the policy at each start (a restart then gets the trainer's last
+    version through ``link.rejoin()``, like a merged policy)."""
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class InferenceSupervisor:
         on_restart: Callable[[dict], None] = lambda info: None,
         progress=print,
         api_key: str | None = None,
+        lora_adapter: str | Path | None = None,
     ):
         self.cfg, self.index = cfg, index
         self.link: WeightLink | None = None
@@ -93,6 +96,7 @@ class InferenceSupervisor:
             extra_env=env,
             log_path=log_dir / ("vllm.log" if index == 0 else f"vllm-{index}.log"),
             api_key=api_key,
+            lora_adapter=lora_adapter,
         )
         self.name = "the vLLM server" if cfg.inference.num_servers == 1 else f"vLLM server {index}"
         self.gate: ServingGate | None = None

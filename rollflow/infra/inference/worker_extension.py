@@ -3,6 +3,9 @@
 vLLM mixes this class into its worker class (``--worker-extension-cls``), so ``self`` is the
 vLLM worker. Its methods are called through the server's ``/collective_rpc`` endpoint, whose
 arguments arrive as strings. The logic lives in ``rollflow.infra.weights``; this is glue.
+
+A server that serves the policy as a LoRA adapter (``adapter.ROOT_ENV`` set, see ``server.py``)
+receives the adapter's tensors instead of the model's and loads them as its adapter.
 """
 
 from __future__ import annotations
@@ -10,9 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from rollflow.infra.inference.auth import KEY_ENV
+from rollflow.infra.weights import adapter
 from rollflow.infra.weights.group import DEFAULT_BUCKET_BYTES, WeightReceiverGroup
 
 logger = logging.getLogger(__name__)
@@ -23,7 +30,8 @@ class WeightReceiver:
 
     Invariant: after ``receive_weights`` returns version V, the model serves exactly the weights
     the trainer broadcast as V (loaded via ``reload_weights``, so vLLM's CPU repacking of linear
-    layers is redone; editing parameters in place would not take effect there).
+    layers is redone; editing parameters in place would not take effect there), or, in adapter
+    mode, exactly the adapter it broadcast as V, under the LoRA id the server's requests name.
     """
 
     def init_weight_group(
@@ -69,10 +77,37 @@ class WeightReceiver:
         if group is None:
             raise RuntimeError("receive_weights called before init_weight_group")
         version, named_tensors = group.receive(self._rollflow_weight_metadata)
-        self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+        root = os.environ.get(adapter.ROOT_ENV)
+        if root:
+            self._load_adapter(root, version, named_tensors)
+        else:
+            self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
         for _ in named_tensors:  # a loader that skipped tensors must not leave buckets unread
             pass
         return version
+
+    def _load_adapter(
+        self, root: str, version: int, named_tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Write the adapter as a peft folder and load it in place of the one served.
+
+        Into this worker's LoRA manager, under the id the server gave the adapter at start: the
+        requests keep naming that id, and their LoRA request (not marked ``load_inplace``) never
+        makes vLLM read a file again. ``/v1/load_lora_adapter`` with ``load_inplace`` would mark
+        every later request so, and vLLM then re-reads the adapter's files at every engine step
+        (docs/lora.md). The caller resets the prefix cache: its blocks were computed with the
+        old adapter, and the LoRA name and path the cache keys on stay the same.
+        """
+        from vllm.lora.request import LoRARequest
+
+        folder = adapter.write_version(root, version, int(getattr(self, "rank", 0)), named_tensors)
+        loaded = self.list_loras()
+        if len(loaded) != 1:
+            raise RuntimeError(f"adapter sync: the server holds LoRA ids {loaded}, expected one")
+        (lora_id,) = loaded
+        request = LoRARequest(f"v{version}", lora_id, str(folder), load_inplace=True)
+        if not self.add_lora(request):
+            raise RuntimeError(f"adapter sync: vLLM did not load the adapter of v{version}")
 
     def close_weight_group(self) -> None:
         """Leave the weight group (a no-op if not joined)."""

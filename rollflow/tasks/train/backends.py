@@ -35,7 +35,7 @@ class Backend(Protocol):
     def backward(self, loss: torch.Tensor) -> None: ...
     def step(self) -> dict[str, float]: ...
     def current_lr(self) -> float: ...
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]: ...
     def full_gradients(self) -> dict[str, torch.Tensor]: ...
     def save(self, folder: Path) -> None: ...
     def load(self, folder: Path) -> None: ...
@@ -112,10 +112,12 @@ class FSDP2Backend:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
+        )
         state = get_model_state_dict(self.module, options=options)
         return {hf_name(k): v for k, v in state.items()} if dist.get_rank() == 0 else {}
 
@@ -231,11 +233,16 @@ class DeepSpeedBackend:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         if self.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()
+            state = self.engine._zero3_consolidated_16bit_state_dict(
+                exclude_frozen_parameters=trainable_only
+            )
         else:
             state = self.policy.state_dict() if dist.get_rank() == 0 else None
+            if state is not None and trainable_only:
+                trainable = {n for n, p in self.policy.named_parameters() if p.requires_grad}
+                state = {k: v for k, v in state.items() if k in trainable}
         if dist.get_rank() != 0 or state is None:
             return {}
         return {hf_name(k): v.detach().cpu() for k, v in state.items()}

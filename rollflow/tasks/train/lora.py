@@ -6,14 +6,16 @@ adapted linear layer becomes ``<layer>.base_layer.weight`` and its adapter
 ``<layer>.lora_A.default.weight`` (r x in) and ``<layer>.lora_B.default.weight`` (out x r).
 Only the adapters train; checkpoints keep the whole state, so a resume restores both.
 
-What leaves the trainer is named as the plain HF model names it:
+What leaves the trainer:
 
 - ``merged_state``: W + (alpha / r) · B A for every adapted layer, under the HF names: the
-  weights the weight group sends to vLLM (see docs/architecture.md, "LoRA", for why merged
-  weights and not vLLM's runtime adapter loading) and the checkpoint's HF export;
+  weights the weight group sends to vLLM under ``train.lora.sync = "merged"`` and the
+  checkpoint's HF export;
 - ``adapter_state`` / ``save_adapter``: the adapter alone in peft's format
   (``adapter_model.safetensors`` + ``adapter_config.json``), which ``PeftModel.from_pretrained``
-  and vLLM's ``--lora-modules`` load.
+  and vLLM's ``--lora-modules`` load; ``adapter_state`` is what the weight group sends under
+  ``train.lora.sync = "adapter"``, and ``save_initial_adapter`` what vLLM serves before the first
+  sync (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -133,6 +135,25 @@ def save_adapter(
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
     return folder
+
+
+def save_initial_adapter(folder: str | Path, model_dir: str | Path, cfg: LoraSection) -> Path:
+    """The adapter a run starts from, for vLLM to serve before the first sync: B = 0 (so the
+    policy is the base model) and A = 0 too (no random draw to keep in step with the trainer).
+
+    Its shapes come from the model's architecture on the meta device: no weight is loaded.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    apply_lora(model, cfg)
+    zeros = {
+        k: torch.zeros(v.shape, dtype=v.dtype)
+        for k, v in model.state_dict().items()
+        if k.endswith((_A, _B))
+    }
+    return save_adapter(folder, zeros, cfg, str(model_dir))
 
 
 def adapter_num_bytes(full: dict[str, torch.Tensor]) -> int:

@@ -300,10 +300,11 @@ class RankOps:
         return {"path": req.path, "num_tensors": len(grads)}
 
     def weights_capture(self, req: Broadcast) -> dict:
-        """A collective: gather the full weights; rank 0 keeps a copy tagged ``req.version`` that
-        ``send_captured`` sends later, so that the trainer can go on meanwhile."""
+        """A collective: gather what a sync sends (``Trainer.sync_weights``); rank 0 keeps a copy
+        tagged ``req.version`` that ``send_captured`` sends later, so that the trainer can go on
+        meanwhile."""
         start = time.perf_counter()
-        named = self.trainer.named_weights()
+        named = self.trainer.sync_weights()
         if self.rank != 0:
             return {}
         owned = self.trainer.detached(named)
@@ -360,7 +361,7 @@ class RankOps:
 
     def weights_broadcast(self, req: Broadcast) -> dict:
         start = time.perf_counter()
-        named = self.trainer.named_weights()  # a collective: every rank helps gather
+        named = self.trainer.sync_weights()  # a collective: every rank helps gather
         if self.rank != 0:
             return {}
         with self.sender_lock:

@@ -74,10 +74,19 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         hf = load_hf_model(spec.model_path, device)
         self.config = hf.config
-        self.metadata = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
+        plain = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
+        self.hf_names = [m["name"] for m in plain]
         t = spec.train
         # LoRA: adapters injected before sharding; the HF names above stay what leaves the trainer.
         self._lora_dropouts = lora.apply_lora(hf, t.lora, spec.seed) if t.lora else []
+        # What a weight sync sends: the plain model, or under train.lora.sync = "adapter" the
+        # adapter alone, named as peft saves it (vLLM's worker writes it as a peft folder).
+        self.sync_adapter = t.lora is not None and t.lora.sync == "adapter"
+        self.metadata = (
+            weight_metadata(lora.adapter_state(hf.state_dict()).items())
+            if self.sync_adapter
+            else plain
+        )
         temperature, top_p = spec.sampling.behaviour()
         self.backend: Backend = make_backend(
             spec.trainer.backend,
@@ -200,10 +209,16 @@ class Trainer:
             return []
         if self.spec.train.lora:
             full = lora.merged_state(full, self.spec.train.lora)
-        missing = [m["name"] for m in self.metadata if m["name"] not in full]
-        if missing:
-            raise RuntimeError(f"the backend's full state dict lacks {missing[:5]}")
-        return [(m["name"], full[m["name"]]) for m in self.metadata]
+        return _in_order(full, self.hf_names)
+
+    def sync_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What a weight sync sends, in ``metadata`` order on rank 0 (a collective; [] on other
+        ranks): ``named_weights``, or under ``train.lora.sync = "adapter"`` the adapter alone
+        (only the trainable tensors are gathered)."""
+        if not self.sync_adapter:
+            return self.named_weights()
+        adapter = lora.adapter_state(self.backend.full_state_dict(trainable_only=True))
+        return _in_order(adapter, [m["name"] for m in self.metadata]) if self.rank == 0 else []
 
     def detached(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """``named`` made safe to keep while training goes on: tensors that share memory with
@@ -310,6 +325,13 @@ class Trainer:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _in_order(state: dict[str, torch.Tensor], names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    missing = [name for name in names if name not in state]
+    if missing:
+        raise RuntimeError(f"the backend's full state dict lacks {missing[:5]}")
+    return [(name, state[name]) for name in names]
 
 
 def add_counts(a: list[float], b: list[float]) -> list[float]:

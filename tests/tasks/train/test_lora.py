@@ -116,3 +116,27 @@ def test_lora_checkpoint_round_trip_continues_identically(tiny_model_dir, tmp_pa
     resumed.save_checkpoint(tmp_path / "again")
     saved = json.loads((tmp_path / "again" / lora.ADAPTER_DIR / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == str(tiny_model_dir)
+
+
+def test_an_adapter_sync_sends_the_adapter_alone(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, lora=LORA.model_copy(update={"sync": "adapter"}))
+    rows = make_rows(8, seed=4)
+    trainer.forward_backward(_micro_batches(rows, 10_000), LossConfig(), _tokens(rows))
+    trainer.optim_step()
+    sent = trainer.sync_weights()
+    full = trainer.backend.full_state_dict()
+    assert [name for name, _ in sent] == [m["name"] for m in trainer.metadata]
+    assert max_abs_diff(dict(sent), lora.adapter_state(full)) == 0
+    assert sum(t.numel() * t.element_size() for _, t in sent) == lora.adapter_num_bytes(full)
+    # What vLLM serves before the first sync: peft's own adapter layout, and the base model.
+    folder = lora.save_initial_adapter(tmp_path / "v0", tiny_model_dir, LORA)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (LORA.rank, LORA.alpha)
+    with_zero = peft.PeftModel.from_pretrained(load(tiny_model_dir), folder).merge_and_unload()
+    assert max_abs_diff(with_zero.state_dict(), load(tiny_model_dir).state_dict()) == 0
+    from safetensors.torch import load_file
+
+    zero = load_file(folder / "adapter_model.safetensors")
+    assert {k: list(v.shape) for k, v in zero.items()} == {
+        m["name"]: m["shape"] for m in trainer.metadata
+    }

@@ -1,28 +1,50 @@
-"""A LoRA policy through the real weight plane: the trainer service (FSDP2 on 1 and 2 ranks,
-DeepSpeed ZeRO-3 on 2) trains adapters for a few optimizer steps and syncs to a real vLLM server
-after each one (the second as the background sync does it: captured, then sent while the trainer
-takes the next step); vLLM's greedy output then equals transformers + peft running the trainer's
-own adapter of that version on the base model."""
+"""A LoRA policy through the real weight plane: the trainer service (FSDP2 on 2 ranks, DeepSpeed
+ZeRO-3 on 2) trains adapters for a few optimizer steps and syncs to a real vLLM server after each
+one (the second as the background sync does it: captured, then sent while the trainer takes the
+next step); vLLM's greedy output then equals transformers + peft running the trainer's own adapter
+of that version on the base model. With ``train.lora.sync = "adapter"`` (FSDP2 on 2 ranks) vLLM
+serves the adapter itself, each sync carries the adapter's bytes only, and a restarted server
+comes back serving the last version."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rollflow.infra.config import LoraSection, LossConfig, TrainerSection, TrainSection
+from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish
+from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish, rejoin
 from rollflow.tasks.train.launch import TrainerProcess
-from rollflow.tasks.train.lora import ADAPTER_DIR
+from rollflow.tasks.train.lora import ADAPTER_DIR, save_initial_adapter
 from rollflow.tasks.train.protocol import ServiceArgs
 
-from conftest import PROMPT_IDS
+from conftest import PROMPT_IDS, VLLM_MAX_LEN
 from trainer_support import make_rows, write_batch
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
 
 STEPS, MAX_TOKENS = 3, 16
+LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
+
+
+@pytest.fixture(scope="module")
+def vllm_adapter_server(vllm_model_dirs, tmp_path_factory):
+    """A real vLLM server serving the first of ``vllm_model_dirs`` with a zero adapter as the
+    policy (``train.lora.sync = "adapter"``), per module."""
+    root = tmp_path_factory.mktemp("adapter-server")
+    initial = save_initial_adapter(root / "v0", vllm_model_dirs[0], LORA)
+    srv = InferenceServer(
+        vllm_model_dirs[0],
+        max_model_len=VLLM_MAX_LEN,
+        lora_adapter=initial,
+        log_path=root / "vllm.log",
+    )
+    srv.start()
+    yield srv
+    srv.stop()
 
 
 def greedy(url: str) -> tuple[list[int], list[float]]:
@@ -61,15 +83,16 @@ def peft_greedy(base_dir, adapter_dir) -> tuple[list[int], list[float]]:
 
 
 @pytest.mark.parametrize(
-    ("backend", "zero_stage", "num_ranks"),
+    ("backend", "zero_stage", "num_ranks", "sync"),
     # (one FSDP2 rank runs in tests/flows/test_run.py's LoRA run, which syncs every step; the
     # greedy equality is checked here, on the sharded cases, to keep the suite short)
-    [("fsdp2", None, 2), ("deepspeed", 3, 2)],
-    ids=["fsdp2-2", "zero3-2"],
+    [("fsdp2", None, 2, "merged"), ("deepspeed", 3, 2, "merged"), ("fsdp2", None, 2, "adapter")],
+    ids=["fsdp2-2", "zero3-2", "fsdp2-2-adapter"],
 )
 def test_vllm_serves_the_trainers_adapter_after_every_sync(
-    vllm_server, vllm_model_dirs, tmp_path, backend, zero_stage, num_ranks
+    request, vllm_model_dirs, tmp_path, backend, zero_stage, num_ranks, sync
 ):
+    server = request.getfixturevalue("vllm_server" if sync == "merged" else "vllm_adapter_server")
     base = vllm_model_dirs[0]  # what the server serves at the start
     storage = RunStorage(str(tmp_path / "runs"), "lora")
     for step in range(1, STEPS + 1):
@@ -82,10 +105,7 @@ def test_vllm_serves_the_trainers_adapter_after_every_sync(
         model_path=str(base),
         storage_root=str(tmp_path / "runs"),
         run="lora",
-        train=TrainSection(
-            lr=2e-2,
-            lora=LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"]),
-        ),
+        train=TrainSection(lr=2e-2, lora=LORA.model_copy(update={"sync": sync})),
         trainer=TrainerSection(
             backend=backend,
             zero_stage=zero_stage,
@@ -95,11 +115,13 @@ def test_vllm_serves_the_trainers_adapter_after_every_sync(
         ),
     )
     # The run's token is vLLM's key: the weight group admits only this trainer.
-    proc = TrainerProcess(args, token=vllm_server.api_key, log_dir=tmp_path / "logs")
+    proc = TrainerProcess(args, token=server.api_key, log_dir=tmp_path / "logs")
     proc.start()
     client = proc.client
-    url = vllm_server.url
+    url = server.url
     served = [greedy(url)]
+    if sync == "adapter":  # the zero adapter served before the first sync: the base model
+        assert served[0][0] == peft_greedy(base, server.lora_adapter)[0]
     try:
         proc.wait_healthy()
         join(client, [(url, 1)], GroupSpec.single(), timeout_s=60)
@@ -124,6 +146,19 @@ def test_vllm_serves_the_trainers_adapter_after_every_sync(
                 assert served[-1][0] == tokens, f"step {step}: vLLM {served[-1]} != peft {tokens}"
                 assert served[-1][1] == pytest.approx(logprobs, abs=1e-4)
                 print(f"\nstep {step}: synced {stats['bytes']} bytes in {stats}, greedy {tokens}")
+                if sync == "adapter":  # the adapter's bytes (64-byte aligned) and a 16-byte header
+                    adapter = load_file(export / ADAPTER_DIR / "adapter_model.safetensors")
+                    num_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+                    assert num_bytes < stats["bytes"] <= num_bytes + 64 * len(adapter) + 16
+            if sync == "adapter":  # a restarted server starts from its first adapter; the
+                # re-join gives it the last version, as the supervisor's restart does
+                client.end_step(STEPS)  # the trainer's weights are now those of step STEPS
+                server.stop()
+                server.start()
+                assert rejoin(client, [(url, 1)], GroupSpec.single(), 60, 60) == STEPS
+                export = tmp_path / "export-last"
+                client.export_hf(str(export))
+                assert greedy(url)[0] == peft_greedy(base, export / ADAPTER_DIR)[0]
         finally:
             leave(client, [url], timeout_s=10)
     finally:
