@@ -175,12 +175,12 @@ def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path,
     assert (run_dir / "checkpoints" / "step=4" / "_SUCCESS").exists()
 
 
-@pytest.mark.parametrize("sync", ["merged", "adapter"])
-def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache, sync):
-    """[train.lora] through the whole run: vLLM serves the merged policy (or, with
-    train.lora.sync = "adapter", the base model and the adapter), every checkpoint holds the
-    adapter beside the merged model (peft's merge of the one is the other), and `rollflow
-    export` writes the adapter in peft's format (the merged model with --merged)."""
+def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache):
+    """[train.lora] through the whole run with train.lora.sync = "adapter" (vLLM serves the base
+    model and the adapter; the merged sync's run is in test_lora_sync.py, service level, to keep
+    the suite short): every checkpoint holds the adapter beside the merged model (peft's merge of
+    the one is the other), and `rollflow export` writes the adapter in peft's format (the merged
+    model with --merged)."""
     peft = pytest.importorskip("peft")
     import duckdb
     import torch
@@ -190,7 +190,7 @@ def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache, s
     config = write_config(tmp_path, model_cache, name="lora", steps=2)
     # The tiny policy's rewards may all be zero in two steps; zero-advantage groups are kept and an
     # entropy bonus gives them a gradient, so every step trains the adapter whatever the rewards.
-    lora = ["train.lora.rank=4", f"train.lora.sync={sync}", "train.lr=1e-3", "run.eval_every=0"]
+    lora = ["train.lora.rank=4", "train.lora.sync=adapter", "train.lr=1e-3", "run.eval_every=0"]
     train = ["train.filter_zero_advantage=false", "train.loss.entropy_coef=0.01"]
     out = run_cli(config, tmp_path, *lora, *train)
     assert "step 2/2" in out
