@@ -178,7 +178,8 @@ def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path,
 def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache):
     """[train.lora] through the whole run with train.lora.sync = "adapter" (vLLM serves the base
     model and the adapter; the merged sync's run is in test_lora_sync.py, service level, to keep
-    the suite short): every checkpoint holds the adapter beside the merged model (peft's merge of
+    the suite short), one step, then a resume whose vLLM starts from the checkpoint's adapter:
+    every checkpoint holds the adapter beside the merged model (peft's merge of
     the one is the other), and `rollflow export` writes the adapter in peft's format (the merged
     model with --merged)."""
     peft = pytest.importorskip("peft")
@@ -187,14 +188,24 @@ def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    config = write_config(tmp_path, model_cache, name="lora", steps=2)
+    config = write_config(tmp_path, model_cache, name="lora", steps=1)
     # The tiny policy's rewards may all be zero in two steps; zero-advantage groups are kept and an
     # entropy bonus gives them a gradient, so every step trains the adapter whatever the rewards.
     lora = ["train.lora.rank=4", "train.lora.sync=adapter", "train.lr=1e-3", "run.eval_every=0"]
     train = ["train.filter_zero_advantage=false", "train.loss.entropy_coef=0.01"]
-    out = run_cli(config, tmp_path, *lora, *train)
-    assert "step 2/2" in out
+    run_cli(config, tmp_path, *lora, *train)
+    # The resume's vLLM starts from the base model and the checkpoint's adapter.
+    out = run_cli(config, tmp_path, *lora, *train, "run.num_steps=2")
+    assert "resuming after committed step 1" in out and "step 2/2" in out
     run_dir = tmp_path / "runs" / "lora"
+    # vllm.log holds both launches; each logs the adapter it serves as the policy.
+    served = [
+        line
+        for line in (run_dir / "logs" / "vllm.log").read_text().splitlines()
+        if "lora_modules" in line
+    ]
+    assert len(served) == 2 and "adapter-v0" in served[0], served
+    assert str(run_dir / "checkpoints" / "step=1" / "adapter") in served[1], served
     assert_every_step_once(run_dir, 2)
     optim_steps = duckdb.sql(
         f"select step, num_optim_steps from read_parquet('{run_dir}/metrics/step=[12].parquet', "
