@@ -3,6 +3,7 @@
     .venv/bin/python bench/staleness.py                          # workload (a), the settings below
     .venv/bin/python bench/staleness.py --settings s0 s1 --seeds 2
     .venv/bin/python bench/staleness.py --workload c --settings s0 s1   # where vs_trl has (c)
+    .venv/bin/python bench/staleness.py --minibatches 1 --settings s0 s1 s2   # learning by data age
 
 Each setting is a real rollflow run (``bench/vs_trl.py``'s rollflow side: the same warm-started
 policy, environment, K = 4 optimizer steps per generation batch, lr and held-out evaluation),
@@ -43,6 +44,7 @@ from machine import Machine, table  # noqa: E402
 SETTINGS = {
     "s0": (0, [], "on-policy: max_staleness 0"),
     "s1": (1, [], "max_staleness 1, clip around the sampler's log-probs (the default loss)"),
+    "s2": (2, [], "max_staleness 2, the default loss"),
     "s1-trainer": (
         1,
         ["train.old_logprobs=trainer", "train.loss.tis_cap=2"],
@@ -109,12 +111,18 @@ def main() -> None:
         help="optimizer steps between held-out evaluations (vs_trl's 10 makes a 3000-step run "
         "spend most of its time evaluating)",
     )
+    parser.add_argument(
+        "--minibatches",
+        type=int,
+        help="optimizer steps per generation batch, K (default: the workload's); with K = 1 the "
+        "data age is max_staleness itself, so s0 s1 s2 measure learning against data age",
+    )
     parser.add_argument("--json-out", help="write every run's result and curve here")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
     machine = Machine()
     w = WORKLOADS[args.workload]
-    k = w["minibatches"]
+    k = args.minibatches or w["minibatches"]
     model = prepare_model(args.workload, args.overrides)
     results = []
     for seed in range(args.seeds):
