@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=list(WORKLOADS), default="a")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from this one")
     parser.add_argument("--max-s", type=float, default=900.0, help="training seconds per run")
     parser.add_argument(
         "--max-steps",
@@ -125,7 +126,7 @@ def main() -> None:
     k = args.minibatches or w["minibatches"]
     model = prepare_model(args.workload, args.overrides)
     results = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for name in args.settings:
             staleness, overrides, _ = SETTINGS[name]
             spec = {
