@@ -71,6 +71,11 @@ class MultiTurnEnv(Environment):
     def score(self, prompt: Prompt, state: dict[str, Any]) -> float:
         """The episode's reward, once it has ended."""
 
+    def last_turn(self, prompt: Prompt, state: dict[str, Any], assistant_text: str) -> None:
+        """The model's turn that used up ``max_total_tokens``: the episode ends without the
+        environment's answer (``respond`` is not called for it), before ``score``. By default
+        nothing: an env whose score reads the conversation records it here."""
+
     async def rollout_group(
         self, prompt: Prompt, group_size: int, ctx: RolloutContext
     ) -> list[Sample]:
@@ -119,6 +124,7 @@ class MultiTurnEnv(Environment):
             cut_turns += not stopped
             if len(ids) >= self.max_total_tokens:
                 stop = "max_total_tokens"
+                await asyncio.to_thread(self.last_turn, prompt, state, text)
                 break
             start = time.perf_counter()
             reply = await asyncio.to_thread(self.respond, prompt, state, text)

@@ -137,6 +137,9 @@ class VerifiersEnv(MultiTurnEnv):
         said = state["episode"].reply(assistant_text)
         return EnvReply(done=True) if not said else EnvReply(said)
 
+    def last_turn(self, prompt: Prompt, state: dict[str, Any], assistant_text: str) -> None:
+        state["episode"].last = assistant_text
+
     def score(self, prompt: Prompt, state: dict[str, Any]) -> float:
         return state["episode"].reward()
 
@@ -180,6 +183,8 @@ class _Episode:
         self._run: Any = None  # run()'s concurrent future
         self._ended = self._over = False
         self.seat: str | None = None
+        # The model's reply that used up max_total_tokens: run() gets it with the end of its turn.
+        self.last: str | None = None
 
     # rollflow's side: worker threads
 
@@ -256,9 +261,13 @@ class _Episode:
             self.trace.record_timeout("agent")
         if text is None:  # rollflow ended the episode (at one of its limits, unless timed out)
             self._over = True
-            limit = "max_turns" if self.trace.num_turns >= self.max_turns else "max_total_tokens"
-            self.trace.stop(limit)
-            return vf.Segment(messages=[], terminated=True)
+            ended_by_tokens = self.last is not None or self.trace.num_turns < self.max_turns
+            final = []
+            if self.last is not None:  # the reply that used up the tokens: scored, not answered
+                final = [vf.AssistantMessage(content=self.last)]
+                self._add(final[0], sampled=True)
+            self.trace.stop("max_total_tokens" if ended_by_tokens else "max_turns")
+            return vf.Segment(messages=final, terminated=True)
         reply = vf.AssistantMessage(content=text)
         self._add(reply, sampled=True)
         return vf.Segment(messages=[reply])

@@ -152,6 +152,18 @@ def test_verifiers_episode_cut_by_rollflow_ends_the_envs_run_and_is_scored(tiny_
 
 
 @pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
+def test_verifiers_reply_that_uses_up_the_tokens_is_scored(tiny_verifiers, tok):  # noqa: F811
+    """The model's first reply fills max_total_tokens: no env turn follows, and the task's reward
+    reads that reply (it is the trace's last, marked sampled)."""
+    prompt = _tiny().prompts("train", 1, random.Random(0))[0]
+    budget = len(tok(prompt.answer, add_special_tokens=False).input_ids)  # the stop token cut
+    env = _tiny(max_total_tokens=budget)
+    s = asyncio.run(env.episode(prompt, _ctx(tok, Scripted(tok, [prompt.answer]))))
+    assert s.turn_roles == ["assistant"] and s.stop_reason == "max_total_tokens" and s.truncated
+    assert s.reward == 1.0 and s.error is None
+
+
+@pytest.mark.skipif(_missing("verifiers"), reason="verifiers is not installed")
 def test_verifiers_env_whose_other_seat_plays_is_refused(tiny_verifiers):
     env = _tiny(env="user-sim")  # a modeled user (untrained, prompt-less) opens the exchange
     prompt = env.prompts("train", 1, random.Random(0))[0]
