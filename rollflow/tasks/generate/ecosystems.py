@@ -21,7 +21,7 @@ import random
 import re
 from typing import Any
 
-from rollflow.tasks.generate.environments import Prompt, SingleTurnEnv, Split
+from rollflow.tasks.generate.environments import Prompt, SingleTurnEnv, Split, pick_indices
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -94,9 +94,7 @@ class ReasoningGymEnv(SingleTurnEnv):
 
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
         n = len(self._entries[split])
-        if split == "eval":
-            return [self._prompt(split, i) for i in rng.sample(range(n), min(count, n))]
-        return [self._prompt(split, rng.randrange(n)) for _ in range(count)]
+        return [self._prompt(split, i) for i in pick_indices(split, n, count, rng)]
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         _, split, index = prompt.prompt_id.rsplit(":", 2)

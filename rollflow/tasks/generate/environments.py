@@ -198,6 +198,14 @@ def in_eval_split(key: str, eval_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
 
 
+def pick_indices(split: Split, n: int, count: int, rng: random.Random) -> list[int]:
+    """Which of a fixed list of ``n`` items ``prompts`` returns: ``count`` drawn with replacement
+    for training, at most ``count`` distinct ones for evaluation."""
+    if split == "eval":
+        return rng.sample(range(n), min(count, n))
+    return [rng.randrange(n) for _ in range(count)]
+
+
 class _ExactMatchEnv(SingleTurnEnv):
     """Exact match of the stripped completion against the reference answer."""
 

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from rollflow.tasks.generate.ecosystems import require
-from rollflow.tasks.generate.environments import Prompt, Split, in_eval_split
+from rollflow.tasks.generate.environments import Prompt, Split, in_eval_split, pick_indices
 from rollflow.tasks.generate.multi_turn import EnvReply, MultiTurnEnv
 
 _END = object()  # what an episode's run() says when it has returned
@@ -123,9 +123,7 @@ class VerifiersEnv(MultiTurnEnv):
 
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
         n = len(self._tasks_of[split])
-        if split == "eval":
-            return [self._prompt(split, i) for i in rng.sample(range(n), min(count, n))]
-        return [self._prompt(split, rng.randrange(n)) for _ in range(count)]
+        return [self._prompt(split, i) for i in pick_indices(split, n, count, rng)]
 
     def start(self, prompt: Prompt) -> dict[str, Any]:
         _, split, index = prompt.prompt_id.rsplit(":", 2)
