@@ -43,6 +43,13 @@ from machine import Machine, table  # noqa: E402
 # name: (max_staleness, overrides, what it is)
 SETTINGS = {
     "s0": (0, [], "on-policy: max_staleness 0"),
+    "s0.25": (
+        0.25,
+        [],
+        "max_staleness 0.25 (1 of K = 4 optimizer steps): weights sent one optimizer step before "
+        "each step's end, the next step's groups sampled from them",
+    ),
+    "s0.5": (0.5, [], "max_staleness 0.5 (2 of K = 4 optimizer steps), as s0.25"),
     "s1": (1, [], "max_staleness 1, clip around the sampler's log-probs (the default loss)"),
     "s2": (2, [], "max_staleness 2, the default loss"),
     "s1-trainer": (

@@ -501,7 +501,7 @@ def main() -> None:
         )
 
     parser.add_argument(
-        "--staleness", type=int, help="rollflow's max_staleness; " + per_workload("staleness")
+        "--staleness", type=float, help="rollflow's max_staleness; " + per_workload("staleness")
     )
     parser.add_argument(
         "--minibatches",

@@ -8,23 +8,31 @@ while step N trains), or after its checkpoint or evaluation, when it has one (th
 step N-1's weights); step N's sync follows step N-1's; and step N commits after step N-1. So step N-1's metrics and commit run
 while step N trains. The step commits when its checkpoint's ``_SUCCESS`` is written; a step
 killed before that is redone on resume, and its half-written folders are replaced, not added to.
+
+A fractional ``max_staleness`` (``train.sync_lag()`` = a > 0 optimizer steps) moves the sync into
+the step: the train task keeps the weights a optimizer steps before its end, and the sync sends
+them to vLLM as version ``N - a/n`` (n: the step's optimizer steps) while those a train, so
+step N + 1's groups are sampled meanwhile from weights only a optimizer steps behind. A step
+that evaluates syncs at its end instead (evaluation must see the step's whole weights).
 """
 
 from __future__ import annotations
+
+import time
 
 from prefect import flow
 from prefect.utilities.annotations import quote
 
 from rollflow.flows.artifacts import publish_step_metrics
-from rollflow.flows.order import step_order
+from rollflow.flows.order import StepOrder, step_order
 from rollflow.flows.step_metrics import StepMetrics
 from rollflow.infra.context import RunContext
 from rollflow.infra.events import publish
-from rollflow.tasks.advantage.task import advantage
-from rollflow.tasks.generate.host import host_for
+from rollflow.tasks.advantage.task import Batch, advantage
+from rollflow.tasks.generate.host import ProducerHost, host_for
 from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
-from rollflow.tasks.sync.task import sync
-from rollflow.tasks.train.task import checkpoint, train, trainer_client
+from rollflow.tasks.sync.task import Synced, sync
+from rollflow.tasks.train.task import MidStepCapture, checkpoint, train, trainer_client
 
 
 @flow(
@@ -42,6 +50,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
     )
     checkpoints = step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps
     syncs = step % cfg.train.sync_every == 0 or evaluates
+    lag = 0 if evaluates else cfg.train.sync_lag()  # optimizer steps: > 0 syncs mid-step
     m = StepMetrics()
     # Handed to each task as it is: Prefect would otherwise walk the whole config for task inputs
     # at every call (~1-2 ms of the run process's CPU per task, measured).
@@ -56,19 +65,24 @@ def train_step(ctx: RunContext, step: int) -> dict:
     with m.timed("wait_for_previous_step_s"):
         m.record_trainer_wait(order.wait_trainer(step, deadline_s))
     with m.timed("train_phase_s"):
-        trained = train(run, step, batch.group_indices, quote(batch.sample_keys))
+        if lag:
+            trained, synced = train_syncing_mid_step(ctx, step, batch, lag, order, host)
+        else:
+            trained = train(run, step, batch.group_indices, quote(batch.sample_keys))
+    syncs_at_end = syncs and not lag
     holds_trainer = evaluates or checkpoints  # they must see this step's weights
-    if not holds_trainer and (not syncs or cfg.trainer.background_sync):
-        if syncs:
+    if not holds_trainer and (not syncs_at_end or cfg.trainer.background_sync):
+        if syncs_at_end:
             with m.timed("capture_s"):
                 trainer_client(ctx).weights_capture(step)  # the sync below sends this copy
         order.release(step)  # the next step trains while this one's weights go to vLLM
     with m.timed("sync_phase_s"):
-        order.wait_sync_turn(step, deadline_s)
-        synced = sync(run, step, trainer_client(ctx)) if syncs else None
-        order.synced(step)
-        if synced:
-            host.set_version(step)  # vLLM serves it now: the producer admits the groups it unblocks
+        if not lag:
+            order.wait_sync_turn(step, deadline_s)
+            synced = sync(run, step, trainer_client(ctx)) if syncs else None
+            order.synced(step)
+            if synced:
+                host.set_version(step)  # vLLM serves it: the producer admits what it unblocks
     if not holds_trainer:
         order.release(step)  # (a no-op where it released above)
     m.record_rollouts(rollouts)
@@ -90,3 +104,31 @@ def train_step(ctx: RunContext, step: int) -> dict:
     # step's trainer must not wait for.
     publish_step_metrics(cfg.run.name, step, metrics)
     return metrics
+
+
+def train_syncing_mid_step(
+    ctx: RunContext, step: int, batch: Batch, lag: int, order: StepOrder, host: ProducerHost
+) -> tuple[dict, Synced]:
+    """Train step ``step`` and, ``lag`` optimizer steps before its end, send its weights to vLLM
+    as version ``step - behind / n`` while the rest trains (see the module docstring)."""
+    deadline_s = take_timeout_s(ctx.config)
+    run, capture = quote(ctx), MidStepCapture(lag)
+    future = train.submit(run, step, batch.group_indices, quote(batch.sample_keys), quote(capture))
+    deadline = time.monotonic() + deadline_s
+    while not capture.done.wait(0.02):
+        if future.wrapped_future.done():
+            future.result()  # the train task failed before the capture: its error
+            raise RuntimeError(f"step {step}'s train task ended without capturing its weights")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"step {step} waited {deadline_s:.0f}s for the train task to keep its weights "
+                f"{lag} optimizer steps before the step's end"
+            )
+    order.wait_sync_turn(step, deadline_s)
+    synced = sync(run, step, trainer_client(ctx))
+    order.synced(step)
+    version = step - capture.behind / ctx.config.train.optim_steps_per_step()
+    host.set_version(version)  # the producer admits the next step's groups now
+    trained = future.result(timeout=deadline_s)
+    trained.update(capture_s=capture.capture_s, synced_version=version)
+    return trained, synced

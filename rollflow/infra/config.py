@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -224,6 +225,9 @@ class LossConfig(_Section):
 
 
 # vLLM's --max-lora-rank takes one of these (vllm/config/lora.py, MaxLoRARanks).
+# Policy versions and staleness are fractions of steps (optimizer steps / steps' optimizer
+# steps): comparisons of two of them allow this much rounding.
+STALENESS_EPS = 1e-6
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -275,8 +279,12 @@ class TrainSection(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     train_batch_size: int = Field(64, ge=1, description="Groups per outer step (one weight sync).")
     mini_batch_size: int = Field(64, ge=1, description="Groups per optimizer step.")
-    max_staleness: int = Field(
-        0, ge=0, description="Steps generation may run ahead of training (0 = on-policy)."
+    max_staleness: float = Field(
+        0,
+        ge=0,
+        description="Steps generation may run ahead of training (0 = on-policy). A fraction counts "
+        "optimizer steps: with 4 optimizer steps per step, 0.25 lets the next step's groups start "
+        "from the weights after this step's 3rd (sent to vLLM mid-step, while the 4th trains).",
     )
     sync_every: int = Field(
         1,
@@ -286,7 +294,8 @@ class TrainSection(_Section):
     max_in_flight_groups: int | None = Field(
         None,
         ge=1,
-        description="Groups generating at once (K); default train_batch_size * (max_staleness + 1).",
+        description="Groups generating at once (K); default train_batch_size * (whole steps of "
+        "max_staleness + 1).",
     )
     advantage: str = Field(
         "grpo",
@@ -369,7 +378,25 @@ class TrainSection(_Section):
 
     def in_flight_groups(self) -> int:
         """K: groups the rollout producer keeps generating at once."""
-        return self.max_in_flight_groups or self.train_batch_size * (self.max_staleness + 1)
+        return self.max_in_flight_groups or self.train_batch_size * (self.whole_staleness() + 1)
+
+    def optim_steps_per_step(self) -> int:
+        """Optimizer steps of a full outer step: mini-batches times epochs."""
+        return self.train_batch_size // self.mini_batch_size * self.num_epochs
+
+    def whole_staleness(self) -> int:
+        """The whole steps of ``max_staleness``."""
+        return math.floor(self.max_staleness + STALENESS_EPS)
+
+    def staleness_bound(self) -> float:
+        """``max_staleness`` exactly: its whole steps plus ``sync_lag`` optimizer steps."""
+        return self.whole_staleness() + self.sync_lag() / self.optim_steps_per_step()
+
+    def sync_lag(self) -> int:
+        """Optimizer steps of ``max_staleness``'s fraction: a step's weights go to vLLM that many
+        optimizer steps before its end (0: at its end)."""
+        frac = self.max_staleness - self.whole_staleness()
+        return max(0, round(frac * self.optim_steps_per_step()))
 
 
 class InferenceSection(_Section):
@@ -545,13 +572,26 @@ class RunConfig(_Section):
                 f"train.train_batch_size ({t.train_batch_size}) must be divisible by "
                 f"train.mini_batch_size ({t.mini_batch_size})"
             )
+        n, frac = t.optim_steps_per_step(), t.max_staleness - t.whole_staleness()
+        if abs(frac * n - round(frac * n)) > 1e-3 * n or (0 < round(frac * n) >= n):
+            raise ValueError(
+                f"train.max_staleness ({t.max_staleness:g}): its fraction counts optimizer steps "
+                f"out of the step's {n} (train_batch_size / mini_batch_size * num_epochs), so it "
+                f"must be a whole number plus one of "
+                f"{', '.join(f'{a / n:g}' for a in range(1, n)) or '(none: one optimizer step per step)'}"
+            )
+        if t.sync_lag() and t.sync_every != 1:
+            raise ValueError(
+                f"train.max_staleness = {t.max_staleness:g} sends weights mid-step, every step: it "
+                f"needs train.sync_every = 1 (it is {t.sync_every})"
+            )
         if t.sync_every > t.max_staleness + 1:
             raise ValueError(
                 f"train.sync_every ({t.sync_every}) needs train.max_staleness >= {t.sync_every - 1} "
                 f"(it is {t.max_staleness}): between syncs vLLM samples with weights up to "
                 f"sync_every - 1 steps old; raise max_staleness or lower sync_every"
             )
-        k, high = t.in_flight_groups(), t.train_batch_size * (t.max_staleness + 1)
+        k, high = t.in_flight_groups(), t.train_batch_size * (t.whole_staleness() + 1)
         if not t.train_batch_size <= k <= high:
             raise ValueError(
                 f"train.max_in_flight_groups ({k}) must be between train.train_batch_size "

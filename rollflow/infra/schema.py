@@ -11,7 +11,8 @@ sampled, trained, with their sampling log-prob in ``completion_logprobs``) and w
 environment's (0: context only, log-prob 0.0, never in a loss or a metric). ``turn_offsets[k]``
 is where turn k starts in ``completion_ids``, ``turn_roles[k]`` is "assistant" for a model turn
 or the environment's role ("tool", "user"), ``turn_versions[k]`` the policy version vLLM held
-when that turn was requested (a weight sync can land between turns; staleness still counts from
+when that turn was requested (versions are steps, with a fraction where the weights were sent
+mid-step: 3.75 = step 4's weights one of its four optimizer steps before its end) (a weight sync can land between turns; staleness still counts from
 ``version_started``, the episode's first turn). ``num_turns`` counts model turns; ``stop_reason``
 is why the sample ended (single-turn: its ``finish_reason``, "stop" or "length"; episodes:
 "env_done", "max_turns", "max_total_tokens"), and ``truncated`` marks one cut before it finished
@@ -38,8 +39,8 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("completion_logprobs", pa.list_(pa.float32())),
         pa.field("reward", pa.float64()),
         pa.field("advantage", pa.float64()),
-        pa.field("version_started", pa.int64()),
-        pa.field("version_finished", pa.int64()),
+        pa.field("version_started", pa.float64()),
+        pa.field("version_finished", pa.float64()),
         pa.field("finish_reason", pa.string()),
         pa.field("error", pa.string()),
         pa.field("generate_s", pa.float64()),
@@ -48,7 +49,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("completion_mask", pa.list_(pa.int8())),
         pa.field("turn_offsets", pa.list_(pa.int32())),
         pa.field("turn_roles", pa.list_(pa.string())),
-        pa.field("turn_versions", pa.list_(pa.int64())),
+        pa.field("turn_versions", pa.list_(pa.float64())),
         pa.field("num_turns", pa.int32()),
         pa.field("stop_reason", pa.string()),
         pa.field("truncated", pa.bool_()),

@@ -175,6 +175,42 @@ def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path,
     assert (run_dir / "checkpoints" / "step=4" / "_SUCCESS").exists()
 
 
+def test_a_fractional_staleness_sends_weights_mid_step_and_samples_the_next_step_from_them(
+    tmp_path, model_cache
+):
+    """max_staleness = 0.5 with 2 optimizer steps per step: each step's weights go to vLLM after
+    its first optimizer step, as version N - 0.5, and step N + 1's groups start from exactly
+    those; the last step evaluates, so it syncs its whole weights at its end."""
+    import duckdb
+
+    config = write_config(tmp_path, model_cache, name="midstep", steps=4)
+    out = run_cli(
+        config,
+        tmp_path,
+        "train.max_staleness=0.5",
+        "train.filter_zero_advantage=false",  # every step has its 2 optimizer steps
+        "run.eval_every=0",
+    )
+    assert "step 4/4" in out
+    run_dir = tmp_path / "runs" / "midstep"
+    assert_every_step_once(run_dir, 4)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in events if e["event"] == "weights_published"] == [1, 2, 3, 4]
+    metrics = duckdb.sql(
+        f"select step, synced_version, num_optim_steps, capture_s, staleness_max "
+        f"from read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true) "
+        f"where step > 0 order by step"
+    ).fetchall()
+    assert [(s, v) for s, v, *_ in metrics] == [(1, 0.5), (2, 1.5), (3, 2.5), (4, None)]
+    assert all(n == 2 and (c is not None) == (s < 4) for s, _, n, c, _ in metrics)
+    versions = duckdb.sql(
+        f"select step, min(version_started), max(version_started) "
+        f"from '{run_dir}/rollouts/*/*.parquet' group by step order by step"
+    ).fetchall()
+    assert versions == [(1, 0.0, 0.0), (2, 0.5, 0.5), (3, 1.5, 1.5), (4, 2.5, 2.5)]
+    assert [m[-1] for m in metrics] == [0.0, 0.5, 0.5, 0.5]  # staleness in steps: 1 of 2 optim
+
+
 def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache):
     """[train.lora] through the whole run with train.lora.sync = "adapter" (vLLM serves the base
     model and the adapter; the merged sync's run is in test_lora_sync.py, service level, to keep

@@ -203,3 +203,20 @@ def test_logprobs_mode_is_not_a_users_extra_arg():
         load_config(QUICKSTART, ['inference.extra_args=["--logprobs-mode=raw_logprobs"]'])
     with pytest.raises(ConfigError, match="--logprobs-mode"):
         load_config(QUICKSTART, ['inference.extra_args=["--logprobs-mode", "raw_logprobs"]'])
+
+
+def test_a_fractional_staleness_counts_optimizer_steps():
+    four = ["train.mini_batch_size=32"]  # 128 groups per step: 4 optimizer steps
+    t = load_config(QUICKSTART, [*four, "train.max_staleness=1.25"]).train
+    assert (t.optim_steps_per_step(), t.whole_staleness(), t.sync_lag()) == (4, 1, 1)
+    assert t.staleness_bound() == 1.25 and t.in_flight_groups() == 256
+    t = load_config(QUICKSTART, [*four, "train.num_epochs=3", "train.max_staleness=0.3333"]).train
+    assert (t.optim_steps_per_step(), t.sync_lag(), t.in_flight_groups()) == (12, 4, 128)
+    assert t.staleness_bound() == pytest.approx(1 / 3, abs=1e-12)  # exact, not the typed 0.3333
+    assert load_config(QUICKSTART, ["train.max_staleness=1"]).train.sync_lag() == 0
+    with pytest.raises(ConfigError, match=r"max_staleness \(0.3\).*step's 4 .*0.25, 0.5, 0.75"):
+        load_config(QUICKSTART, [*four, "train.max_staleness=0.3"])
+    with pytest.raises(ConfigError, match=r"max_staleness \(0.5\).*one optimizer step per step"):
+        load_config(QUICKSTART, ["train.max_staleness=0.5"])
+    with pytest.raises(ConfigError, match=r"sends weights mid-step.*sync_every = 1 \(it is 2\)"):
+        load_config(QUICKSTART, [*four, "train.max_staleness=1.5", "train.sync_every=2"])

@@ -65,11 +65,11 @@ class Sample:
     completion_mask: list[int] | None = None
     turn_offsets: list[int] | None = None
     turn_roles: list[str] | None = None
-    turn_versions: list[int] | None = None
+    turn_versions: list[float] | None = None
     stop_reason: str | None = None
     truncated: bool | None = None
 
-    def turn_columns(self, version_started: int) -> dict[str, Any]:
+    def turn_columns(self, version_started: float) -> dict[str, Any]:
         """The schema's multi-turn columns of this sample (single-turn defaults filled in)."""
         n = len(self.completion_ids)
         roles = self.turn_roles or (["assistant"] if n else [])
@@ -107,7 +107,7 @@ class RolloutContext:
     render: Callable[[Prompt], list[int]] | None = None
     renderer: Any = None
     stop_token_ids: tuple[int, ...] = ()
-    policy_version: Callable[[], int | None] = lambda: None
+    policy_version: Callable[[], float | None] = lambda: None
     max_tokens: int | None = None
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:

@@ -35,7 +35,7 @@ EXTRA_STEP_FLOWS = 2
 
 def step_flows_in_flight(cfg: RunConfig) -> int:
     """How many step flows run at once: the ones within the staleness bound, and a margin."""
-    return cfg.train.max_staleness + 2 + EXTRA_STEP_FLOWS
+    return cfg.train.whole_staleness() + 2 + EXTRA_STEP_FLOWS
 
 
 def host_for(run: str) -> ProducerHost:
@@ -96,7 +96,7 @@ class ProducerHost:
                     first_step=first_step,
                 ),
                 train_batch_size=t.train_batch_size,
-                max_staleness=t.max_staleness,
+                max_staleness=t.staleness_bound(),
                 max_in_flight=t.in_flight_groups(),
                 version=resumed_from,
                 first_step=first_step,
@@ -164,7 +164,7 @@ class ProducerHost:
             self._taken = max(self._taken, step)
             self._cond.notify_all()
 
-    def set_version(self, version: int) -> None:
+    def set_version(self, version: float) -> None:
         """The inference deployment now serves ``version``: admit the groups it unblocks."""
         self.loop.call_soon_threadsafe(self.producer.set_version, version)
 

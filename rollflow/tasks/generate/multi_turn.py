@@ -97,7 +97,7 @@ class MultiTurnEnv(Environment):
         logprobs: list[float] = []
         offsets: list[int] = []
         roles: list[str] = []
-        versions: list[int] = []
+        versions: list[float] = []
         generate_s = env_s = 0.0
         cut_turns, stopped = 0, True
         stop = "max_turns"

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from statistics import fmean
 
+from rollflow.infra.config import STALENESS_EPS
 from rollflow.infra.errors import ProducerFailed, TrainingFinished
 from rollflow.tasks.generate.environments import Environment, Prompt
 from rollflow.tasks.generate.rollouts import (
@@ -35,8 +37,8 @@ class FinishedGroup:
     index: int
     prompt: Prompt
     result: GroupResult
-    version_started: int
-    version_finished: int  # the version current when the group finished
+    version_started: float
+    version_finished: float  # the version current when the group finished
     started_s: float
     finished_s: float
 
@@ -51,10 +53,13 @@ class RolloutProducer:
     Invariants (B = ``train_batch_size``, S = ``max_staleness``, v = the policy version vLLM holds,
     F = ``first_step``, the step the first admitted group goes to; F = v + 1 on a fresh start):
 
-    - admission: a group is admitted only if afterwards ``admitted ≤ (S + v + 2 - F) · B``, so
+    - admission: a group is admitted only if afterwards ``admitted ≤ ⌊S + v + 2 - F⌋ · B``, so
       group ``index`` i, which step F + i // B trains on, started from a version
       ``≥ F + i // B - 1 - S``. S = 0 is synchronous on-policy RL. A resumed run whose next steps
       reuse committed rollouts starts with F past them, so those steps count against the bound.
+      Versions and S may be fractions of a step: ``v = N - a/n`` are step N's weights ``a`` of
+      its ``n`` optimizer steps before its end (sent mid-step), and S = 1/4 with n = 4 admits
+      step N + 1's groups once those of N - 1/4 are served.
     - accounting, at every await point (the issue's ``submitted == accepted + filtered +
       running``): ``admitted == emitted + (stale_dropped + resampled + cancelled) + (in_flight + ready)``,
       where ``cancelled`` only grows in ``finish()`` or a fatal failure. A group whose run
@@ -84,9 +89,9 @@ class RolloutProducer:
         prompts: Iterator[Prompt] | Callable[[], Prompt],
         *,
         train_batch_size: int,
-        max_staleness: int,
+        max_staleness: float,
         max_in_flight: int,
-        version: int = 0,
+        version: float = 0,
         first_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         lag_interval_s: float = 0.1,
@@ -98,12 +103,13 @@ class RolloutProducer:
             raise ValueError(
                 f"need train.train_batch_size >= 1 (got {B}) and train.max_staleness >= 0 (got {S})"
             )
-        if not B <= K <= B * (S + 1):
+        high = B * (math.floor(S + STALENESS_EPS) + 1)
+        if not B <= K <= high:
             raise ValueError(
                 f"groups in flight K (train.max_in_flight_groups) = {K} must satisfy "
                 f"train.train_batch_size <= K <= "
-                f"train.train_batch_size * (train.max_staleness + 1), "
-                f"i.e. {B} <= K <= {B * (S + 1)}: fewer cannot fill one step, more can never be "
+                f"train.train_batch_size * (whole steps of train.max_staleness + 1), "
+                f"i.e. {B} <= K <= {high}: fewer cannot fill one step, more can never be "
                 f"admitted under the staleness bound"
             )
         self.train_batch_size, self.max_staleness, self.max_in_flight = B, S, K
@@ -144,9 +150,9 @@ class RolloutProducer:
     async def __aexit__(self, *exc) -> None:
         await self.finish()
 
-    def set_version(self, version: int) -> None:
+    def set_version(self, version: float) -> None:
         """Record a weight sync: the inference engine now holds policy ``version``."""
-        if version < self.version:
+        if version < self.version - STALENESS_EPS:
             raise ValueError(f"policy version went back from {self.version} to {version}")
         self.version = version
         self._notify()
@@ -203,7 +209,7 @@ class RolloutProducer:
         return groups
 
     def _drop_stale(self, step: int) -> None:
-        oldest_ok = step - 1 - self.max_staleness
+        oldest_ok = step - 1 - self.max_staleness - STALENESS_EPS
         stale = [g for g in self._ready if g.version_started < oldest_ok]
         if not stale:
             return
@@ -215,7 +221,7 @@ class RolloutProducer:
             step,
             len(stale),
             sorted({g.version_started for g in stale}),
-            oldest_ok,
+            round(oldest_ok, 4),
         )
         self._notify()  # the freed slots let admission go on
 
@@ -251,8 +257,10 @@ class RolloutProducer:
         }
 
     def _bound(self) -> int:
-        # Group i may start once version >= (its step) - 1 - S, i.e. admitted <= (S + v + 2 - first_step) · B.
-        steps_open = self.max_staleness + self.version + 2 - self.first_step
+        # Group i may start once version >= (its step) - 1 - S, i.e. admitted <= ⌊S + v + 2 - first_step⌋ · B.
+        steps_open = math.floor(
+            self.max_staleness + self.version + 2 - self.first_step + STALENESS_EPS
+        )
         return (
             max(0, steps_open) * self.train_batch_size + self.num_stale_dropped + self.num_resampled
         )
@@ -302,7 +310,7 @@ class RolloutProducer:
             self._tasks.discard(task)
             self.num_cancelled += 1
 
-    async def _run_one(self, index: int, prompt: Prompt, version: int) -> None:
+    async def _run_one(self, index: int, prompt: Prompt, version: float) -> None:
         started_s = self._clock()
         try:
             result = await self._run_group(prompt, version)
@@ -384,7 +392,7 @@ class RolloutProducer:
         return (
             f"take(step={step}) timed out after {timeout_s:g}s: {len(self._ready)}/"
             f"{self.train_batch_size} groups ready, {len(self._tasks)} in flight, "
-            f"version {self.version}, admitted {self.num_admitted} of bound {self._bound()} "
+            f"version {self.version:g}, admitted {self.num_admitted} of bound {self._bound()} "
             f"({why})" + (f"; steps {ahead} are served first" if ahead else "")
         )
 

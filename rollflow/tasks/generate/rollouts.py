@@ -171,13 +171,13 @@ def group_has_signal(advantage: Callable[[list[float]], list[float]]):
     return has_signal
 
 
-RunGroup = Callable[[Prompt, int], Awaitable[GroupResult]]  # (prompt, version_started)
+RunGroup = Callable[[Prompt, float], Awaitable[GroupResult]]  # (prompt, version_started)
 
 
 def group_runner(envs: dict[str, Environment], ctx: RolloutContext, group_size: int) -> RunGroup:
     """One group of a prompt: a failed group becomes its error string; ``InferenceGone`` propagates."""
 
-    async def run_group(prompt: Prompt, version_started: int = 0) -> GroupResult:
+    async def run_group(prompt: Prompt, version_started: float = 0) -> GroupResult:
         try:
             return await envs[prompt.env].rollout_group(prompt, group_size, ctx)
         except InferenceGone:
@@ -213,7 +213,7 @@ def to_rows(
     prompts: list[Prompt],
     results: list[GroupResult],
     group_size: int,
-    versions: list[tuple[int, int]],
+    versions: list[tuple[float, float]],
 ) -> list[dict]:
     """Rows of ``ROLLOUT_SCHEMA``: one per sample, or ``group_size`` error rows per failed group.
 

@@ -6,10 +6,15 @@ service splits it over ranks and micro-batches) and one ``optim_step``. With
 ``train.old_logprobs = "trainer"`` a ``forward`` pass first records the trainer's own log-probs
 of the whole batch, before any optimizer step of this outer step, as the ratio's denominator
 (and TIS then reweights by trainer / sampler).
+
+With a fractional ``max_staleness`` the task keeps the weights ``sync_lag`` optimizer steps
+before the step's end (``MidStepCapture``) and says so; the step flow sends that copy to vLLM
+while the remaining optimizer steps train.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -20,6 +25,26 @@ from rollflow.infra.config import TrainSection
 from rollflow.infra.context import RunContext
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.metrics import summarize_optimizer_steps
+
+
+class MidStepCapture:
+    """The weights kept for vLLM ``lag`` optimizer steps before the step's end, and the signal.
+
+    The train task captures them (``weights_capture``, tagged with the step) after its
+    ``n - lag`` th optimizer step (n: the step's optimizer steps; at once when n <= lag) and sets
+    ``done``; ``behind`` is then how many optimizer steps they lack, ``min(lag, n)``.
+    """
+
+    def __init__(self, lag: int):
+        self.lag = lag
+        self.behind: int | None = None
+        self.capture_s = 0.0
+        self.done = threading.Event()
+
+    def take(self, trainer: TrainerClient, step: int, behind: int) -> None:
+        self.capture_s = trainer.weights_capture(step)["capture_s"]
+        self.behind = behind
+        self.done.set()
 
 
 def trainer_client(ctx: RunContext) -> TrainerClient:
@@ -62,11 +87,13 @@ def train(
     step: int,
     group_indices: list[int],
     sample_keys: list[tuple[int, int]] = (),
+    capture: MidStepCapture | None = None,
 ) -> dict[str, float]:
     """For each epoch, for each mini-batch of the step's batch: forward_backward then optim_step.
 
     Mini-batches are whole groups, or (``train.mini_batch_split = "samples"``) slices of the
-    step's ``sample_keys`` in a seeded random order."""
+    step's ``sample_keys`` in a seeded random order. With ``capture``, the weights are kept for
+    vLLM ``capture.lag`` optimizer steps before the end."""
     t = ctx.config.train
     trainer = trainer_client(ctx)
     start = time.perf_counter()
@@ -82,8 +109,12 @@ def train(
     if t.old_logprobs == "trainer" and parts:
         metrics["forward_s"] = trainer.forward(step, sorted(group_indices))["forward_s"]
     results = []
+    total = t.num_epochs * len(parts)
+    capture_at = max(0, total - capture.lag) if capture is not None else None
     for _ in range(t.num_epochs):
         for part in parts:
+            if len(results) == capture_at:
+                capture.take(trainer, step, total - capture_at)
             fb = trainer.forward_backward(
                 step,
                 part["groups"],
@@ -93,6 +124,8 @@ def train(
             )
             fb.update(trainer.optim_step())
             results.append(fb)
+    if capture_at is not None and len(results) == capture_at:  # no optimizer step this step
+        capture.take(trainer, step, 0)
     metrics.update(summarize_optimizer_steps(results))
     # The trainer publishes training_finished after the run's last step (even one with no data).
     trainer.end_step(step)

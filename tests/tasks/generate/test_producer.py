@@ -432,3 +432,37 @@ def test_dynamic_sampling_is_bounded():
     assert all(len(g) == 2 for g in batches.values())
     assert p.num_resampled <= 3 * 3  # (steps taken + 1) x max_resampled at the last take
     assert p.step_metrics(1)["resampled"] == 3
+
+
+def test_a_fractional_bound_admits_the_next_step_from_the_mid_step_weights_only():
+    """max_staleness = 1/4 with 4 optimizer steps per step: step N + 1's groups wait for the
+    weights sent one optimizer step before step N's end (version N - 1/4), start from exactly
+    those, and nothing starts from a version older than that allows."""
+    B, num_steps = 4, 6
+
+    async def main():
+        fake = FakeGroups(seed=3)
+        p = RolloutProducer(
+            fake, numbered_prompts(), train_batch_size=B, max_staleness=0.25, max_in_flight=B
+        )
+        fake.producer = p
+        admitted_before_sync = []
+        async with p:
+            batches = {1: await p.take(1, timeout_s=5)}  # version 0 serves step 1
+            for step in range(1, num_steps):
+                # Step `step` trains; nothing of step + 1 may start before its mid-step sync.
+                await asyncio.sleep(0.01)
+                admitted_before_sync.append(p.num_admitted - step * B)
+                p.set_version(step - 0.25)
+                batches[step + 1] = await p.take(step + 1, timeout_s=5)
+                with pytest.raises(TimeoutError, match="blocked by the staleness bound"):
+                    await p.take(step + 2, timeout_s=0.05)  # its groups wait for the next sync
+        return p, batches, admitted_before_sync
+
+    p, batches, admitted_before_sync = asyncio.run(main())
+    assert admitted_before_sync == [0] * (num_steps - 1)
+    assert {g.version_started for g in batches[1]} == {0}
+    for step in range(2, num_steps + 1):
+        assert {g.version_started for g in batches[step]} == {step - 1.25}
+        assert p.step_metrics(step)["staleness_max"] == pytest.approx(0.25)
+    assert p.num_stale_dropped == 0

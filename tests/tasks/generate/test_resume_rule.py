@@ -9,16 +9,20 @@ from rollflow.infra.schema import rows_to_table
 from rollflow.tasks.generate.task import reusable_rollouts, reused_steps
 
 
-def _ctx(tmp_path, max_staleness: int) -> RunContext:
+def _ctx(tmp_path, max_staleness: float) -> RunContext:
     cfg = load_config(
         "configs/quickstart.toml",
-        [f"run.storage={tmp_path}", f"train.max_staleness={max_staleness}"],
+        [
+            f"run.storage={tmp_path}",
+            f"train.max_staleness={max_staleness}",
+            "train.mini_batch_size=32",  # 4 optimizer steps per step: fractions of 1/4 exist
+        ],
     )
     ep = Endpoint("x", "http://127.0.0.1:1", "t")
     return RunContext(config=cfg, model_path="unused", trainer=ep, inference=[ep])
 
 
-def _commit(ctx: RunContext, step: int, version: int) -> None:
+def _commit(ctx: RunContext, step: int, version: float) -> None:
     row = {
         "run": "r",
         "step": step,
@@ -38,6 +42,11 @@ def _commit(ctx: RunContext, step: int, version: int) -> None:
         (1, 4, 2, 2, True),  # one step off: version C still fresh enough for step C+2
         (1, 5, 2, 2, False),  # too stale for step C+3
         (2, 5, 2, 2, True),
+        # Versions sent mid-step: 1.75 is step 2's weights less its last optimizer step.
+        (0.25, 3, 1.75, 2, True),  # step C+1 sampled by step C's mid-step weights
+        (0.25, 3, 1.5, 2, False),  # two optimizer steps behind: past the bound of one
+        (0.25, 4, 2.75, 2, False),  # step C+1's mid-step weights: lost with the resume
+        (1.25, 4, 1.75, 2, True),
     ],
 )
 def test_committed_rollouts_reused_only_within_the_bound(

@@ -67,3 +67,52 @@ def test_a_rank_takes_exactly_the_mini_batch_samples(ops):
 def test_a_sample_the_batch_lacks_is_named(ops):
     with pytest.raises(InputError, match=r"no rows for samples \[\(1, 9\)\]"):
         ops.sequences(1, [0, 1], old_logprobs=False, samples=[(0, 0), (1, 9)])
+
+
+class RecordingTrainer:
+    """The train task's trainer calls, in order (no service: the order is what is tested)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def forward_backward(self, step, groups, **_):
+        self.calls.append(f"fb{groups}")
+        return {"forward_backward_s": 0.0, "num_loss_tokens": 1, "num_tokens": 1}
+
+    def optim_step(self):
+        self.calls.append("opt")
+        return {"optim_step_s": 0.0}
+
+    def weights_capture(self, version):
+        self.calls.append(f"capture v{version}")
+        return {"capture_s": 0.001}
+
+    def end_step(self, step):
+        self.calls.append("end")
+
+
+@pytest.mark.parametrize(
+    ("groups", "lag", "behind", "calls"),
+    [
+        # 4 optimizer steps, lag 1: kept after the 3rd, while the 4th trains.
+        ([0, 1, 2, 3, 4, 5, 6, 7], 1, 1, "fb opt fb opt fb opt capture fb opt end"),
+        ([0, 1, 2, 3, 4, 5, 6, 7], 3, 3, "fb opt capture fb opt fb opt fb opt end"),
+        # Filters left 2 groups: 2 optimizer steps, fewer than the lag: kept before either.
+        ([0, 5], 3, 2, "capture fb opt fb opt end"),
+        ([], 1, 0, "capture end"),  # nothing kept: the weights are the previous step's end
+    ],
+)
+def test_the_weights_are_kept_for_vllm_lag_optimizer_steps_before_the_steps_end(
+    monkeypatch, groups, lag, behind, calls
+):
+    from rollflow.tasks.train import task as train_task
+
+    recorder = RecordingTrainer()
+    monkeypatch.setattr(train_task, "trainer_client", lambda ctx: recorder)
+    config = SimpleNamespace(train=TrainSection(train_batch_size=8, mini_batch_size=2))
+    capture = train_task.MidStepCapture(lag)
+    metrics = train_task.train.fn(SimpleNamespace(config=config), 5, groups, (), capture)
+    got = " ".join("fb" if c.startswith("fb") else c for c in recorder.calls)
+    assert got == calls.replace("capture", "capture v5")
+    assert capture.done.is_set() and capture.behind == behind and capture.capture_s == 0.001
+    assert metrics["num_optim_steps"] == min(len(groups), 4)
