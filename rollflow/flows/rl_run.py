@@ -298,7 +298,7 @@ def progress_line(step: int, num_steps: int, m: dict) -> str:
     """One line per step: reward, what was kept, loss, staleness, and where the time went."""
     line = (
         f"step {step}/{num_steps}: reward {m['reward_mean']:.3f}, kept {m['num_groups_kept']} groups, "
-        f"loss {m.get('loss', math.nan):+.4f}, staleness {m.get('staleness_mean', 0.0):.1f} | "
+        f"loss {m.get('loss', math.nan):+.4f}, staleness {m.get('staleness_mean', 0.0):.2f} | "
         f"wait {m['trainer_wait_for_data_s']:.2f}s train {m['train_phase_s']:.2f}s "
         f"sync {m['sync_phase_s']:.2f}s | step {m['step_s']:.2f}s"
     )

@@ -224,10 +224,10 @@ class LossConfig(_Section):
         return self.tis_cap is not None or self.mask_low is not None or self.mask_high is not None
 
 
-# vLLM's --max-lora-rank takes one of these (vllm/config/lora.py, MaxLoRARanks).
-# Policy versions and staleness are fractions of steps (optimizer steps / steps' optimizer
-# steps): comparisons of two of them allow this much rounding.
+# Policy versions and staleness are steps with fractions (a step's optimizer steps / its
+# optimizer steps): comparisons of two of them allow this much rounding.
 STALENESS_EPS = 1e-6
+# vLLM's --max-lora-rank takes one of these (vllm/config/lora.py, MaxLoRARanks).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -588,7 +588,7 @@ class RunConfig(_Section):
         if t.sync_every > t.max_staleness + 1:
             raise ValueError(
                 f"train.sync_every ({t.sync_every}) needs train.max_staleness >= {t.sync_every - 1} "
-                f"(it is {t.max_staleness}): between syncs vLLM samples with weights up to "
+                f"(it is {t.max_staleness:g}): between syncs vLLM samples with weights up to "
                 f"sync_every - 1 steps old; raise max_staleness or lower sync_every"
             )
         k, high = t.in_flight_groups(), t.train_batch_size * (t.whole_staleness() + 1)
