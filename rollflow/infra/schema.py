@@ -11,9 +11,10 @@ sampled, trained, with their sampling log-prob in ``completion_logprobs``) and w
 environment's (0: context only, log-prob 0.0, never in a loss or a metric). ``turn_offsets[k]``
 is where turn k starts in ``completion_ids``, ``turn_roles[k]`` is "assistant" for a model turn
 or the environment's role ("tool", "user"), ``turn_versions[k]`` the policy version vLLM held
-when that turn was requested (versions are steps, with a fraction where the weights were sent
-mid-step: 3.75 = step 4's weights one of its four optimizer steps before its end) (a weight sync can land between turns; staleness still counts from
-``version_started``, the episode's first turn). ``num_turns`` counts model turns; ``stop_reason``
+when that turn was requested (a weight sync can land between turns; staleness still counts from
+``version_started``, the episode's first turn). Versions are steps, with a fraction where the
+weights were sent mid-step: 3.75 is step 4's weights one of its four optimizer steps before its
+end; rows written while versions were int64 read as whole numbers. ``num_turns`` counts model turns; ``stop_reason``
 is why the sample ended (single-turn: its ``finish_reason``, "stop" or "length"; episodes:
 "env_done", "max_turns", "max_total_tokens"), and ``truncated`` marks one cut before it finished
 ("length", "max_turns", "max_total_tokens"). Rows written
