@@ -19,7 +19,8 @@ training steps, what explains them:
 - mismatch KL (k3 of KL(sampler ‖ trainer), the current policy against the one that sampled);
 - the importance ratio's 5% / 50% / 95% quantiles (sampler → the trainer's old policy; only
   when the trainer recomputes old log-probs) and the fraction of tokens masked by the band;
-- the share of groups kept (zero-advantage groups dropped) and the gradient norm.
+- the share of groups kept (zero-advantage groups dropped) and the gradient norm;
+- where a step's time went: the trainer waiting for data, the train phase, the whole step.
 
 Learning per optimizer step is what this bench is about: seconds depend on the load.
 """
@@ -98,6 +99,11 @@ def diagnostics(storage: Path, k: int) -> dict:
         "masked": mean("is_masked_fraction"),
         "groups_kept": mean("num_groups_kept"),
         "grad_norm": mean("grad_norm"),
+        # Where a step's time went: the trainer waiting for data, training (with a mid-step sync
+        # inside it), and the whole step on the run's clock.
+        "wait_s": mean("trainer_wait_for_data_s"),
+        "train_phase_s": mean("train_phase_s"),
+        "step_s": mean("step_s"),
     }
 
 
@@ -196,6 +202,7 @@ def main() -> None:
                 "masked",
                 "groups kept",
                 "grad norm",
+                "per step: wait for data / train / whole s",
                 "training s",
             ],
             [
@@ -218,6 +225,7 @@ def main() -> None:
                     f"{r['masked']:.3f}",
                     f"{r['groups_kept']:.1f}",
                     f"{r['grad_norm']:.3f}",
+                    f"{r['wait_s']:.3f} / {r['train_phase_s']:.3f} / {r['step_s']:.3f}",
                     f"{r['train_s']:.0f}",
                 ]
                 for r in results
