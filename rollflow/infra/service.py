@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,10 +37,36 @@ _GUARD = (
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
+    """A TCP port that is free right now on ``host``, below the kernel's ephemeral range.
+
+    The service binds it later, in another process. A port from ``bind(0)`` comes from the
+    ephemeral range, which the kernel also hands out as the source port of every outgoing
+    connection: in between, a connection (gloo's, an HTTP client's) can take it (seen: the
+    trainer's HTTP port lost while its ranks formed their group, "address already in use").
+    Ports below the range are never handed out that way; a random one that binds now is
+    taken. Where the range starts too low to leave room, ``bind(0)`` as before.
+    """
+    low = _ephemeral_low()
+    pick = random.SystemRandom()  # not the seeded ``random``: runs and tests seed it alike
+    for _ in range(100) if low - 10_000 >= 1_000 else ():
+        port = pick.randrange(10_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def cpu_split() -> tuple[list[int], list[int]]:

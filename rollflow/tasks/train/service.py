@@ -214,7 +214,16 @@ def _serve_rank0(
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     )
-    threading.Thread(target=server.run, name="http", daemon=True).start()
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # uvicorn logs why it could not start (a port taken) and ends this thread
+            if not server.started:
+                log.error("trainer rank 0: no HTTP server on %s:%s; exiting", args.host, args.port)
+                os._exit(1)
+
+    threading.Thread(target=serve_http, name="http", daemon=True).start()
     serve(ops, dispatcher)
     if watch.failure:
         log.error(

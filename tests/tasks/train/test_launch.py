@@ -1,12 +1,16 @@
 """Naming the dead trainer rank from the launcher's log, when rank 0 could not say it itself;
-how the ranks share a host's cores with vLLM."""
+how the ranks share a host's cores with vLLM; a trainer whose HTTP port is taken fails its start
+at once; service ports come from outside the kernel's ephemeral range."""
 
 import os
+import socket
+import time
 
 import pytest
 
 from rollflow.infra.config import TrainerSection
-from rollflow.infra.service import cpu_split
+from rollflow.infra.errors import ServiceError
+from rollflow.infra.service import _ephemeral_low, cpu_split, free_port
 from rollflow.tasks.train.launch import TrainerProcess, _failure_in_log
 from rollflow.tasks.train.protocol import ServiceArgs
 
@@ -77,3 +81,42 @@ def test_ranks_beside_vllm_on_a_cpu_host_keep_to_the_trainers_cores(monkeypatch,
     assert threads(num_ranks=2, beside_inference=True) == "2"
     monkeypatch.setenv("ROLLFLOW_TRAINER_THREADS", "3")  # the user's choice wins
     assert threads(num_ranks=1, beside_inference=True) == "3"
+
+
+def test_service_ports_are_free_and_below_the_ephemeral_range():
+    # Outgoing connections take their source ports from the ephemeral range: a service port
+    # picked there can be taken before the service binds it (the multi-turn run lost its
+    # trainer's port so, in a full suite run).
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(20)]
+    assert all(10_000 <= p < low for p in ports), (low, ports)
+    assert len(set(ports)) > 10  # random, not one sequence every process repeats
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))
+
+
+@pytest.mark.slow
+def test_a_taken_http_port_fails_the_trainers_start_at_once_naming_it(tiny_model_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ServiceArgs(
+            model_path=str(tiny_model_dir),
+            storage_root=str(tmp_path / "runs"),
+            run="t",
+            port=port,
+            trainer=TrainerSection(device="cpu", num_ranks=1, startup_timeout_s=600),
+        )
+        proc = TrainerProcess(args, token="t", log_dir=tmp_path / "logs")
+        start = time.monotonic()
+        proc.start()
+        try:
+            with pytest.raises(ServiceError, match="before becoming healthy") as err:
+                proc.wait_healthy()
+        finally:
+            proc.stop(timeout_s=10)
+    # Not the 600 s deadline: rank 0 exits once its HTTP server cannot bind.
+    assert time.monotonic() - start < 120
+    assert "address already in use" in str(err.value)
+    assert f"no HTTP server on 127.0.0.1:{port}" in str(err.value)
