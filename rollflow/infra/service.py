@@ -41,8 +41,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     The service binds it later, in another process. A port from ``bind(0)`` comes from the
     ephemeral range, which the kernel also hands out as the source port of every outgoing
-    connection: in between, a connection (gloo's, an HTTP client's) can take it (seen: the
-    trainer's HTTP port lost while its ranks formed their group, "address already in use").
+    connection: in between, any connection can take it (seen once: a trainer's HTTP port,
+    "address already in use", lost while its ranks started).
     Ports below the range are never handed out that way; a random one that binds now is
     taken. Where the range starts too low to leave room, ``bind(0)`` as before.
     """
