@@ -14,11 +14,11 @@ or the environment's role ("tool", "user"), ``turn_versions[k]`` the policy vers
 when that turn was requested (a weight sync can land between turns; staleness still counts from
 ``version_started``, the episode's first turn). Versions are steps, with a fraction where the
 weights were sent mid-step: 3.75 is step 4's weights one of its four optimizer steps before its
-end; rows written while versions were int64 read as whole numbers. ``num_turns`` counts model turns; ``stop_reason``
-is why the sample ended (single-turn: its ``finish_reason``, "stop" or "length"; episodes:
-"env_done", "max_turns", "max_total_tokens"), and ``truncated`` marks one cut before it finished
-("length", "max_turns", "max_total_tokens"). Rows written
-before these columns existed read them as null: all tokens trained, one turn.
+end; rows written while versions were int64 read as whole numbers. ``num_turns`` counts model
+turns; ``stop_reason`` is why the sample ended (single-turn: its ``finish_reason``, "stop" or
+"length"; episodes: "env_done", "max_turns", "max_total_tokens"), and ``truncated`` marks one cut
+before it finished ("length", "max_turns", "max_total_tokens"). Rows written before these
+columns existed read them as null: all tokens trained, one turn.
 """
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     The service binds it later, in another process. A port from ``bind(0)`` comes from the
     ephemeral range, which the kernel also hands out as the source port of every outgoing
     connection: in between, any connection can take it (seen once: a trainer's HTTP port,
-    "address already in use", lost while its ranks started).
-    Ports below the range are never handed out that way; a random one that binds now is
-    taken. Where the range starts too low to leave room, ``bind(0)`` as before.
+    "address already in use", lost while its ranks started). Ports below the range are never
+    handed out that way; a random one that binds now is taken. Where the range starts too low
+    to leave room, ``bind(0)`` as before.
     """
     low = _ephemeral_low()
     pick = random.SystemRandom()  # not the seeded ``random``: runs and tests seed it alike

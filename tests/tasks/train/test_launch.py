@@ -88,6 +88,8 @@ def test_service_ports_are_free_and_below_the_ephemeral_range():
     # picked there can be taken before the service binds it (the multi-turn run lost its
     # trainer's port so, in a full suite run).
     low = _ephemeral_low()
+    if low < 11_000:
+        pytest.skip(f"the ephemeral range starts at {low}: free_port falls back to bind(0)")
     ports = [free_port() for _ in range(20)]
     assert all(10_000 <= p < low for p in ports), (low, ports)
     assert len(set(ports)) > 10  # random, not one sequence every process repeats
