@@ -47,15 +47,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     to leave room, ``bind(0)`` as before.
     """
     low = _ephemeral_low()
-    pick = random.SystemRandom()  # not the seeded ``random``: runs and tests seed it alike
-    for _ in range(100) if low - 10_000 >= 1_000 else ():
-        port = pick.randrange(10_000, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
+    if low >= 11_000:  # room for a thousand ports or more from 10000
+        pick = random.SystemRandom()  # not the seeded ``random``: runs and tests seed it alike
+        for _ in range(100):
+            port = pick.randrange(10_000, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
