@@ -63,6 +63,25 @@ def test_misspelt_key_in_list_section(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    "B,S,K,keys",
+    [
+        (4, 1, 3, ["train.train_batch_size", "train.max_in_flight_groups (3)", "(8)"]),
+        (4, 1, 9, ["train.max_staleness + 1) (8)"]),
+        (4, 0, 5, ["train.max_in_flight_groups (5)", "(4)"]),
+        (0, 0, 1, ["train.train_batch_size"]),
+        (2, -1, 2, ["train.max_staleness"]),
+    ],
+)
+def test_in_flight_range_errors_name_the_keys(B, S, K, keys):
+    """The in-flight range is checked once, by the config (the producer trusts it)."""
+    overrides = [f"train.train_batch_size={B}", f"train.mini_batch_size={max(B, 1)}"]
+    overrides += [f"train.max_staleness={S}", f"train.max_in_flight_groups={K}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICKSTART, overrides)
+    assert all(k in str(err.value) for k in keys), str(err.value)
+
+
 def test_cross_field_errors_say_what_to_do():
     with pytest.raises(ConfigError, match="mini_batch_size .* must be <= train.train_batch_size"):
         load_config(QUICKSTART, ["train.mini_batch_size=256"])

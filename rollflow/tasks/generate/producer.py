@@ -98,20 +98,8 @@ class RolloutProducer:
         has_signal: Callable[[GroupResult], bool] | None = None,
         max_resampled: int = 0,
     ):
+        # K within [B, B * (whole steps of S + 1)] is the config's check (RunConfig), not repeated here.
         B, S, K = train_batch_size, max_staleness, max_in_flight
-        if B < 1 or S < 0:
-            raise ValueError(
-                f"need train.train_batch_size >= 1 (got {B}) and train.max_staleness >= 0 (got {S})"
-            )
-        high = B * (math.floor(S + STALENESS_EPS) + 1)
-        if not B <= K <= high:
-            raise ValueError(
-                f"groups in flight K (train.max_in_flight_groups) = {K} must satisfy "
-                f"train.train_batch_size <= K <= "
-                f"train.train_batch_size * (whole steps of train.max_staleness + 1), "
-                f"i.e. {B} <= K <= {high}: fewer cannot fill one step, more can never be "
-                f"admitted under the staleness bound"
-            )
         self.train_batch_size, self.max_staleness, self.max_in_flight = B, S, K
         self._run_group = run_group
         self._next_prompt = prompts.__next__ if isinstance(prompts, Iterator) else prompts

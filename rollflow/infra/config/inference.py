@@ -1,0 +1,63 @@
+"""``[inference]``: the vLLM deployment (servers, placement, deadlines)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from rollflow.infra.config.base import Section
+
+
+class InferenceSection(Section):
+    """The vLLM inference deployment."""
+
+    host: str = Field("127.0.0.1", description="Bind address of the vLLM server.")
+    port: int = Field(0, ge=0, le=65535, description="Port; 0 picks a free one.")
+    startup_timeout_s: float = Field(
+        300, gt=0, description="Deadline for the server to become healthy."
+    )
+    request_timeout_s: float = Field(120, gt=0, description="Deadline of one completion request.")
+    max_concurrency: int = Field(64, ge=1, description="Completion requests in flight at once.")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Restarts of a dead vLLM server per run (0: a dead server fails the run).",
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments.")
+    num_servers: int = Field(
+        1, ge=1, description="vLLM servers (replicas); a group's completions stay on one server."
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Tensor-parallel workers per server (GPUs per server on a GPU node)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where vLLM runs; auto: CUDA when a GPU is visible, else CPU."
+    )
+    devices: list[int] | None = Field(
+        None,
+        description="GPU indices for the servers, tensor_parallel_size consecutive ones per "
+        "server (None: the first GPUs of the node).",
+    )
+    colocate: bool = Field(
+        False,
+        description="vLLM shares the trainer's GPUs (one-GPU nodes): its memory share is capped "
+        "at gpu_memory_utilization.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM's share of each GPU's memory (None: vLLM's 0.9, or 0.45 when colocated).",
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _owned_args(cls, value: list[str]) -> list[str]:
+        if any(arg.split("=")[0] == "--logprobs-mode" for arg in value):
+            raise ValueError(
+                "inference.extra_args may not set --logprobs-mode: rollflow serves "
+                "processed_logprobs (the log-probs of the distribution that sampled, which the "
+                "trainer matches); remove it"
+            )
+        return value

@@ -1,0 +1,48 @@
+"""``[metrics]``: where each step's metrics row goes besides storage."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rollflow.infra.config.base import Section
+
+
+class WandbOptions(Section):
+    """Weights & Biases sink (used when metrics.sinks names "wandb")."""
+
+    project: str = Field("rollflow", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (user or team); None: your default.")
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="offline writes under the run's log dir; upload later with `wandb sync`.",
+    )
+
+
+class MlflowOptions(Section):
+    """MLflow sink (used when metrics.sinks names "mlflow")."""
+
+    tracking_uri: str | None = Field(
+        None, description="e.g. http://host:5000 or sqlite:///mlflow.db; None: MLFLOW_TRACKING_URI."
+    )
+    experiment: str = Field("rollflow", description="MLflow experiment; created if missing.")
+
+
+class MetricsSection(Section):
+    """Where each step's metrics row goes besides storage (metrics/step=N.parquet)."""
+
+    sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="Metric sinks; [] for storage only."
+    )
+    tensorboard_dir: str | None = Field(
+        None, description="TensorBoard event folder; None: <the run's log dir>/tensorboard."
+    )
+    wandb: WandbOptions = Field(default_factory=WandbOptions)
+    mlflow: MlflowOptions = Field(default_factory=MlflowOptions)
+
+    @model_validator(mode="after")
+    def _unique_sinks(self) -> MetricsSection:
+        if len(set(self.sinks)) != len(self.sinks):
+            raise ValueError(f"metrics.sinks repeats a sink: {self.sinks}; name each once")
+        return self

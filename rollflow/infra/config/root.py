@@ -1,0 +1,85 @@
+"""``RunConfig``: the whole run's config tree, and the checks that span its sections."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from rollflow.infra.config.base import Section
+from rollflow.infra.config.inference import InferenceSection
+from rollflow.infra.config.metrics import MetricsSection
+from rollflow.infra.config.model import ModelSection
+from rollflow.infra.config.run import RunSection
+from rollflow.infra.config.sampling import EnvSpec, PromptSection, SamplingSection
+from rollflow.infra.config.train import TrainSection
+from rollflow.infra.config.trainer import TrainerSection
+
+
+class RunConfig(Section):
+    """The whole run."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection
+    envs: list[EnvSpec] = Field(min_length=1, description="Environment mix.")
+    prompt: PromptSection = Field(default_factory=PromptSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    inference: InferenceSection = Field(default_factory=InferenceSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        t = self.train
+        if t.mini_batch_size > t.train_batch_size:
+            raise ValueError(
+                f"train.mini_batch_size ({t.mini_batch_size}) must be <= train.train_batch_size "
+                f"({t.train_batch_size}): a mini-batch is a slice of one outer batch"
+            )
+        if t.train_batch_size % t.mini_batch_size:
+            raise ValueError(
+                f"train.train_batch_size ({t.train_batch_size}) must be divisible by "
+                f"train.mini_batch_size ({t.mini_batch_size})"
+            )
+        n, frac = t.optim_steps_per_step(), t.max_staleness - t.whole_staleness()
+        if abs(frac * n - round(frac * n)) > 1e-3 * n or (0 < round(frac * n) >= n):
+            raise ValueError(
+                f"train.max_staleness ({t.max_staleness:g}): its fraction counts optimizer steps "
+                f"out of the step's {n} (train_batch_size / mini_batch_size * num_epochs), so it "
+                f"must be a whole number plus one of "
+                f"{', '.join(f'{a / n:g}' for a in range(1, n)) or '(none: one optimizer step per step)'}"
+            )
+        if t.sync_lag() and t.sync_every != 1:
+            raise ValueError(
+                f"train.max_staleness = {t.max_staleness:g} sends weights mid-step, every step: it "
+                f"needs train.sync_every = 1 (it is {t.sync_every})"
+            )
+        if t.sync_every > t.max_staleness + 1:
+            raise ValueError(
+                f"train.sync_every ({t.sync_every}) needs train.max_staleness >= {t.sync_every - 1} "
+                f"(it is {t.max_staleness:g}): between syncs vLLM samples with weights up to "
+                f"sync_every - 1 steps old; raise max_staleness or lower sync_every"
+            )
+        k, high = t.in_flight_groups(), t.train_batch_size * (t.whole_staleness() + 1)
+        if not t.train_batch_size <= k <= high:
+            raise ValueError(
+                f"train.max_in_flight_groups ({k}) must be between train.train_batch_size "
+                f"({t.train_batch_size}) and train.train_batch_size * (whole steps of train.max_staleness + 1) "
+                f"({high}): fewer "
+                "cannot fill a step, more can never be admitted under the staleness bound"
+            )
+        if t.loss.corrects and t.old_logprobs == "inference":
+            raise ValueError(
+                "train.loss.tis_cap / mask_low / mask_high have no effect with train.old_logprobs = "
+                "'inference' (the ratio's old log-probs are then the sampler's own, so every "
+                "importance ratio is 1): set train.old_logprobs = 'trainer', or leave them unset"
+            )
+        tr = self.trainer
+        if tr.zero_stage is not None and tr.backend != "deepspeed":
+            raise ValueError(
+                f"trainer.zero_stage applies to trainer.backend = 'deepspeed' only (backend is {tr.backend!r}); "
+                "remove it or set trainer.backend = 'deepspeed'"
+            )
+        names = [e.name for e in self.envs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"envs names repeat: {names}; give each environment once")
+        return self

@@ -1,0 +1,38 @@
+"""``[run]``: the run's identity, storage, seed and step counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from rollflow.infra.config.base import Section
+
+
+class RunSection(Section):
+    """Identity of the run and where its data lands."""
+
+    name: str = Field(
+        "quickstart", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; storage sub-folder."
+    )
+    storage: str = Field("runs", description="Storage root: a local folder or an s3:// URI.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options, e.g. {endpoint_url=...} for S3. Credentials given here "
+        "(key, secret, token, ...) are taken out before the config is stored (infra/secrets.py).",
+    )
+    storage_secret: str | None = Field(
+        None,
+        description="Name of a Prefect Secret block holding a JSON object of fsspec options "
+        "(credentials), merged into storage_options at run time; never stored with the config. "
+        "Needs a Prefect server (PREFECT_API_URL). Without it, use the environment "
+        "(AWS_ACCESS_KEY_ID, ...).",
+    )
+    seed: int = Field(0, description="Seed for prompt order and sampling.")
+    num_steps: int = Field(40, ge=1, description="Outer training steps (weight syncs).")
+    eval_every: int = Field(
+        10, ge=0, description="Held-out evaluation every N steps (0: only at start and end)."
+    )
+    checkpoint_every: int = Field(
+        1, ge=1, description="Checkpoint every N steps; resume restarts after the last one."
+    )

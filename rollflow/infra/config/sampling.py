@@ -1,0 +1,64 @@
+"""``[[envs]]``, ``[prompt]`` and ``[sampling]``: what is sampled, and how."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rollflow.infra.config.base import Section
+
+
+class EnvSpec(Section):
+    """One environment of the mix."""
+
+    name: str = Field(
+        description="Built-in name (`add`, `sort_letters`) or `package.module:Class`."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Share of the training prompts drawn from this env."
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env.")
+
+
+class PromptSection(Section):
+    """How prompts become token ids (``tasks/generate/chat.py``)."""
+
+    system: str | None = Field(
+        None,
+        description="System prompt put first in every chat-formatted prompt, unless the env's "
+        "messages start with their own.",
+    )
+    chat_template: Literal["messages", "always", "never"] = Field(
+        "messages",
+        description="When the tokenizer's chat template renders a prompt: 'messages' for prompts "
+        "an env gives as chat messages (raw text goes as it is), 'always' (raw text too, as one "
+        "user message), 'never' (a base model: message prompts are refused).",
+    )
+
+
+class SamplingSection(Section):
+    """How rollouts are sampled from vLLM."""
+
+    group_size: int = Field(8, ge=2, description="Completions per prompt (one GRPO group).")
+    max_tokens: int = Field(8, ge=1, description="Longest completion, in tokens.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
+    eval_temperature: float = Field(
+        0.0, ge=0, description="Temperature of held-out evaluation (0 = greedy)."
+    )
+    num_eval_prompts: int = Field(
+        256, ge=1, description="Held-out prompts per environment per evaluation."
+    )
+
+    def behaviour(self) -> tuple[float, float]:
+        """(temperature, top_p) of the distribution training rollouts are sampled from.
+
+        The trainer takes its log-probs at these and vLLM returns processed log-probs (after
+        temperature and top-p), so the behaviour policy of every ratio is the one that sampled.
+        Greedy (temperature 0) has no distribution: vLLM then returns raw temperature-1
+        log-probs, and so does the trainer.
+        """
+        if self.temperature == 0:
+            return 1.0, 1.0
+        return self.temperature, self.top_p

@@ -1,0 +1,143 @@
+"""``[train]``: the algorithm (advantages, loss, mini-batches, epochs, staleness)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from rollflow.infra.config.base import Section
+from rollflow.infra.config.loss import LoraSection, LossConfig
+
+# Policy versions and staleness are steps with fractions (a step's optimizer steps / its
+# optimizer steps): comparisons of two of them allow this much rounding.
+STALENESS_EPS = 1e-6
+
+
+class TrainSection(Section):
+    """The algorithm: GRPO advantages, the policy loss (PPO clip or GSPO), mini-batches and epochs."""
+
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    train_batch_size: int = Field(64, ge=1, description="Groups per outer step (one weight sync).")
+    mini_batch_size: int = Field(64, ge=1, description="Groups per optimizer step.")
+    max_staleness: float = Field(
+        0,
+        ge=0,
+        description="Steps generation may run ahead of training (0 = on-policy). A fraction counts "
+        "optimizer steps: with 4 optimizer steps per step, 0.25 lets the next step's groups start "
+        "from the weights after this step's 3rd (sent to vLLM mid-step, while the 4th trains).",
+    )
+    sync_every: int = Field(
+        1,
+        ge=1,
+        description="Sync weights to vLLM every N outer steps (and at evaluations); needs max_staleness >= N - 1.",
+    )
+    max_in_flight_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Groups generating at once (K); default train_batch_size * (whole steps of "
+        "max_staleness + 1).",
+    )
+    advantage: str = Field(
+        "grpo",
+        description="Advantage estimator: grpo, dr_grpo, rloo, pass_at_k, or "
+        "package.module:function (one group's rewards in, one float per sample out).",
+    )
+    advantage_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the estimator, e.g. {k = 4} for pass_at_k.",
+    )
+    normalize_std: bool = Field(
+        False, description="grpo only: divide group advantages by the group's reward std."
+    )
+    filter_zero_advantage: bool = Field(
+        True, description="Drop groups whose advantages are all zero."
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: a finished group whose advantages are all zero is "
+        "replaced by a newly sampled one before a step takes it, under the same staleness bound.",
+    )
+    max_resampled_groups: int | None = Field(
+        None,
+        ge=0,
+        description="Dynamic sampling's budget: groups replaced per step at most (default: "
+        "train_batch_size, i.e. at most twice the sampling).",
+    )
+    truncated: Literal["keep", "drop", "penalize"] = Field(
+        "keep",
+        description="Samples cut short (a turn hit max_tokens, an episode its limits): trained as "
+        "they are, dropped (DAPO overlong filtering) or penalised (DAPO soft overlong punishment).",
+    )
+    overlong_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="truncated = 'penalize': the length (model tokens) whose reward gets the whole "
+        "penalty; default sampling.max_tokens (set it for multi-turn episodes).",
+    )
+    overlong_buffer_tokens: int = Field(
+        0,
+        ge=0,
+        description="truncated = 'penalize': the penalty ramps up over this many tokens before "
+        "overlong_max_tokens (0: only truncated samples are penalised).",
+    )
+    overlong_penalty: float = Field(
+        1.0,
+        ge=0,
+        description="truncated = 'penalize': the largest penalty, subtracted from the reward.",
+    )
+    loss: LossConfig = Field(
+        default_factory=LossConfig,
+        description='The policy loss ([train.loss]); a string is its kind: train.loss = "gspo".',
+    )
+    lora: LoraSection | None = Field(
+        None, description="[train.lora]: train LoRA adapters instead of every weight; unset = off."
+    )
+    old_logprobs: Literal["inference", "trainer"] = Field(
+        "inference",
+        description="Log-probs the ratio is taken against: the sampler's (no extra pass), or the trainer's own, "
+        "computed by a forward pass over the step's batch before its first optimizer step.",
+    )
+    num_epochs: int = Field(
+        1, ge=1, description="Passes over each step's batch (each mini-batch one optimizer step)."
+    )
+    mini_batch_split: Literal["groups", "samples"] = Field(
+        "groups",
+        description="How a step's batch becomes its mini-batches: whole groups, in order; or its "
+        "samples in a seeded random order (TRL's steps_per_generation), so that each optimizer "
+        "step sees samples of every group. Either way a mini-batch holds mini_batch_size groups' "
+        "worth of samples.",
+    )
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Linear learning-rate warm-up, in optimizer steps."
+    )
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _loss_kind(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value
+
+    def in_flight_groups(self) -> int:
+        """K: groups the rollout producer keeps generating at once."""
+        return self.max_in_flight_groups or self.train_batch_size * (self.whole_staleness() + 1)
+
+    def optim_steps_per_step(self) -> int:
+        """Optimizer steps of a full outer step: mini-batches times epochs."""
+        return self.train_batch_size // self.mini_batch_size * self.num_epochs
+
+    def whole_staleness(self) -> int:
+        """The whole steps of ``max_staleness``."""
+        return math.floor(self.max_staleness + STALENESS_EPS)
+
+    def staleness_bound(self) -> float:
+        """``max_staleness`` exactly: its whole steps plus ``sync_lag`` optimizer steps."""
+        return self.whole_staleness() + self.sync_lag() / self.optim_steps_per_step()
+
+    def sync_lag(self) -> int:
+        """Optimizer steps of ``max_staleness``'s fraction: a step's weights go to vLLM that many
+        optimizer steps before its end (0: at its end)."""
+        frac = self.max_staleness - self.whole_staleness()
+        return max(0, round(frac * self.optim_steps_per_step()))

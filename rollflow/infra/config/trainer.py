@@ -1,0 +1,63 @@
+"""``[trainer]``: the trainer service (ranks, backend, placement, weight broadcast)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rollflow.infra.config.base import Section
+
+
+class TrainerSection(Section):
+    """The trainer service."""
+
+    startup_timeout_s: float = Field(
+        120, gt=0, description="Deadline for the trainer to become healthy."
+    )
+    request_timeout_s: float = Field(600, gt=0, description="Deadline of one trainer call.")
+    weight_sync_timeout_s: float = Field(120, gt=0, description="Deadline of one weight broadcast.")
+    micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch.")
+    backend: Literal["fsdp2", "deepspeed"] = Field(
+        "fsdp2",
+        description="Data-parallel backend: FSDP2 (torchrun) or DeepSpeed ZeRO (deepspeed launcher).",
+    )
+    num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (processes) on this node.")
+    zero_stage: Literal[1, 2, 3] | None = Field(
+        None, description="DeepSpeed ZeRO stage (backend = deepspeed only; unset: 1)."
+    )
+    num_nodes: int = Field(
+        1,
+        ge=1,
+        description="Trainer nodes; rollflow starts node 0, `rollflow plan` prints the rest.",
+    )
+    master_addr: str = Field(
+        "127.0.0.1",
+        description="Address of trainer node 0 as the other nodes reach it (rendezvous, weights).",
+    )
+    master_port: int = Field(
+        29400, ge=1, le=65535, description="Rendezvous port on node 0 when num_nodes > 1."
+    )
+    devices: list[int] | None = Field(
+        None,
+        description="GPU indices of the trainer's ranks on each node (None: the GPUs vLLM leaves).",
+    )
+    weight_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="Weight group transport: auto picks NCCL when trainer and vLLM are both on "
+        "GPUs, else gloo through host memory.",
+    )
+    background_sync: bool = Field(
+        True,
+        description="Capture the weights when a step's training ends and release the trainer; "
+        "the broadcast then runs while the next step trains (steps that checkpoint or evaluate "
+        "still hold the trainer until their sync).",
+    )
+    weight_bucket_mb: float = Field(
+        256,
+        gt=0,
+        description="Largest piece of one weight broadcast, in MiB (bounds extra memory).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the ranks compute: CUDA when available (auto), or forced."
+    )
