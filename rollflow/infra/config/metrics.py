@@ -38,8 +38,12 @@ class MetricsSection(Section):
     tensorboard_dir: str | None = Field(
         None, description="TensorBoard event folder; None: <the run's log dir>/tensorboard."
     )
-    wandb: WandbOptions = Field(default_factory=WandbOptions)
-    mlflow: MlflowOptions = Field(default_factory=MlflowOptions)
+    wandb: WandbOptions = Field(
+        default_factory=WandbOptions, description="[metrics.wandb]: options of the W&B sink."
+    )
+    mlflow: MlflowOptions = Field(
+        default_factory=MlflowOptions, description="[metrics.mlflow]: options of the MLflow sink."
+    )
 
     @model_validator(mode="after")
     def _unique_sinks(self) -> MetricsSection:

@@ -17,15 +17,40 @@ from rollflow.infra.config.trainer import TrainerSection
 class RunConfig(Section):
     """The whole run."""
 
-    run: RunSection = Field(default_factory=RunSection)
-    model: ModelSection
-    envs: list[EnvSpec] = Field(min_length=1, description="Environment mix.")
-    prompt: PromptSection = Field(default_factory=PromptSection)
-    sampling: SamplingSection = Field(default_factory=SamplingSection)
-    train: TrainSection = Field(default_factory=TrainSection)
-    inference: InferenceSection = Field(default_factory=InferenceSection)
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    metrics: MetricsSection = Field(default_factory=MetricsSection)
+    run: RunSection = Field(
+        default_factory=RunSection,
+        description="[run]: the run's name, storage, seed and step counts.",
+    )
+    model: ModelSection = Field(
+        description="[model]: the policy, a Hugging Face model (path) or a tiny one built locally."
+    )
+    envs: list[EnvSpec] = Field(
+        min_length=1, description="[[envs]]: the environment mix, at least one; each name once."
+    )
+    prompt: PromptSection = Field(
+        default_factory=PromptSection,
+        description="[prompt]: how prompts become token ids (system prompt, chat template).",
+    )
+    sampling: SamplingSection = Field(
+        default_factory=SamplingSection,
+        description="[sampling]: group size, completion length, temperature, evaluation prompts.",
+    )
+    train: TrainSection = Field(
+        default_factory=TrainSection,
+        description="[train]: the algorithm: batches, staleness, advantages, loss, optimizer.",
+    )
+    inference: InferenceSection = Field(
+        default_factory=InferenceSection,
+        description="[inference]: the vLLM servers: how many, where, their deadlines.",
+    )
+    trainer: TrainerSection = Field(
+        default_factory=TrainerSection,
+        description="[trainer]: the trainer service: ranks, backend, devices, weight broadcast.",
+    )
+    metrics: MetricsSection = Field(
+        default_factory=MetricsSection,
+        description="[metrics]: where each step's metrics row goes besides storage.",
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
