@@ -26,9 +26,10 @@ from rollflow.infra.config.model import DEFAULT_ALPHABET, ModelSection, TinyMode
 from rollflow.infra.config.root import RunConfig
 from rollflow.infra.config.run import RunSection
 from rollflow.infra.config.sampling import EnvSpec, PromptSection, SamplingSection
-from rollflow.infra.config.train import STALENESS_EPS, TrainSection
+from rollflow.infra.config.train import TrainSection
 from rollflow.infra.config.trainer import TrainerSection
 from rollflow.infra.errors import ConfigError
+from rollflow.infra.staleness import STALENESS_EPS
 
 __all__ = [
     "DEFAULT_ALPHABET",

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from rollflow.infra.config.base import Section
 from rollflow.infra.config.loss import LoraSection, LossConfig
-
-# Policy versions and staleness are steps with fractions (a step's optimizer steps / its
-# optimizer steps): comparisons of two of them allow this much rounding.
-STALENESS_EPS = 1e-6
+from rollflow.infra.staleness import whole_steps
 
 
 class TrainSection(Section):
@@ -130,7 +126,7 @@ class TrainSection(Section):
 
     def whole_staleness(self) -> int:
         """The whole steps of ``max_staleness``."""
-        return math.floor(self.max_staleness + STALENESS_EPS)
+        return whole_steps(self.max_staleness)
 
     def staleness_bound(self) -> float:
         """``max_staleness`` exactly: its whole steps plus ``sync_lag`` optimizer steps."""

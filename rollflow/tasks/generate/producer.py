@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from statistics import fmean
 
-from rollflow.infra.config import STALENESS_EPS
+from rollflow.infra import staleness
 from rollflow.infra.errors import ProducerFailed, TrainingFinished
 from rollflow.tasks.generate.environments import Environment, Prompt
 from rollflow.tasks.generate.rollouts import (
@@ -53,9 +52,9 @@ class RolloutProducer:
     Invariants (B = ``train_batch_size``, S = ``max_staleness``, v = the policy version vLLM holds,
     F = ``first_step``, the step the first admitted group goes to; F = v + 1 on a fresh start):
 
-    - admission: a group is admitted only if afterwards ``admitted ≤ ⌊S + v + 2 - F⌋ · B``, so
-      group ``index`` i, which step F + i // B trains on, started from a version
-      ``≥ F + i // B - 1 - S``. S = 0 is synchronous on-policy RL. A resumed run whose next steps
+    - admission (the rule of ``infra/staleness.py``): a group is admitted only if afterwards
+      ``admitted ≤ ⌊S + v + 2 - F⌋ · B``, so group ``index`` i, which step F + i // B trains on,
+      started from a version ``≥ F + i // B - 1 - S``. S = 0 is synchronous on-policy RL. A resumed run whose next steps
       reuse committed rollouts starts with F past them, so those steps count against the bound.
       Versions and S may be fractions of a step: ``v = N - a/n`` are step N's weights ``a`` of
       its ``n`` optimizer steps before its end (sent mid-step), and S = 1/4 with n = 4 admits
@@ -140,7 +139,7 @@ class RolloutProducer:
 
     def set_version(self, version: float) -> None:
         """Record a weight sync: the inference engine now holds policy ``version``."""
-        if version < self.version - STALENESS_EPS:
+        if staleness.version_went_back(version, self.version):
             raise ValueError(f"policy version went back from {self.version} to {version}")
         self.version = version
         self._notify()
@@ -178,13 +177,13 @@ class RolloutProducer:
             self._pending_steps.discard(step)
         groups = [self._ready.popleft() for _ in range(self.train_batch_size)]
         self.num_emitted += len(groups)
-        staleness = [step - 1 - g.version_started for g in groups]
+        ages = [step - 1 - g.version_started for g in groups]
         self._step_metrics[step] = {
             "version": self.version,
             "wait_s": self._clock() - start,
             "stale_dropped_total": self.num_stale_dropped,
-            "staleness_mean": fmean(staleness),
-            "staleness_max": max(staleness),
+            "staleness_mean": fmean(ages),
+            "staleness_max": max(ages),
             "num_failed": sum(g.error is not None for g in groups),
             "resampled": self.num_resampled - self._resampled_at_take,
             "resampled_total": self.num_resampled,
@@ -197,11 +196,13 @@ class RolloutProducer:
         return groups
 
     def _drop_stale(self, step: int) -> None:
-        oldest_ok = step - 1 - self.max_staleness - STALENESS_EPS
-        stale = [g for g in self._ready if g.version_started < oldest_ok]
+        def ok(g: FinishedGroup) -> bool:
+            return staleness.allowed(g.version_started, step, self.max_staleness)
+
+        stale = [g for g in self._ready if not ok(g)]
         if not stale:
             return
-        self._ready = deque(g for g in self._ready if g.version_started >= oldest_ok)
+        self._ready = deque(g for g in self._ready if ok(g))
         self.num_stale_dropped += len(stale)
         log.warning(
             "step %d: dropped %d finished groups started from versions %s, older than the "
@@ -209,7 +210,7 @@ class RolloutProducer:
             step,
             len(stale),
             sorted({g.version_started for g in stale}),
-            round(oldest_ok, 4),
+            round(staleness.oldest_allowed_version(step, self.max_staleness), 4),
         )
         self._notify()  # the freed slots let admission go on
 
@@ -245,10 +246,9 @@ class RolloutProducer:
         }
 
     def _bound(self) -> int:
-        # Group i may start once version >= (its step) - 1 - S, i.e. admitted <= ⌊S + v + 2 - first_step⌋ · B.
-        steps_open = math.floor(
-            self.max_staleness + self.version + 2 - self.first_step + STALENESS_EPS
-        )
+        # Group i goes to step first_step + i // B, which must be <= the newest step a group
+        # starting now may go to: admitted <= (newest_step - first_step + 1) · B.
+        steps_open = staleness.newest_step(self.version, self.max_staleness) - self.first_step + 1
         return (
             max(0, steps_open) * self.train_batch_size + self.num_stale_dropped + self.num_resampled
         )

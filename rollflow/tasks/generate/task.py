@@ -23,7 +23,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from transformers import AutoTokenizer
 
-from rollflow.infra.config import STALENESS_EPS, RunConfig
+from rollflow.infra import staleness
+from rollflow.infra.config import RunConfig
 from rollflow.infra.context import RunContext
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.pool import InferencePool
@@ -157,7 +158,7 @@ def reusable_rollouts(ctx: RunContext, step: int, resumed_from: int) -> bool:
     if not storage.is_committed("rollouts", step):
         return False
     versions = storage.read_step_table("rollouts", step).column("version_started")
-    low = step - 1 - ctx.config.train.staleness_bound() - STALENESS_EPS
+    low = staleness.oldest_allowed_version(step, ctx.config.train.staleness_bound())
     return pc.min(versions).as_py() >= low and pc.max(versions).as_py() <= resumed_from
 
 
