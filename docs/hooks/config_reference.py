@@ -73,7 +73,7 @@ def _section_intro(model: type[BaseModel], field: FieldInfo) -> str:
         parts.append("Unset by default: the section exists only when the config gives it.")
     elif field.is_required():
         parts.append("Required.")
-    return " ".join(p for p in parts if p)
+    return _cell(" ".join(p for p in parts if p))
 
 
 def _table(
@@ -203,5 +203,10 @@ def _one_line(text: str) -> str:
 
 
 def _cell(text: str) -> str:
-    """Prose for a table cell: a pipe would end the cell (code spans keep theirs)."""
-    return text.replace("|", "\\|")
+    """Prose for a table cell, as written: outside its code spans, a pipe would end the cell,
+    ``<x>`` would be an HTML tag and ``*`` or ``_`` emphasis, so they are escaped there."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):  # even parts are outside code spans
+        part = parts[i].replace("\\", "\\\\").replace("|", "\\|").replace("*", "\\*")
+        parts[i] = part.replace("_", "\\_").replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
