@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from rollflow.flows.step_metrics import Metric
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -182,21 +184,27 @@ def _train(cfg, args: argparse.Namespace) -> int:
 
 # (metrics key, header, format): every cell is 8 characters wide.
 STATUS_COLUMNS = (
-    ("step", "step", "{:>8}"),
-    ("reward_mean", "reward", "{:>8.3f}"),
-    ("eval_reward", "eval", "{:>8.3f}"),
-    ("num_groups_kept", "kept", "{:>8}"),
-    ("loss", "loss", "{:>+8.4f}"),
-    ("staleness_mean", "stale", "{:>8.2f}"),
-    ("staleness_max", "stale_mx", "{:>8}"),
-    ("generate_phase_s", "gen_s", "{:>8.2f}"),
-    ("advantage_phase_s", "adv_s", "{:>8.2f}"),
-    ("train_phase_s", "train_s", "{:>8.2f}"),
-    ("trainer_wait_for_data_s", "wait_s", "{:>8.2f}"),
-    ("sync_phase_s", "sync_s", "{:>8.2f}"),
-    ("step_s", "step_s", "{:>8.2f}"),
+    (Metric.STEP, "step", "{:>8}"),
+    (Metric.REWARD_MEAN, "reward", "{:>8.3f}"),
+    (Metric.EVAL_REWARD, "eval", "{:>8.3f}"),
+    (Metric.NUM_GROUPS_KEPT, "kept", "{:>8}"),
+    (Metric.LOSS, "loss", "{:>+8.4f}"),
+    (Metric.STALENESS_MEAN, "stale", "{:>8.2f}"),
+    (Metric.STALENESS_MAX, "stale_mx", "{:>8}"),
+    (Metric.GENERATE_PHASE_S, "gen_s", "{:>8.2f}"),
+    (Metric.ADVANTAGE_PHASE_S, "adv_s", "{:>8.2f}"),
+    (Metric.TRAIN_PHASE_S, "train_s", "{:>8.2f}"),
+    (Metric.TRAINER_WAIT_FOR_DATA_S, "wait_s", "{:>8.2f}"),
+    (Metric.SYNC_PHASE_S, "sync_s", "{:>8.2f}"),
+    (Metric.STEP_S, "step_s", "{:>8.2f}"),
 )
-ALWAYS_SHOWN = {"step", "reward_mean", "eval_reward", "num_groups_kept", "loss"}
+ALWAYS_SHOWN = {
+    Metric.STEP,
+    Metric.REWARD_MEAN,
+    Metric.EVAL_REWARD,
+    Metric.NUM_GROUPS_KEPT,
+    Metric.LOSS,
+}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -241,6 +249,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     Staleness and timing columns appear when some row has them (runs of older versions lack some).
     """
+    from rollflow.infra.events import Event, has_event
     from rollflow.infra.storage import RunStorage
 
     storage = RunStorage(args.storage, args.run)
@@ -263,7 +272,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             cells.append(f"{'-':>8}" if missing else fmt.format(value))
         print(" ".join(cells))
     committed = storage.committed_steps("checkpoints")
-    finished = any(e["event"] == "training_finished" for e in storage.read_events())
+    finished = has_event(storage, Event.TRAINING_FINISHED)
     print(
         f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
         f"{', training finished' if finished else ''}; data in {storage.uri}"

@@ -29,6 +29,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from rollflow.flows.step_metrics import Metric, by_env, is_number, per_env, series
+from rollflow.infra.events import Event, has_event
 from rollflow.infra.storage import RunStorage
 
 logger = logging.getLogger("rollflow.artifacts")
@@ -131,8 +133,8 @@ def publish_summary(storage: RunStorage) -> UUID:
 def summary_markdown(storage: RunStorage) -> str:
     rows = storage.read_metrics()
     committed = storage.committed_steps("checkpoints")
-    finished = any(e["event"] == "training_finished" for e in storage.read_events())
-    evals = [(r["step"], r["eval_reward"]) for r in rows if _number(r.get("eval_reward"))]
+    finished = has_event(storage, Event.TRAINING_FINISHED)
+    evals = series(rows, Metric.EVAL_REWARD)
     lines = [
         f"# Run `{storage.run}`",
         "",
@@ -193,20 +195,18 @@ def reward_curve_png(rows: list[dict[str, Any]]) -> bytes | None:
     from matplotlib.figure import Figure  # no pyplot: no global state, safe off the main thread
     from matplotlib.ticker import MaxNLocator
 
-    steps = [r for r in rows if _number(r.get("reward_mean"))]
+    steps = [r for r in rows if is_number(r.get(Metric.REWARD_MEAN))]
     if not steps:
         return None
     fig = Figure(figsize=(6.4, 3.2), dpi=100)
     ax = fig.add_subplot()
-    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], label="sampled reward")
-    envs = sorted({k.split("/", 1)[1] for r in steps for k in r if k.startswith("reward/")})
+    ax.plot(*zip(*series(steps, Metric.REWARD_MEAN), strict=True), label="sampled reward")
+    envs = sorted({env for r in steps for env in by_env(r, Metric.REWARD)})
     if len(envs) > 1:
         for env in envs:
-            points = [
-                (r["step"], r[f"reward/{env}"]) for r in steps if _number(r.get(f"reward/{env}"))
-            ]
+            points = series(steps, per_env(Metric.REWARD, env))
             ax.plot(*zip(*points, strict=True), linewidth=0.8, alpha=0.7, label=env)
-    evals = [(r["step"], r["eval_reward"]) for r in rows if _number(r.get("eval_reward"))]
+    evals = series(rows, Metric.EVAL_REWARD)
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="held-out reward")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -218,10 +218,6 @@ def reward_curve_png(rows: list[dict[str, Any]]) -> bytes | None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not (isinstance(value, float) and math.isnan(value))
 
 
 def _link(uri: str) -> str:

@@ -24,12 +24,13 @@ from rollflow.flows.artifacts import RunProgress, publish_summary
 from rollflow.flows.deploy import FLOW_NAME
 from rollflow.flows.order import StepOrder
 from rollflow.flows.services import HEALTH_CHECK_INTERVAL_S, RunServices
+from rollflow.flows.step_metrics import Metric, StepMetrics, by_env, series
 from rollflow.flows.terminal import PrefectRunLog, log_run_failure, say
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.errors import ServiceError
-from rollflow.infra.events import publish
+from rollflow.infra.events import Event, publish
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.secrets import load_storage_secret, take_secrets_out
 from rollflow.infra.storage import RunStorage
@@ -79,7 +80,7 @@ def _train(config: dict | RunConfig) -> dict:
         policy_dir = storage.local_copy("checkpoints", resumed_from, LOCAL_CACHE)
     else:
         policy_dir = base_model
-    publish(storage, "run_started", resumed_from=resumed_from)
+    publish(storage, Event.RUN_STARTED, resumed_from=resumed_from)
     progress = RunProgress(cfg.run.name, cfg.run.num_steps, resumed_from)
     log_dir = storage.log_dir()
     # Sinks open first: a configured sink whose package is missing fails before services start.
@@ -97,10 +98,9 @@ def _train(config: dict | RunConfig) -> dict:
         )
         if resumed_from == 0 and not storage.read_metrics():
             ev = evaluate(ctx)
-            start_metrics = {
-                "eval_reward": ev.reward,
-                **{f"eval_reward/{e}": r for e, r in ev.reward_by_env.items()},
-            }
+            start = StepMetrics()
+            start.record_eval(ev)
+            start_metrics = start.row
             storage.write_metrics(0, start_metrics)
             sinks.log(0, start_metrics)
             say(f"step 0: held-out reward {_fmt_env(ev.reward, ev.reward_by_env)}")
@@ -133,7 +133,7 @@ def _train(config: dict | RunConfig) -> dict:
             end.close()
             host.close(exc)
             raise
-        publish(storage, "training_finished", source="trainer", **finished)
+        publish(storage, Event.TRAINING_FINISHED, source="trainer", **finished)
         host.close()
     publish_summary(storage)
     return summarize(storage, say)
@@ -297,24 +297,21 @@ def _fmt_env(total: float, by_env: dict[str, float]) -> str:
 def progress_line(step: int, num_steps: int, m: dict) -> str:
     """One line per step: reward, what was kept, loss, staleness, and where the time went."""
     line = (
-        f"step {step}/{num_steps}: reward {m['reward_mean']:.3f}, kept {m['num_groups_kept']} groups, "
-        f"loss {m.get('loss', math.nan):+.4f}, staleness {m.get('staleness_mean', 0.0):.2f} | "
-        f"wait {m['trainer_wait_for_data_s']:.2f}s train {m['train_phase_s']:.2f}s "
-        f"sync {m['sync_phase_s']:.2f}s | step {m['step_s']:.2f}s"
+        f"step {step}/{num_steps}: reward {m[Metric.REWARD_MEAN]:.3f}, "
+        f"kept {m[Metric.NUM_GROUPS_KEPT]} groups, loss {m.get(Metric.LOSS, math.nan):+.4f}, "
+        f"staleness {m.get(Metric.STALENESS_MEAN, 0.0):.2f} | "
+        f"wait {m[Metric.TRAINER_WAIT_FOR_DATA_S]:.2f}s train {m[Metric.TRAIN_PHASE_S]:.2f}s "
+        f"sync {m[Metric.SYNC_PHASE_S]:.2f}s | step {m[Metric.STEP_S]:.2f}s"
     )
-    if "eval_reward" in m:
-        by_env = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("eval_reward/")}
-        line += f"\n  held-out reward {_fmt_env(m['eval_reward'], by_env)}"
+    if Metric.EVAL_REWARD in m:
+        envs = by_env(m, Metric.EVAL_REWARD)
+        line += f"\n  held-out reward {_fmt_env(m[Metric.EVAL_REWARD], envs)}"
     return line
 
 
 def summarize(storage: RunStorage, out=lambda _: None) -> dict:
     """First and last held-out reward of the run, and where its data is."""
-    evals = [
-        (r["step"], r["eval_reward"])
-        for r in storage.read_metrics()
-        if r.get("eval_reward") is not None and not math.isnan(r["eval_reward"])
-    ]
+    evals = series(storage.read_metrics(), Metric.EVAL_REWARD)
     summary = {
         "run": storage.run,
         "uri": storage.uri,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError
-from rollflow.infra.events import publish
+from rollflow.infra.events import Event, publish
 from rollflow.infra.http import Endpoint
 from rollflow.infra.inference.supervisor import (
     HEALTH_PROBE_TIMEOUT_S,
@@ -126,7 +126,7 @@ class RunServices:
                 progress=self.progress,
                 api_key=self.token,  # every vLLM route needs the run's token (inference/auth.py)
                 on_restart=lambda info, i=i: publish(
-                    storage, "inference_restarted", server=i, **info
+                    storage, Event.INFERENCE_RESTARTED, server=i, **info
                 ),
             )
             for i, planned in enumerate(plan.servers)

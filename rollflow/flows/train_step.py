@@ -25,9 +25,9 @@ from prefect.utilities.annotations import quote
 
 from rollflow.flows.artifacts import publish_step_metrics
 from rollflow.flows.order import StepOrder, step_order
-from rollflow.flows.step_metrics import StepMetrics
+from rollflow.flows.step_metrics import Metric, StepMetrics
 from rollflow.infra.context import RunContext
-from rollflow.infra.events import publish
+from rollflow.infra.events import Event, publish
 from rollflow.tasks.advantage.task import Batch, advantage
 from rollflow.tasks.generate.host import ProducerHost, host_for
 from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
@@ -56,15 +56,15 @@ def train_step(ctx: RunContext, step: int) -> dict:
     # at every call (~1-2 ms of the run process's CPU per task, measured).
     run = quote(ctx)
 
-    with m.timed("generate_phase_s"):
+    with m.timed(Metric.GENERATE_PHASE_S):
         rollouts = generate(run, step)
-    with m.timed("advantage_phase_s"):
+    with m.timed(Metric.ADVANTAGE_PHASE_S):
         batch = advantage(
             run, step, reuse=rollouts.reused, group_scored_envs=rollouts.group_scored_envs
         )
-    with m.timed("wait_for_previous_step_s"):
+    with m.timed(Metric.WAIT_FOR_PREVIOUS_STEP_S):
         m.record_trainer_wait(order.wait_trainer(step, deadline_s))
-    with m.timed("train_phase_s"):
+    with m.timed(Metric.TRAIN_PHASE_S):
         if lag:
             trained, synced = train_syncing_mid_step(ctx, step, batch, lag, order, host)
         else:
@@ -73,10 +73,10 @@ def train_step(ctx: RunContext, step: int) -> dict:
     holds_trainer = evaluates or checkpoints  # they must see this step's weights
     if not holds_trainer and (not syncs_at_end or cfg.trainer.background_sync):
         if syncs_at_end:
-            with m.timed("capture_s"):
+            with m.timed(Metric.CAPTURE_S):
                 trainer_client(ctx).weights_capture(step)  # the sync below sends this copy
         order.release(step)  # the next step trains while this one's weights go to vLLM
-    with m.timed("sync_phase_s"):
+    with m.timed(Metric.SYNC_PHASE_S):
         if not lag:
             order.wait_sync_turn(step, deadline_s)
             synced = sync(run, step, trainer_client(ctx)) if syncs else None
@@ -90,7 +90,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
     m.record_train(trained)
     m.record_sync(synced)
     if evaluates:
-        with m.timed("eval_phase_s"):
+        with m.timed(Metric.EVAL_PHASE_S):
             m.record_eval(evaluate(run))
 
     metrics = m.record_end(order.wait_commit_turn(step, deadline_s))
@@ -98,7 +98,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
     if checkpoints:
         checkpoint(run, step)
     order.release(step)  # (again, for a step that released already: a no-op)
-    publish(ctx.storage, "step_committed", step=step)
+    publish(ctx.storage, Event.STEP_COMMITTED, step=step)
     order.committed(step)
     # For people, after the commit: the artifact is a call to the Prefect API that the next
     # step's trainer must not wait for.

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.context import RunContext
 from rollflow.infra.errors import InferenceError, ServiceError, WeightSyncError
+from rollflow.infra.events import Event
 from rollflow.infra.events import publish as publish_event
 from rollflow.infra.inference.gate import ServingGate, serving_gate
 from rollflow.tasks.sync.weights import WeightSource, publish
@@ -61,7 +62,7 @@ def sync(ctx: RunContext, version: int, source: WeightSource) -> Synced:
                 or not _restarted(gates, restarts_seen, RESTART_NOTICE_S)
             ):
                 raise
-    publish_event(ctx.storage, "weights_published", version=version)
+    publish_event(ctx.storage, Event.WEIGHTS_PUBLISHED, version=version)
     return Synced(
         result["version"],
         result["pause_s"],

@@ -1,0 +1,34 @@
+"""A step's metrics row is written and read through the names of ``Metric`` (step_metrics.py)."""
+
+import math
+from types import SimpleNamespace
+
+from rollflow.flows.step_metrics import Metric, StepMetrics, by_env, per_env, series
+
+
+def test_eval_is_recorded_overall_and_per_environment():
+    m = StepMetrics()
+    m.record_eval(SimpleNamespace(reward=0.5, reward_by_env={"add": 0.25, "sort": 0.75}))
+    assert m.row[Metric.EVAL_REWARD] == 0.5
+    assert m.row[per_env(Metric.EVAL_REWARD, "add")] == 0.25
+    assert by_env(m.row, Metric.EVAL_REWARD) == {"add": 0.25, "sort": 0.75}
+
+
+def test_series_skips_rows_without_a_number():
+    rows = [
+        {Metric.STEP: 0, Metric.EVAL_REWARD: 0.1},
+        {Metric.STEP: 1},
+        {Metric.STEP: 2, Metric.EVAL_REWARD: math.nan},
+        {Metric.STEP: 3, Metric.EVAL_REWARD: 0.4},
+    ]
+    assert series(rows, Metric.EVAL_REWARD) == [(0, 0.1), (3, 0.4)]
+
+
+def test_timed_phases_and_the_end_use_the_names():
+    m = StepMetrics()
+    with m.timed(Metric.ADVANTAGE_PHASE_S):
+        pass
+    m.record_trainer_wait(trainer_free_at=0.0)
+    row = m.record_end(step_s=1.5)
+    assert row[Metric.STEP_S] == 1.5 and row[Metric.FLOW_S] >= 0
+    assert row[Metric.TRAINER_WAIT_FOR_DATA_S] >= 0 and Metric.ADVANTAGE_PHASE_S in row
