@@ -34,6 +34,7 @@ from rollflow.infra.events import Event, publish
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.secrets import load_storage_secret, take_secrets_out
 from rollflow.infra.storage import RunStorage
+from rollflow.tasks.advantage.advantages import advantage_fn
 from rollflow.tasks.generate.host import ProducerHost, step_flows_in_flight
 from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context, reused_steps
 from rollflow.tasks.train.client import TrainerClient
@@ -116,6 +117,7 @@ def _train(config: dict | RunConfig) -> dict:
             services.inference_urls,
             resumed_from,
             reused,
+            advantages=advantage_fn(cfg.train),
         )
         end = TrainingEnd(services.trainer, host)
         try:

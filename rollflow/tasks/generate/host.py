@@ -20,7 +20,6 @@ from concurrent.futures import Future
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import TrainingFinished
 from rollflow.infra.inference.pool import InferencePool
-from rollflow.tasks.advantage.advantages import advantage_fn
 from rollflow.tasks.generate.environments import Environment, RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
 from rollflow.tasks.generate.rollouts import SamplingStats, group_has_signal, group_runner
@@ -50,6 +49,9 @@ def host_for(run: str) -> ProducerHost:
 
 
 MakeContext = Callable[[InferencePool, SamplingStats], RolloutContext]
+# The run's advantage estimator: one group's rewards in, one advantage per sample out. The flow
+# hands it over (the advantage stage owns it; no stage imports another).
+Advantages = Callable[[list[float]], list[float]]
 
 
 class ProducerHost:
@@ -58,6 +60,8 @@ class ProducerHost:
     Owns: the producer's loop and the order in which steps take their groups. ``reused_steps``
     are the steps after the checkpoint whose committed rollouts are trained on again (see
     ``reusable_rollouts``); the producer's first group goes to the step after them.
+    With ``train.dynamic_sampling``, a finished group is judged by ``advantages`` (the run's
+    estimator, given by the flow): one whose advantages are all zero is sampled anew.
     """
 
     def __init__(
@@ -68,7 +72,10 @@ class ProducerHost:
         inference_urls: list[str],
         resumed_from: int,
         reused_steps: list[int] = (),
+        advantages: Advantages | None = None,
     ):
+        if cfg.train.dynamic_sampling and advantages is None:
+            raise ValueError("train.dynamic_sampling needs the run's advantage estimator")
         self.cfg, self.envs = cfg, envs
         self.reused_steps = frozenset(reused_steps)
         first_step = resumed_from + 1 + len(self.reused_steps)
@@ -100,7 +107,7 @@ class ProducerHost:
                 max_in_flight=t.in_flight_groups(),
                 version=resumed_from,
                 first_step=first_step,
-                has_signal=group_has_signal(advantage_fn(t)) if t.dynamic_sampling else None,
+                has_signal=group_has_signal(advantages) if t.dynamic_sampling else None,
                 max_resampled=(
                     t.train_batch_size if t.max_resampled_groups is None else t.max_resampled_groups
                 ),
