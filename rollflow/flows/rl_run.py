@@ -29,7 +29,7 @@ from rollflow.flows.terminal import PrefectRunLog, log_run_failure, say
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
-from rollflow.infra.errors import ServiceError
+from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.events import Event, publish
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.secrets import load_storage_secret, take_secrets_out
@@ -237,8 +237,9 @@ def prepare_policy(cfg: RunConfig) -> Path | str:
     for name in sorted(envs):
         env = envs[name]
         if not hasattr(env, "sft_examples"):
-            raise ValueError(
-                f"[model.tiny] needs envs with sft_examples() for its warm start; {name!r} has none"
+            raise ConfigError(
+                f"[model.tiny] needs envs with sft_examples() for its warm start; {name!r} has "
+                "none: use model.path, or an env with sft_examples()"
             )
         train_pairs += env.sft_examples(4096, rng)
         eval_pairs += [(p.text, p.answer) for p in env.prompts("eval", 128, rng)]

@@ -23,6 +23,8 @@ import json
 import os
 from typing import Any
 
+from rollflow.infra.errors import ConfigError
+
 SECRETS_ENV = "ROLLFLOW_STORAGE_SECRETS"
 SECRET_OPTION_KEYS = frozenset(
     {
@@ -101,9 +103,18 @@ def load_secret_block(name: str) -> dict[str, Any]:
 
     value = Secret.load(name).get()
     if isinstance(value, str):
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(
+                f"run.storage_secret = {name!r}: the Secret block is not JSON ({exc}); store a "
+                "JSON object of fsspec options"
+            ) from None
     if not isinstance(value, dict):
-        raise ValueError(f"Secret block {name!r} must hold a JSON object of fsspec options")
+        raise ConfigError(
+            f"run.storage_secret = {name!r}: the Secret block must hold a JSON object of fsspec "
+            'options, e.g. {"key": ..., "secret": ...}'
+        )
     return value
 
 

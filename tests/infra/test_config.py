@@ -82,6 +82,11 @@ def test_in_flight_range_errors_name_the_keys(B, S, K, keys):
     assert all(k in str(err.value) for k in keys), str(err.value)
 
 
+def test_a_tiny_alphabet_gives_each_character_once():
+    with pytest.raises(ConfigError, match="model.tiny.alphabet repeats 'a'"):
+        load_config(QUICKSTART, ['model.tiny.alphabet="abca"'])
+
+
 def test_cross_field_errors_say_what_to_do():
     with pytest.raises(ConfigError, match="mini_batch_size .* must be <= train.train_batch_size"):
         load_config(QUICKSTART, ["train.mini_batch_size=256"])

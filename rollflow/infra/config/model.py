@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollflow.infra.config.base import Section
 
@@ -12,7 +12,11 @@ DEFAULT_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=:,>() "
 class TinyModelSpec(Section):
     """Shape of a tiny character Llama built from scratch."""
 
-    alphabet: str = Field(DEFAULT_ALPHABET, description="Characters the tokenizer knows.")
+    alphabet: str = Field(
+        DEFAULT_ALPHABET,
+        min_length=1,
+        description="Characters the tokenizer knows, one token each (no character twice).",
+    )
     hidden_size: int = Field(128, ge=8, description="Model width.")
     intermediate_size: int = Field(256, ge=8, description="MLP width.")
     num_layers: int = Field(2, ge=1, description="Transformer blocks.")
@@ -21,6 +25,16 @@ class TinyModelSpec(Section):
         64, ge=8, description="Longest prompt + completion; vLLM gives NaN logprobs past it."
     )
     seed: int = Field(0, description="Seed of the random initialisation.")
+
+    @field_validator("alphabet")
+    @classmethod
+    def _distinct(cls, alphabet: str) -> str:
+        repeated = sorted({ch for ch in alphabet if alphabet.count(ch) > 1})
+        if repeated:
+            raise ValueError(
+                f"model.tiny.alphabet repeats {''.join(repeated)!r}: give each character once"
+            )
+        return alphabet
 
     @model_validator(mode="after")
     def _head_dim(self) -> TinyModelSpec:

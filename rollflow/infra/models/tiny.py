@@ -22,9 +22,8 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
-    """A fast tokenizer with one token per character of ``alphabet``."""
-    if len(set(alphabet)) != len(alphabet):
-        raise ValueError(f"alphabet has repeated characters: {alphabet!r}")
+    """A fast tokenizer with one token per character of ``alphabet`` (distinct characters: the
+    config's ``TinyModelSpec`` checks them)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

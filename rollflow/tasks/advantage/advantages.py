@@ -16,7 +16,7 @@ from functools import partial
 
 import pyarrow as pa
 
-from rollflow.infra.errors import ConfigError
+from rollflow.infra.errors import ConfigError, InputError
 
 AdvantageFn = Callable[[Sequence[float]], list[float]]
 
@@ -89,12 +89,15 @@ def pass_at_k_advantages(rewards_G: Sequence[float], k: int = 4) -> list[float]:
     right or all wrong get 0. k = 1 is GRPO with std normalisation (population std)."""
     n = len(rewards_G)
     if any(r not in (0, 1) for r in rewards_G):
-        raise ValueError(
+        raise ConfigError(
             f"the pass_at_k advantage needs rewards of 0 or 1, got {sorted(set(rewards_G))}: "
             "use it with a pass/fail reward, or choose another train.advantage"
         )
     if not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 1 <= k <= group size ({n}), got k = {k}")
+        raise ConfigError(
+            f"pass_at_k needs 1 <= k <= group size ({n}), got k = {k}: lower "
+            "train.advantage_args.k or raise sampling.group_size"
+        )
     n_neg = sum(1 for r in rewards_G if r == 0)
     expected = 1 - math.comb(n_neg, k) / math.comb(n, k)
     std = math.sqrt(expected * (1 - expected))
@@ -204,8 +207,9 @@ def build_batch(
             continue
         advantages = advantage_fn([r["reward"] for r in survivors])
         if len(advantages) != len(survivors):
-            raise ValueError(
-                f"advantage function returned {len(advantages)} values for a group of {len(survivors)}"
+            raise InputError(
+                f"advantage function returned {len(advantages)} values for a group of "
+                f"{len(survivors)}; train.advantage's function must return one per reward"
             )
         if filter_zero_advantage and all(abs(a) < 1e-9 for a in advantages):
             stats.num_zero_advantage_groups += 1

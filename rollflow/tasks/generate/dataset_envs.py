@@ -17,6 +17,7 @@ import random
 from functools import lru_cache
 from pathlib import Path
 
+from rollflow.infra.errors import ConfigError, InputError
 from rollflow.tasks.generate.dataset import LoadedDataset, PromptRow, load_prompts
 from rollflow.tasks.generate.environments import Prompt, SingleTurnEnv, Split, in_eval_split
 
@@ -48,15 +49,16 @@ class DatasetEnv(SingleTurnEnv):
         prompt_template: str = "{prompt}",
     ):
         if "{prompt}" not in prompt_template:
-            raise ValueError(
-                f"env {self.name}: prompt_template {prompt_template!r} has no {{prompt}}"
+            raise ConfigError(
+                f"env {self.name}: args.prompt_template {prompt_template!r} has no {{prompt}}; "
+                "put {prompt} where the dataset's prompt goes"
             )
         columns = {"format": format, "prompt_column": prompt_column, "answer_column": answer_column}
         train = load_prompts(path, split=split, **columns)
         if eval_path is None and eval_split is None:
             if not 0 < eval_fraction < 1:
-                raise ValueError(
-                    f"env {self.name}: eval_fraction must be in (0, 1), got {eval_fraction}"
+                raise ConfigError(
+                    f"env {self.name}: args.eval_fraction must be in (0, 1), got {eval_fraction}"
                 )
             held_out = [r for r in train.rows if in_eval_split(r.prompt, eval_fraction)]
             train_rows = [r for r in train.rows if not in_eval_split(r.prompt, eval_fraction)]
@@ -66,9 +68,9 @@ class DatasetEnv(SingleTurnEnv):
         else:
             held = load_prompts(eval_path or path, split=eval_split, **columns)
             if held.source == train.source:
-                raise ValueError(
+                raise ConfigError(
                     f"env {self.name}: the eval source is the training source "
-                    f"({train.source}); set a different eval_path or eval_split"
+                    f"({train.source}); set a different args.eval_path or args.eval_split"
                 )
             held_out = list(held.rows)
             train_rows = _without_prompts(train, {r.prompt for r in held_out})
@@ -76,9 +78,10 @@ class DatasetEnv(SingleTurnEnv):
             eval_prefix = "eval:"
             how = f"{train.source} with held-out {held.source}"
         if not train_rows or not held_out:
-            raise ValueError(
+            raise InputError(
                 f"env {self.name}: {how} leaves {len(train_rows)} training and "
-                f"{len(held_out)} held-out prompts; both need at least one"
+                f"{len(held_out)} held-out prompts; both need at least one (more rows, or "
+                "another args.eval_fraction / eval_path)"
             )
         self._rows: dict[Split, list[Prompt]] = {
             "train": [self._prompt(r, "", prompt_template) for r in train_rows],
@@ -146,12 +149,14 @@ class MathEnv(DatasetEnv):
         **kwargs,
     ):
         if importlib.util.find_spec("math_verify") is None:
-            raise ValueError(
+            raise ConfigError(
                 f"env {self.name} checks answers with math-verify, which is not installed: "
                 "pip install math-verify"
             )
         if not answer_column:
-            raise ValueError(f"env {self.name}: answer_column is required (the reference answers)")
+            raise ConfigError(
+                f"env {self.name}: args.answer_column is required (the reference answers' column)"
+            )
         super().__init__(
             path,
             prompt_column=prompt_column,

@@ -21,6 +21,7 @@ import random
 import re
 from typing import Any
 
+from rollflow.infra.errors import ConfigError
 from rollflow.tasks.generate.environments import Prompt, SingleTurnEnv, Split, pick_indices
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -31,7 +32,7 @@ def require(module: str, pip_name: str, env: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"env {env}: needs the {pip_name} package ({exc}); install it: pip install {pip_name}"
         ) from exc
 
@@ -66,7 +67,10 @@ class ReasoningGymEnv(SingleTurnEnv):
                 dataset, seed=seed + EVAL_SEED_OFFSET, size=eval_size, **(config or {})
             )
         except Exception as exc:  # an unknown name or a bad config: say which
-            raise ValueError(f"env reasoning_gym: dataset {dataset!r}: {exc}") from exc
+            raise ConfigError(
+                f"env reasoning_gym: args.dataset {dataset!r}: {exc}; check the dataset's name "
+                "and its args.config"
+            ) from exc
         self.dataset, self.answer_tag, self.instruction = dataset, answer_tag, instruction
         held_entries = list(held)
         held_questions = {e["question"] for e in held_entries}
@@ -77,8 +81,9 @@ class ReasoningGymEnv(SingleTurnEnv):
         }
         self._scorer = {"train": self.train_data, "eval": held}
         if not self._entries["train"] or not self._entries["eval"]:
-            raise ValueError(
-                f"env reasoning_gym: dataset {dataset!r} leaves no training or held-out questions"
+            raise ConfigError(
+                f"env reasoning_gym: dataset {dataset!r} leaves no training or held-out questions; "
+                "raise args.size / args.eval_size"
             )
 
     def _prompt(self, split: Split, i: int) -> Prompt:

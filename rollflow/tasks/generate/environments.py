@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rollflow.infra.errors import ConfigError
+
 Split = Literal["train", "eval"]
 
 
@@ -241,7 +243,7 @@ class AddEnv(_ExactMatchEnv):
 
     def __init__(self, max_value: int = 99):
         if max_value < 1:
-            raise ValueError(f"env add: max_value must be >= 1, got {max_value}")
+            raise ConfigError(f"env add: args.max_value must be >= 1, got {max_value}")
         self.max_value = max_value
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
@@ -267,8 +269,8 @@ class SortLettersEnv(_ExactMatchEnv):
         partial_credit: bool = False,
     ):
         if not 1 <= min_len <= max_len:
-            raise ValueError(
-                f"env sort_letters: need 1 <= min_len <= max_len, got {min_len}, {max_len}"
+            raise ConfigError(
+                f"env sort_letters: need 1 <= args.min_len <= args.max_len, got {min_len}, {max_len}"
             )
         self.letters, self.min_len, self.max_len = letters, min_len, max_len
         self.partial_credit = partial_credit
@@ -302,19 +304,28 @@ BUILTIN_ENVS: dict[str, str] = {
 def load_env(name: str, args: dict[str, Any]) -> Environment:
     """A built-in environment by name, or any ``package.module:Class``."""
     if name not in BUILTIN_ENVS and ":" not in name:
-        raise ValueError(
-            f"unknown env {name!r}: use one of {sorted(BUILTIN_ENVS)} or 'package.module:Class'"
+        raise ConfigError(
+            f"unknown env {name!r} in [[envs]]: use one of {sorted(BUILTIN_ENVS)} or "
+            "'package.module:Class'"
         )
     module, _, attr = BUILTIN_ENVS.get(name, name).partition(":")
     try:
         cls: Any = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"env {name!r}: cannot import {attr!r} from {module!r}: {exc}") from exc
+        raise ConfigError(
+            f"env {name!r}: cannot import {attr!r} from {module!r}: {exc}; check the name "
+            "(package.module:Class) and that its package is installed"
+        ) from exc
     try:
         env = cls(**args)
     except TypeError as exc:
-        raise ValueError(f"env {name!r}: bad args {args}: {exc}") from exc
+        raise ConfigError(
+            f"env {name!r}: bad args {args}: {exc}; fix the args of its [[envs]] table"
+        ) from exc
     if not isinstance(env, Environment):
-        raise ValueError(f"env {name!r}: {cls!r} is not a rollflow Environment")
+        raise ConfigError(
+            f"env {name!r}: {cls!r} is not a rollflow Environment; subclass "
+            "rollflow.tasks.generate.environments.Environment"
+        )
     env.name = name  # prompts carry the name the config gave, which keys the run's env mix
     return env

@@ -32,6 +32,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollflow.infra.errors import ConfigError, InputError
 from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
 
 
@@ -53,8 +54,8 @@ class MultiTurnEnv(Environment):
 
     def __init__(self, max_turns: int = 4, max_total_tokens: int = 256):
         if max_turns < 1 or max_total_tokens < 1:
-            raise ValueError(
-                f"env {self.name}: max_turns ({max_turns}) and max_total_tokens "
+            raise ConfigError(
+                f"env {self.name}: args.max_turns ({max_turns}) and args.max_total_tokens "
                 f"({max_total_tokens}) must be >= 1"
             )
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
@@ -88,7 +89,10 @@ class MultiTurnEnv(Environment):
             raise ValueError(f"env {self.name}: a multi-turn env needs a chat renderer")
         messages = renderer.messages_of(prompt)
         if messages is None:
-            raise ValueError(f"env {self.name}: prompt {prompt.prompt_id} has no chat messages")
+            raise InputError(
+                f"env {self.name}: prompt {prompt.prompt_id} has no chat messages; a multi-turn "
+                "env gives its prompts as messages"
+            )
         tools = list(prompt.tools) if prompt.tools else None
         prompt_ids = await asyncio.to_thread(ctx.prompt_ids, prompt)
         state = self.start(prompt)
@@ -198,9 +202,9 @@ def _env_turn_ids(
         history + list(new_messages), tools=tools, add_generation_prompt=True
     )
     if not after.startswith(before) or before.count(_SENTINEL) != 1:
-        raise ValueError(
-            "the chat template does not render a conversation as a prefix of its continuation; "
-            "multi-turn episodes need a template that only appends"
+        raise InputError(
+            "the chat template of model.path does not render a conversation as a prefix of its "
+            "continuation; multi-turn episodes need a template that only appends"
         )
     tail = before[before.index(_SENTINEL) + len(_SENTINEL) :]
     if model_stop_id is not None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import jsonschema
 
+from rollflow.infra.errors import ConfigError, InputError
 from rollflow.tasks.generate.environments import Prompt, Split, in_eval_split
 from rollflow.tasks.generate.multi_turn import EnvReply, MultiTurnEnv
 
@@ -60,7 +61,7 @@ class Tool:
             for name, param in inspect.signature(fn).parameters.items():
                 kind = _JSON_TYPES.get(param.annotation)
                 if kind is None:
-                    raise ValueError(
+                    raise InputError(
                         f"tool {fn.__name__}: parameter {name!r} needs an int, float, str or "
                         "bool annotation, or pass its JSON schema"
                     )
@@ -211,7 +212,7 @@ class GuessNumberEnv(MultiTurnEnv):
         super().__init__(max_turns, max_total_tokens)
         self.discount = discount
         if high < 2:
-            raise ValueError(f"env guess_number: high must be >= 2, got {high}")
+            raise ConfigError(f"env guess_number: args.high must be >= 2, got {high}")
         self.high = high
 
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from rollflow.infra.errors import ConfigError, InputError
 from rollflow.tasks.generate.ecosystems import require
 from rollflow.tasks.generate.environments import Prompt, Split, in_eval_split, pick_indices
 from rollflow.tasks.generate.multi_turn import EnvReply, MultiTurnEnv
@@ -74,7 +75,7 @@ class VerifiersEnv(MultiTurnEnv):
                     num_tasks,
                 )
         except Exception as exc:  # an unknown id, a misspelt key, a bad value: say which
-            raise ValueError(f"env verifiers: cannot load {where}: {exc}") from exc
+            raise ConfigError(f"env verifiers: cannot load {where}: {exc}") from exc
         if held:  # the same prompt in both splits would leak the held-out set into training
             held_prompts = {t.data.prompt_text for t in held}
             train = [t for t in train if t.data.prompt_text not in held_prompts]
@@ -82,15 +83,16 @@ class VerifiersEnv(MultiTurnEnv):
             held = [t for t in train if in_eval_split(t.key, eval_fraction)]
             train = [t for t in train if not in_eval_split(t.key, eval_fraction)]
         if not train or not held:
-            raise ValueError(
+            raise ConfigError(
                 f"env verifiers: {where} gives {len(train)} training and {len(held)} held-out "
-                "tasks; both need at least one"
+                "tasks; both need at least one (raise args.num_tasks, or set args.eval_taskset_args)"
             )
         self._tasks_of: dict[Split, list[Any]] = {"train": train, "eval": held}
         vf_taskset, task = self.vf_env.taskset, train[0]  # a taskset yields one Task type
         if type(vf_taskset).toolsets(vf_taskset.config) or type(task).toolsets(task.config):
-            raise ValueError(
-                f"env verifiers: {where} has tool servers, which rollflow does not run"
+            raise ConfigError(
+                f"env verifiers: {where} has tool servers, which rollflow does not run; choose "
+                "another taskset"
             )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
@@ -99,11 +101,14 @@ class VerifiersEnv(MultiTurnEnv):
         if num_tasks is not None:
             taskset = taskset.take(num_tasks)
         elif not taskset.bounded:
-            raise ValueError("the taskset is infinite: set num_tasks")
+            raise ConfigError("the taskset is infinite: set args.num_tasks")
         tasks = list(taskset)
         for task in tasks:
             if task.data.prompt is None:
-                raise ValueError(f"task {task.data.idx} has no prompt (the user opens it)")
+                raise InputError(
+                    f"task {task.data.idx} has no prompt (the user opens it); rollflow trains on "
+                    "tasksets whose tasks have a prompt"
+                )
         return tasks
 
     def _prompt(self, split: Split, i: int) -> Prompt:
