@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# A GPU index as CUDA numbers them on one node.
+GpuIndex = Annotated[int, Field(ge=0)]
 
 
 class Section(BaseModel):

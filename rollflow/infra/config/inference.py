@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from rollflow.infra.config.base import Section
+from rollflow.infra.config.base import GpuIndex, Section
 
 
 class InferenceSection(Section):
@@ -34,7 +34,7 @@ class InferenceSection(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where vLLM runs; auto: CUDA when a GPU is visible, else CPU."
     )
-    devices: list[int] | None = Field(
+    devices: list[GpuIndex] | None = Field(
         None,
         description="GPU indices for the servers, tensor_parallel_size consecutive ones per "
         "server (None: the first GPUs of the node).",

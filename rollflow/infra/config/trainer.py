@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rollflow.infra.config.base import Section
+from rollflow.infra.config.base import GpuIndex, Section
 
 
 class TrainerSection(Section):
@@ -38,7 +38,7 @@ class TrainerSection(Section):
     master_port: int = Field(
         29400, ge=1, le=65535, description="Rendezvous port on node 0 when num_nodes > 1."
     )
-    devices: list[int] | None = Field(
+    devices: list[GpuIndex] | None = Field(
         None,
         description="GPU indices of the trainer's ranks on each node (None: the GPUs vLLM leaves).",
     )
