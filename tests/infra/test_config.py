@@ -244,3 +244,12 @@ def test_a_fractional_staleness_counts_optimizer_steps():
         load_config(QUICKSTART, ["train.max_staleness=0.5"])
     with pytest.raises(ConfigError, match=r"sends weights mid-step.*sync_every = 1 \(it is 2\)"):
         load_config(QUICKSTART, [*four, "train.max_staleness=1.5", "train.sync_every=2"])
+
+
+def test_defaults_that_depend_on_other_keys_are_the_configs():
+    from rollflow.infra.config import TrainSection
+
+    t = TrainSection(train_batch_size=8, mini_batch_size=8)
+    assert t.resample_budget() == 8 and TrainSection(max_resampled_groups=0).resample_budget() == 0
+    assert t.overlong_limit(max_tokens=32) == 32
+    assert TrainSection(overlong_max_tokens=10).overlong_limit(max_tokens=32) == 10

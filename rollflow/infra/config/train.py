@@ -116,6 +116,20 @@ class TrainSection(Section):
     def _loss_kind(cls, value: Any) -> Any:
         return {"kind": value} if isinstance(value, str) else value
 
+    def resample_budget(self) -> int:
+        """Dynamic sampling's budget: groups replaced per step at most (``max_resampled_groups``,
+        default ``train_batch_size``)."""
+        return (
+            self.train_batch_size
+            if self.max_resampled_groups is None
+            else self.max_resampled_groups
+        )
+
+    def overlong_limit(self, max_tokens: int) -> int:
+        """The length whose reward gets the whole overlong penalty: ``overlong_max_tokens``,
+        default the sampling's ``max_tokens``."""
+        return self.overlong_max_tokens or max_tokens
+
     def in_flight_groups(self) -> int:
         """K: groups the rollout producer keeps generating at once."""
         return self.max_in_flight_groups or self.train_batch_size * (self.whole_staleness() + 1)

@@ -59,7 +59,7 @@ def advantage(
         cfg.train.filter_zero_advantage,
         Overlong(
             cfg.train.truncated,
-            cfg.train.overlong_max_tokens or cfg.sampling.max_tokens,
+            cfg.train.overlong_limit(cfg.sampling.max_tokens),
             cfg.train.overlong_buffer_tokens,
             cfg.train.overlong_penalty,
         ),

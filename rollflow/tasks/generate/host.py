@@ -108,9 +108,7 @@ class ProducerHost:
                 version=resumed_from,
                 first_step=first_step,
                 has_signal=group_has_signal(advantages) if t.dynamic_sampling else None,
-                max_resampled=(
-                    t.train_batch_size if t.max_resampled_groups is None else t.max_resampled_groups
-                ),
+                max_resampled=t.resample_budget(),
             )
             # Multi-turn episodes record the version each turn was requested at.
             rollout_ctx.policy_version = lambda: producer.version
