@@ -39,7 +39,7 @@ from rollflow.infra.models.tiny import (  # noqa: E402
     build_tiny_llama,
     save_hf_dir,
 )
-from rollflow.tasks.train import lora  # noqa: E402
+from rollflow.trainer import lora  # noqa: E402
 
 from machine import Machine, table  # noqa: E402
 

@@ -37,6 +37,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from rollflow.trainer import SERVICE_MODULE  # noqa: E402
+
 from machine import Machine, table  # noqa: E402
 
 MB = 1e6
@@ -121,7 +123,7 @@ def follow(proc: subprocess.Popen, events: Path, deadline_s: float) -> list[dict
 
 
 SERVICES = {
-    "trainer": "rollflow.tasks.train.service",
+    "trainer": SERVICE_MODULE,
     "vLLM": "vllm",
     "Prefect server": "prefect.server",
 }

@@ -51,6 +51,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import duckdb  # noqa: E402
 
+from rollflow.trainer import SERVICE_MODULE  # noqa: E402
+
 from machine import Machine, table  # noqa: E402
 
 TINY = [
@@ -66,7 +68,7 @@ TINY = [
 ROLES = (
     ("prefect API", "prefect_server:create_app"),
     ("run process", "rollflow.cli"),
-    ("trainer", "rollflow.tasks.train.service"),
+    ("trainer", SERVICE_MODULE),
     ("vLLM", "vllm"),
     ("vLLM", "VLLM::"),
 )

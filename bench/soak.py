@@ -34,6 +34,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from memory import TINY, slope  # noqa: E402
 
+from rollflow.trainer import SERVICE_MODULE  # noqa: E402
+
 MB = 1e6
 
 
@@ -47,7 +49,7 @@ def label(proc: psutil.Process, run_pid: int) -> str | None:
         return None
     if "prefect" in cmd and "server" in cmd:
         return "Prefect API"
-    if "rollflow.tasks.train.service" in cmd:
+    if SERVICE_MODULE in cmd:
         return f"trainer rank {proc.environ().get('RANK', '0')}"
     if "vllm.entrypoints" in cmd:
         return "vLLM API server"

@@ -31,8 +31,8 @@ from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, s
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.train.launch import TrainerProcess
-from rollflow.tasks.train.losses import LossInputs, compute_loss
-from rollflow.tasks.train.protocol import ServiceArgs
+from rollflow.trainer.losses import LossInputs, compute_loss
+from rollflow.trainer.protocol import ServiceArgs
 
 WARMUP = 2
 LOSS = LossConfig(eps_low=0.2, eps_high=0.2)

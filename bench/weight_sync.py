@@ -24,7 +24,7 @@ holds it whole): time, and the bucket each side holds beyond the weights (its pe
 
 Part 4, LoRA (``--lora RANK``, run alone): what one sync of a LoRA policy costs, adapters of rank
 RANK on every projection. ``train.lora.sync = "merged"`` (the default) sends merged weights
-(``tasks/train/lora.merged_state`` on the trainer, then the full bytes through the weight group;
+(``trainer/lora.merged_state`` on the trainer, then the full bytes through the weight group;
 docs/lora.md says why); ``"adapter"`` the adapter alone over the same group. Both timed with part
 1's method, in one run. Then, unless ``--no-vllm``, end to end on the ~10M model: each mode's sync
 into a real vLLM under load (part 2's method; adapter mode: the server serves the adapter, the
@@ -219,7 +219,7 @@ def lora_policy(model_dir: Path, rank: int):
     from transformers import AutoModelForCausalLM
 
     from rollflow.infra.config import LoraSection
-    from rollflow.tasks.train.lora import apply_lora
+    from rollflow.trainer.lora import apply_lora
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).float()
     cfg = LoraSection(rank=rank, alpha=2.0 * rank)
@@ -247,7 +247,7 @@ def vllm_pause(
     from rollflow.infra.inference.client import InferenceClient
     from rollflow.infra.inference.server import InferenceServer
     from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, sync_weights
-    from rollflow.tasks.train.lora import adapter_state, merged_state, save_initial_adapter
+    from rollflow.trainer.lora import adapter_state, merged_state, save_initial_adapter
 
     initial = None
     if lora is None:
@@ -377,7 +377,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def lora_costs(size: str, rank: int, repeats: int) -> dict:
     """Bytes and seconds of one sync of a LoRA policy: merged (ours) against the adapter alone."""
     from rollflow.infra.config import LoraSection
-    from rollflow.tasks.train.lora import adapter_num_bytes, merged_state
+    from rollflow.trainer.lora import adapter_num_bytes, merged_state
 
     flat, named = flat_named_tensors(llama_shapes(*SHAPES[size]))
     full, adapter = {}, []

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 from rollflow.infra.config import LossConfig
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.train.losses import LossInputs, compute_loss
-from rollflow.tasks.train.packing import Sequence
+from rollflow.trainer.losses import LossInputs, compute_loss
+from rollflow.trainer.packing import Sequence
 
 
 def make_rows(

@@ -32,10 +32,10 @@ from rollflow.infra.placement import Machine, make_plan
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
 from rollflow.tasks.sync.weights import GroupSpec
-from rollflow.tasks.train import lora
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.launch import TrainerProcess, node_argv
-from rollflow.tasks.train.protocol import ServiceArgs
+from rollflow.trainer import lora
+from rollflow.trainer.protocol import ServiceArgs
 
 TEARDOWN_DEADLINE_S = 30.0
 HEALTH_CHECK_INTERVAL_S = 5.0

@@ -31,6 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rollflow.trainer import SERVICE_MODULE
+
 from deployed_run import processes_marked
 from run_support import ROOT, env_for, write_config
 
@@ -375,7 +377,7 @@ def test_trainer_killed_fails_the_run_fast_naming_it_then_a_rerun_completes(camp
     name, reached, delay = c.random_kill_point(len(c.committed()) + 1)
     c.wait_for(proc, reached, name)
     time.sleep(delay)
-    victim = _service_process(c.root, "rollflow.tasks.train.service")
+    victim = _service_process(c.root, SERVICE_MODULE)
     rank = victim.environ().get("RANK")  # a multi-rank trainer: kill a rank, expect it named
     killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)

@@ -130,7 +130,7 @@ def test_bf16_fsdp2_step_on_one_gpu(tmp_path, tiny_model_dir):
     from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
     from rollflow.infra.storage import RunStorage
     from rollflow.tasks.train.launch import TrainerProcess
-    from rollflow.tasks.train.protocol import ServiceArgs
+    from rollflow.trainer.protocol import ServiceArgs
 
     from trainer_support import make_rows, write_batch
 

@@ -31,7 +31,7 @@ from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish
 from rollflow.tasks.train.launch import TrainerProcess
-from rollflow.tasks.train.protocol import ServiceArgs
+from rollflow.trainer.protocol import ServiceArgs
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from rollflow.infra.config import LossConfig
 from rollflow.infra.http import Endpoint, call
-from rollflow.tasks.train.protocol import (
+from rollflow.trainer.protocol import (
     BatchRef,
     Broadcast,
     ExportHF,

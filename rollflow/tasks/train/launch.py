@@ -22,11 +22,9 @@ from rollflow.infra.errors import ServiceError
 from rollflow.infra.http import Endpoint
 from rollflow.infra.service import ManagedProcess, cpu_split, free_port, log_tail
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.tasks.train.protocol import ServiceArgs
+from rollflow.trainer import SERVICE_MODULE
+from rollflow.trainer.protocol import ServiceArgs
 
-# The ranks' entry point (service.py), run by the launcher as a module. Named, not imported:
-# importing it would load torch's distributed stack and DeepSpeed into the run process (~7 s).
-SERVICE_MODULE = "rollflow.tasks.train.service"
 TORCH_EXTENSIONS_DIR = Path("~/.cache/rollflow/torch_extensions").expanduser()
 
 

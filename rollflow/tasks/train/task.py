@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from rollflow.infra.config import TrainSection
 from rollflow.infra.context import RunContext
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.tasks.train.metrics import summarize_optimizer_steps
+from rollflow.trainer.metrics import summarize_optimizer_steps
 
 
 class MidStepCapture:

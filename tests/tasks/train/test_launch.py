@@ -12,12 +12,12 @@ from rollflow.infra.config import TrainerSection
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.service import _ephemeral_low, cpu_split, free_port
 from rollflow.tasks.train.launch import TrainerProcess, _failure_in_log
-from rollflow.tasks.train.protocol import ServiceArgs
+from rollflow.trainer.protocol import ServiceArgs
 
 TORCHRUN_ROOT_CAUSE = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
-rollflow.tasks.train.service FAILED
+rollflow.trainer.service FAILED
 ------------------------------------------------------
 Root Cause (first observed failure):
 [0]:

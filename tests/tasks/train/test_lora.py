@@ -8,8 +8,8 @@ import torch
 from test_trainer import _micro_batches, _tokens, one_rank  # noqa: F401 (one_rank: autouse, one gloo rank)
 
 from rollflow.infra.config import LoraSection, LossConfig, TrainSection
-from rollflow.tasks.train import lora
-from rollflow.tasks.train.trainer import Trainer, TrainerSpec
+from rollflow.trainer import lora
+from rollflow.trainer.trainer import Trainer, TrainerSpec
 
 from trainer_support import load, make_rows, max_abs_diff
 

@@ -17,8 +17,8 @@ from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish, rejoin
 from rollflow.tasks.train.launch import TrainerProcess
-from rollflow.tasks.train.lora import ADAPTER_DIR, save_initial_adapter
-from rollflow.tasks.train.protocol import ServiceArgs
+from rollflow.trainer.lora import ADAPTER_DIR, save_initial_adapter
+from rollflow.trainer.protocol import ServiceArgs
 
 from conftest import PROMPT_IDS, VLLM_MAX_LEN
 from trainer_support import make_rows, write_batch

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rollflow.infra.config import LossConfig
-from rollflow.tasks.train.losses import (
+from rollflow.trainer.losses import (
     IS_HIST_EDGES,
     LossInputs,
     LossOutput,
@@ -403,8 +403,8 @@ def test_ratio_quantiles_from_the_histogram():
 
 
 def test_correction_metrics_reach_the_step_metrics():
-    from rollflow.tasks.train.ops import _merge_forward_backward
-    from rollflow.tasks.train.trainer import SUM_KEYS
+    from rollflow.trainer.ops import _merge_forward_backward
+    from rollflow.trainer.trainer import SUM_KEYS
 
     hist = [0.0] * (len(IS_HIST_EDGES) + 1)
     hist[151] = (

@@ -11,8 +11,8 @@ import pytest
 from rollflow.infra.config import TrainSection
 from rollflow.infra.errors import InputError
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.train.ops import RankOps
 from rollflow.tasks.train.task import minibatches, sample_minibatches, split_seed
+from rollflow.trainer.ops import RankOps
 
 from trainer_support import make_rows, write_batch
 

@@ -3,8 +3,8 @@ import random
 import pytest
 import torch
 
-from rollflow.tasks.train.packing import micro_batches, pack, plan_micro_batches, split_across_ranks
-from rollflow.tasks.train.policy import PackedPolicy, load_hf_model
+from rollflow.trainer.packing import micro_batches, pack, plan_micro_batches, split_across_ranks
+from rollflow.trainer.policy import PackedPolicy, load_hf_model
 
 from trainer_support import load, make_rows, sequences, token_logprobs
 
@@ -88,7 +88,7 @@ def test_packed_rows_attend_within_each_sequence_only(tiny_model_dir, row_tokens
 
 def test_the_loss_mask_packs_with_its_tokens_and_bad_masks_are_named():
     from rollflow.infra.errors import InputError
-    from rollflow.tasks.train.ops import _check_row
+    from rollflow.trainer.ops import _check_row
 
     rows = make_rows(12, seed=3, masked=True)
     seqs = sequences(rows)

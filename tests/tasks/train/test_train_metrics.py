@@ -3,7 +3,7 @@ import statistics
 
 import pytest
 
-from rollflow.tasks.train.metrics import (
+from rollflow.trainer.metrics import (
     PerEnvMoments,
     effective_sample_size,
     summarize_optimizer_steps,

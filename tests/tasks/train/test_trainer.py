@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from rollflow.infra.config import LossConfig, TrainSection
-from rollflow.tasks.train.packing import pack, plan_micro_batches
-from rollflow.tasks.train.trainer import Trainer, TrainerSpec
+from rollflow.trainer.packing import pack, plan_micro_batches
+from rollflow.trainer.trainer import Trainer, TrainerSpec
 
 from trainer_support import adamw_step, load, make_rows, max_abs, max_abs_diff, reference, sequences
 

@@ -30,7 +30,7 @@ from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightReceiverGroup
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.launch import TrainerProcess
-from rollflow.tasks.train.protocol import ServiceArgs
+from rollflow.trainer.protocol import ServiceArgs
 
 from trainer_support import (
     adamw_step,

@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
-from rollflow.tasks.train.control import PeerWatch
-from rollflow.tasks.train.ops import RankOps
-from rollflow.tasks.train.protocol import (
+from rollflow.trainer.control import PeerWatch
+from rollflow.trainer.ops import RankOps
+from rollflow.trainer.protocol import (
     BatchRef,
     Broadcast,
     ExportHF,
@@ -35,7 +35,7 @@ from rollflow.tasks.train.protocol import (
     StepRef,
     WeightConnect,
 )
-from rollflow.tasks.train.trainer import Trainer
+from rollflow.trainer.trainer import Trainer
 
 log = logging.getLogger("rollflow.trainer")
 

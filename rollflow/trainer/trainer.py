@@ -27,12 +27,12 @@ from safetensors.torch import load_file, save_file
 
 from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
 from rollflow.infra.weights.group import weight_metadata
-from rollflow.tasks.train import lora
-from rollflow.tasks.train.backends import Backend, make_backend
-from rollflow.tasks.train.losses import LossInputs, compute_loss
-from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size
-from rollflow.tasks.train.packing import PackedBatch
-from rollflow.tasks.train.policy import PackedPolicy, load_hf_model
+from rollflow.trainer import lora
+from rollflow.trainer.backends import Backend, make_backend
+from rollflow.trainer.losses import LossInputs, compute_loss
+from rollflow.trainer.metrics import PerEnvMoments, effective_sample_size
+from rollflow.trainer.packing import PackedBatch
+from rollflow.trainer.policy import PackedPolicy, load_hf_model
 
 # Step sums a forward_backward returns per rank; the service adds them over ranks.
 SUM_KEYS = (

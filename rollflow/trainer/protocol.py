@@ -1,6 +1,6 @@
 """What crosses into the trainer service: its start arguments and the body of every call.
 
-One model per request, used at every hop: the client (``client.py``) builds it, rank 0's HTTP
+One model per request, used at every hop: the client (``tasks/train/client.py``) builds it, rank 0's HTTP
 API (``api.py``) parses it, rank 0 broadcasts it to every rank as the command's arguments, and
 each rank (``ops.py``) parses it again. Losses use the run config's own ``LossConfig`` and the
 service its ``TrainSection`` / ``TrainerSection``: every default lives in ``infra/config.py``.

@@ -1,7 +1,7 @@
 """The trainer service: N ranks under torchrun or the deepspeed launcher; rank 0 serves HTTP.
 
-Every rank runs ``python -m rollflow.tasks.train.service ARGS.json`` (started by a launcher, see
-``launch.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
+Every rank runs ``python -m rollflow.trainer.service ARGS.json`` (started by a launcher, see
+``tasks/train/launch.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
 small JSON command that rank 0's main thread broadcasts over the control group, and that every
 rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training data never
 rides the control channel: a command names a committed batch step, and each rank reads the
@@ -35,11 +35,11 @@ import uvicorn
 
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.train.api import Dispatcher, build_app
-from rollflow.tasks.train.control import ControlGroup, PeerWatch, rank_identity
-from rollflow.tasks.train.ops import RankOps
-from rollflow.tasks.train.protocol import ServiceArgs
-from rollflow.tasks.train.trainer import Trainer, TrainerSpec
+from rollflow.trainer.api import Dispatcher, build_app
+from rollflow.trainer.control import ControlGroup, PeerWatch, rank_identity
+from rollflow.trainer.ops import RankOps
+from rollflow.trainer.protocol import ServiceArgs
+from rollflow.trainer.trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
 

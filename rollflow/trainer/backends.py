@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rollflow.tasks.train.policy import PackedPolicy, hf_name
+from rollflow.trainer.policy import PackedPolicy, hf_name
 
 
 class Backend(Protocol):

@@ -30,11 +30,11 @@ import torch
 from rollflow.infra.errors import InputError, StorageError, WeightSyncError
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightSender
-from rollflow.tasks.train.control import ControlGroup
-from rollflow.tasks.train.losses import ratio_quantiles
-from rollflow.tasks.train.metrics import PerEnvMoments, effective_sample_size
-from rollflow.tasks.train.packing import PackedBatch, Sequence, pack, plan_micro_batches
-from rollflow.tasks.train.protocol import (
+from rollflow.trainer.control import ControlGroup
+from rollflow.trainer.losses import ratio_quantiles
+from rollflow.trainer.metrics import PerEnvMoments, effective_sample_size
+from rollflow.trainer.packing import PackedBatch, Sequence, pack, plan_micro_batches
+from rollflow.trainer.protocol import (
     BatchRef,
     Broadcast,
     ExportHF,
@@ -43,7 +43,7 @@ from rollflow.tasks.train.protocol import (
     StepRef,
     WeightConnect,
 )
-from rollflow.tasks.train.trainer import SUM_KEYS, Trainer, add_counts
+from rollflow.trainer.trainer import SUM_KEYS, Trainer, add_counts
 
 LOCAL_CHECKPOINTS = Path("~/.cache/rollflow/checkpoints").expanduser()
 BATCH_COLUMNS = [
