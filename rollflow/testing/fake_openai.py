@@ -7,7 +7,7 @@ uniform random ``0..latency_jitter_s``, so that answers do not all arrive in loc
 answer every choice with ``finish_reason="abort"`` (what a paused-with-abort vLLM returns), or
 to drop the connection without answering (a server restart, a proxy timeout).
 
-Not the real thing: tests of the real inference path run vLLM itself (tests/infra). This
+Not the real thing: tests of the real inference path run vLLM itself (tests/integration/infra). This
 stands in where a test must inject faults deterministically or a benchmark must measure the
 client side alone.
 

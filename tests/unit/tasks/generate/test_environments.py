@@ -101,7 +101,7 @@ def test_rollout_context_encodes_exactly_like_the_tokenizer(tiny_model_dir):
     from rollflow.tasks.generate.rollouts import SamplingStats
     from rollflow.tasks.generate.task import make_rollout_context
 
-    cfg = load_config(Path(__file__).parents[3] / "configs/quickstart.toml")
+    cfg = load_config(Path(__file__).parents[4] / "configs/quickstart.toml")
     ctx = make_rollout_context(cfg, str(tiny_model_dir), None, SamplingStats(), temperature=1.0)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     for text in ["sort dcab=", "12+34=", "", "SORT é?"]:

@@ -2,7 +2,7 @@
 
 One server is started for the module (the slow part, tens of seconds on 2 cores); the tests
 then check sampling, pause/resume, error paths, and that stopping the server leaves no process
-behind. The weight sync's orchestration against the server is in tests/tasks/sync.
+behind. The weight sync's orchestration against the server is in tests/integration/tasks/sync.
 """
 
 from __future__ import annotations

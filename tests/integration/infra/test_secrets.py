@@ -14,7 +14,7 @@ from rollflow.infra import secrets
 from rollflow.infra.config import load_config
 from rollflow.infra.storage import RunStorage
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PLANTED_KEY = "AKIAPLANTEDKEY000001"
 PLANTED_SECRET = "planted-secret-value-7f3a9c"
 

@@ -17,7 +17,7 @@ from rollflow.infra.errors import InputError
 from rollflow.infra.service import free_port
 from rollflow.infra.work_pools import load_base_job_template
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PREFECT_YAML = ROOT / "prefect.yaml"
 
 

@@ -1,7 +1,7 @@
 """How ``sync_weights`` pauses several servers: together, and every paused one resumed.
 
 Stand-in servers record the calls ``sync_weights`` makes (pause, collective_rpc, reset, resume);
-the wire itself runs against real vLLM in test_weights.py and tests/flows/test_scale_out.py.
+the wire itself runs against real vLLM in test_weights.py and tests/integration/flows/test_scale_out.py.
 """
 
 from __future__ import annotations

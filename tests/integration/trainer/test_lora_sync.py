@@ -84,7 +84,7 @@ def peft_greedy(base_dir, adapter_dir) -> tuple[list[int], list[float]]:
 
 @pytest.mark.parametrize(
     ("backend", "zero_stage", "num_ranks", "sync"),
-    # (one FSDP2 rank runs in tests/flows/test_run.py's LoRA run, which syncs every step; the
+    # (one FSDP2 rank runs in tests/integration/flows/test_run.py's LoRA run, which syncs every step; the
     # greedy equality is checked here, on the sharded cases, to keep the suite short)
     [("fsdp2", None, 2, "merged"), ("deepspeed", 3, 2, "merged"), ("fsdp2", None, 2, "adapter")],
     ids=["fsdp2-2", "zero3-2", "fsdp2-2-adapter"],

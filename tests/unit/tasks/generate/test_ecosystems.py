@@ -5,8 +5,8 @@ ones). Here: the one-line error naming the pip command (the package hidden), the
 and the adapters against stand-ins that implement the packages' public API as the adapters call it
 (reasoning-gym: ``create_dataset`` and ``score_answer``), which pins the protocol whatever
 version is installed, and the real ones: reasoning-gym's ``real_*`` test, and verifiers 0.4 with
-the tiny taskset and env of ``tests/flows/vf_tiny_env.py`` (importing ``verifiers.v1`` takes
-~2 s, cheaper than a stand-in of its Task/Trace/Env API). ``tests/flows/test_ecosystem_runs.py``
+the tiny taskset and env of ``tests/vf_tiny_env.py`` (importing ``verifiers.v1`` takes
+~2 s, cheaper than a stand-in of its Task/Trace/Env API). ``tests/integration/flows/test_multi_turn_run.py``
 trains a few steps on each.
 """
 
@@ -87,8 +87,8 @@ def test_reasoning_gym_adapter(fake_reasoning_gym, tok):  # noqa: F811
 
 @pytest.fixture
 def tiny_verifiers(monkeypatch):
-    """tests/flows/vf_tiny_env.py importable: the taskset id ``vf-tiny-env`` (real verifiers)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "flows"))
+    """tests/vf_tiny_env.py importable: the taskset id ``vf-tiny-env`` (real verifiers)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
 
 
 def _tiny(**args):

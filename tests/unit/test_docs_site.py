@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from rollflow.infra.config import RunConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _hook(name: str):

@@ -31,7 +31,7 @@ from rollflow.infra.storage import RunStorage
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TEMPERATURE, TOP_P, ENTROPY_COEF, EPS = 0.7, 0.9, 0.01, 0.2
 CONFIG = """
 [run]

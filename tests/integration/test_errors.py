@@ -4,7 +4,7 @@ The table lists each case with the line it prints (a prefix where the line goes 
 list of known keys). Errors found before anything starts (config, overrides, preflight) exit
 with 2 in well under 5 s; an error met while the run runs exits with 1, prints one line and
 where its traceback is (run.log), and prints the traceback itself only with --debug.
-Storage cases (S3 unreachable, no credentials, no bucket) are in tests/flows/test_preflight.py.
+Storage cases (S3 unreachable, no credentials, no bucket) are in tests/integration/flows/test_preflight.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from rollflow.cli import main
 
 QUICKSTART = "configs/quickstart.toml"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bad_model_config(tmp: Path) -> str:

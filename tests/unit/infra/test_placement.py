@@ -13,7 +13,7 @@ from rollflow.infra.config import load_config
 from rollflow.infra.placement import Machine, PlanError, WeightWire, choose_backend, make_plan
 from rollflow.tasks.train.launch import launcher_argv
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted([ROOT / "configs/quickstart.toml", *(ROOT / "configs/recipes").glob("*.toml")])
 
 
