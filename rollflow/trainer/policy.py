@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rollflow.gpu_kernels import varlen_attention
 from rollflow.gpu_kernels.logprobs import selective_logprobs_entropy
 
 PREFIX = "hf."  # state-dict keys of the wrapper are the HF model's, behind this prefix
@@ -75,15 +76,21 @@ class PackedPolicy(nn.Module):
 
 
 def attention_implementation(device: torch.device) -> str:
-    """flash-attention 2 on CUDA when installed (varlen packing), sdpa otherwise."""
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
+    """The attention packed rows run with: never a dense mask across sequences on GPU.
 
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
+    On CUDA: flash-attention 2 when the package is installed, else rollflow's varlen attention
+    (torch's varlen flash kernel over the sequence boundaries; ``gpu_kernels.varlen_attention``).
+    transformers' sdpa would build a [P, P] mask per packed row (1 GiB at 32k tokens) and do
+    attention work quadratic in the row. On CPU rows are kept short and sdpa's mask is cheap.
+    """
+    if device.type != "cuda":
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+
+        return "flash_attention_2"
+    except ImportError:
+        return varlen_attention.register()
 
 
 def load_hf_model(
