@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from rollflow.flows.step_metrics import Metric
+from rollflow.infra.metric_names import Metric
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,8 +29,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from rollflow.flows.step_metrics import Metric, by_env, is_number, per_env, series
 from rollflow.infra.events import Event, has_event
+from rollflow.infra.metric_names import Metric, by_env, is_number, per_env, series
 from rollflow.infra.storage import RunStorage
 
 logger = logging.getLogger("rollflow.artifacts")

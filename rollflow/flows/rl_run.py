@@ -24,13 +24,14 @@ from rollflow.flows.artifacts import RunProgress, publish_summary
 from rollflow.flows.deploy import FLOW_NAME
 from rollflow.flows.order import StepOrder
 from rollflow.flows.services import HEALTH_CHECK_INTERVAL_S, RunServices
-from rollflow.flows.step_metrics import Metric, StepMetrics, by_env, series
+from rollflow.flows.step_metrics import StepMetrics
 from rollflow.flows.terminal import PrefectRunLog, log_run_failure, say
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.events import Event, publish
+from rollflow.infra.metric_names import Metric, by_env, series
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.secrets import load_storage_secret, take_secrets_out
 from rollflow.infra.storage import RunStorage

@@ -25,9 +25,10 @@ from prefect.utilities.annotations import quote
 
 from rollflow.flows.artifacts import publish_step_metrics
 from rollflow.flows.order import StepOrder, step_order
-from rollflow.flows.step_metrics import Metric, StepMetrics
+from rollflow.flows.step_metrics import StepMetrics
 from rollflow.infra.context import RunContext
 from rollflow.infra.events import Event, publish
+from rollflow.infra.metric_names import Metric
 from rollflow.tasks.advantage.task import Batch, advantage
 from rollflow.tasks.generate.host import ProducerHost, host_for
 from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s

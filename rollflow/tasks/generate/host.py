@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import TrainingFinished
 from rollflow.infra.inference.pool import InferencePool
+from rollflow.infra.metric_names import Metric
 from rollflow.tasks.generate.environments import Environment, RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
 from rollflow.tasks.generate.rollouts import SamplingStats, group_has_signal, group_runner
@@ -151,8 +152,8 @@ class ProducerHost:
                 )
         groups = self._call(self.producer.take(step, timeout_s), timeout_s + 5)
         metrics = self._call(_producer_metrics(self.producer, step), 10)
-        metrics["retries_total"] = self.sampling_stats.retries
-        metrics["inference_restarts"] = sum(self.client.restarts())
+        metrics[Metric.RETRIES_TOTAL] = self.sampling_stats.retries
+        metrics[Metric.INFERENCE_RESTARTS] = sum(self.client.restarts())
         metrics.update(self.client.metrics())
         self._advance_taken(step)
         return groups, metrics
@@ -238,9 +239,10 @@ async def _producer_metrics(producer: RolloutProducer, step: int) -> dict:
     snap = producer.snapshot()
     return {
         **producer.step_metrics(step),
-        "groups_in_flight": snap["num_in_flight"],
-        "producer_blocked_s": snap["blocked_by_bound_s"],
-        "loop_lag_p50_s": snap["loop_lag_p50_s"],
-        "loop_lag_p99_s": snap["loop_lag_p99_s"],
-        "loop_lag_max_s": snap["loop_lag_max_s"],
+        Metric.GROUPS_IN_FLIGHT: snap["num_in_flight"],
+        Metric.PRODUCER_BLOCKED_S: snap["blocked_by_bound_s"],
+        **{
+            k: snap[k]
+            for k in (Metric.LOOP_LAG_P50_S, Metric.LOOP_LAG_P99_S, Metric.LOOP_LAG_MAX_S)
+        },
     }

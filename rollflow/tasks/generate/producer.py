@@ -18,6 +18,7 @@ from statistics import fmean
 
 from rollflow.infra import staleness
 from rollflow.infra.errors import ProducerFailed, TrainingFinished
+from rollflow.infra.metric_names import Metric
 from rollflow.tasks.generate.environments import Environment, Prompt
 from rollflow.tasks.generate.rollouts import (
     GroupResult,
@@ -181,12 +182,12 @@ class RolloutProducer:
         self._step_metrics[step] = {
             "version": self.version,
             "wait_s": self._clock() - start,
-            "stale_dropped_total": self.num_stale_dropped,
-            "staleness_mean": fmean(ages),
-            "staleness_max": max(ages),
+            Metric.STALE_DROPPED_TOTAL: self.num_stale_dropped,
+            Metric.STALENESS_MEAN: fmean(ages),
+            Metric.STALENESS_MAX: max(ages),
             "num_failed": sum(g.error is not None for g in groups),
-            "resampled": self.num_resampled - self._resampled_at_take,
-            "resampled_total": self.num_resampled,
+            Metric.RESAMPLED: self.num_resampled - self._resampled_at_take,
+            Metric.RESAMPLED_TOTAL: self.num_resampled,
         }
         self._resampled_at_take = self.num_resampled
         self._taken[step] = groups
@@ -238,11 +239,11 @@ class RolloutProducer:
             "num_resampled": self.num_resampled,
             "admission_bound": self._bound(),
             "blocked_by_bound_s": blocked,
-            "loop_lag_p50_s": pick(0.50),
-            "loop_lag_p99_s": pick(0.99),
-            "loop_lag_max_s": pick(1.0),
-            "staleness_mean": last.get("staleness_mean", 0.0),
-            "staleness_max": last.get("staleness_max", 0),
+            Metric.LOOP_LAG_P50_S: pick(0.50),
+            Metric.LOOP_LAG_P99_S: pick(0.99),
+            Metric.LOOP_LAG_MAX_S: pick(1.0),
+            Metric.STALENESS_MEAN: last.get(Metric.STALENESS_MEAN, 0.0),
+            Metric.STALENESS_MAX: last.get(Metric.STALENESS_MAX, 0),
         }
 
     def _bound(self) -> int:

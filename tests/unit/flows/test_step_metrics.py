@@ -3,7 +3,8 @@
 import math
 from types import SimpleNamespace
 
-from rollflow.flows.step_metrics import Metric, StepMetrics, by_env, per_env, series
+from rollflow.flows.step_metrics import StepMetrics
+from rollflow.infra.metric_names import Metric, by_env, per_env, series
 
 
 def test_eval_is_recorded_overall_and_per_environment():

@@ -1,0 +1,83 @@
+"""The names of a step's metrics row: one owner for every stage that fills it and every reader.
+
+The generate stage's producer names its numbers with these, the step flow (``flows/step_metrics``)
+writes the row with them, and ``rollflow status``, the UI artifacts and the run flow's progress
+line read them. A name is a plain string (Parquet columns, sinks), so readers of older runs and
+notebooks see the same keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+
+class Metric:
+    """The names of a step's metrics row (a per-environment one is ``f"{name}/{env}"``)."""
+
+    STEP = "step"  # added by storage.write_metrics
+    # generate
+    REWARD_MEAN = "reward_mean"
+    REWARD = "reward"  # per environment: reward/<env>
+    NUM_ROLLOUTS = "num_rollouts"
+    NUM_ERRORS = "num_errors"
+    ROLLOUTS_REUSED = "rollouts_reused"
+    NUM_SKIPPED_ROWS = "num_skipped_rows"
+    # the rollout producer's (tasks/generate/producer.py, host.py)
+    STALENESS_MEAN = "staleness_mean"
+    STALENESS_MAX = "staleness_max"
+    STALE_DROPPED_TOTAL = "stale_dropped_total"
+    GROUPS_IN_FLIGHT = "groups_in_flight"
+    PRODUCER_BLOCKED_S = "producer_blocked_s"
+    LOOP_LAG_P50_S = "loop_lag_p50_s"
+    LOOP_LAG_P99_S = "loop_lag_p99_s"
+    LOOP_LAG_MAX_S = "loop_lag_max_s"
+    RETRIES_TOTAL = "retries_total"
+    INFERENCE_RESTARTS = "inference_restarts"
+    RESAMPLED = "resampled"
+    RESAMPLED_TOTAL = "resampled_total"
+    INFERENCE = "inference"  # per server, when several: inference/<i>/...
+    # advantage
+    NUM_GROUPS_KEPT = "num_groups_kept"
+    NUM_SAMPLES_KEPT = "num_samples_kept"
+    NUM_FAILED_SAMPLES = "num_failed_samples"
+    NUM_TRUNCATED_SAMPLES = "num_truncated_samples"
+    # train (the trainer's own numbers keep the names it gives them; this one is shown)
+    LOSS = "loss"
+    # sync and evaluation
+    SYNC_S = "sync_s"
+    SYNC_PAUSE_S = "sync_pause_s"
+    EVAL_REWARD = "eval_reward"  # per environment: eval_reward/<env>
+    # timed phases of the step flow
+    GENERATE_PHASE_S = "generate_phase_s"
+    ADVANTAGE_PHASE_S = "advantage_phase_s"
+    WAIT_FOR_PREVIOUS_STEP_S = "wait_for_previous_step_s"
+    TRAINER_WAIT_FOR_DATA_S = "trainer_wait_for_data_s"
+    TRAIN_PHASE_S = "train_phase_s"
+    CAPTURE_S = "capture_s"
+    SYNC_PHASE_S = "sync_phase_s"
+    EVAL_PHASE_S = "eval_phase_s"
+    FLOW_S = "flow_s"
+    STEP_S = "step_s"
+
+
+def per_env(name: str, env: str) -> str:
+    """The key of ``name`` for one environment (``reward/<env>``)."""
+    return f"{name}/{env}"
+
+
+def by_env(row: dict[str, Any], name: str) -> dict[str, Any]:
+    """The per-environment values of ``name`` in a row: {env: value}."""
+    prefix = f"{name}/"
+    return {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
+
+
+def is_number(value: Any) -> bool:
+    """A number that is not NaN (a row written before a metric existed holds NaN or nothing)."""
+    return isinstance(value, int | float) and not (isinstance(value, float) and math.isnan(value))
+
+
+def series(rows: Iterable[dict[str, Any]], name: str) -> list[tuple[int, float]]:
+    """(step, value) of every row where ``name`` is a number, e.g. the held-out rewards."""
+    return [(r[Metric.STEP], r[name]) for r in rows if is_number(r.get(name))]
