@@ -77,7 +77,7 @@ def deployed_run(tmp_path_factory):
     return make_deployed_run(tmp_path_factory.mktemp("deployed"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_model_dirs(tmp_path_factory) -> list[Path]:
     """Two tiny Llamas of the same shape, differently seeded: served policy and new policy."""
     from rollflow.infra.config import TinyModelSpec
@@ -97,9 +97,11 @@ def vllm_model_dirs(tmp_path_factory) -> list[Path]:
     ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_server(vllm_model_dirs, tmp_path_factory):
-    """A real vLLM server (the CPU build) serving the first of ``vllm_model_dirs``, per module."""
+    """A real vLLM server (the CPU build) serving the first of ``vllm_model_dirs``, shared by the
+    session. A test that changes its weights puts the first model's back (``restore_weights``);
+    a test that stops or restarts a server starts its own."""
     from rollflow.infra.inference.server import InferenceServer
 
     srv = InferenceServer(
@@ -112,6 +114,56 @@ def vllm_server(vllm_model_dirs, tmp_path_factory):
     print(f"\nvLLM server healthy after {time.monotonic() - start:.1f}s")
     yield srv
     srv.stop()
+
+
+class SenderSource:
+    """The trainer's half of the weight plane, in process: its weights are set by the test."""
+
+    def __init__(self, weights, secret: str):
+        self.weights, self.sender, self.version = weights, None, 0
+        self.secret = secret  # the vLLM server's key: its workers prove it to join
+
+    def metadata(self):
+        from rollflow.infra.weights.group import weight_metadata
+
+        return weight_metadata(self.weights)
+
+    def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
+        from rollflow.infra.weights.group import WeightSender
+
+        self.sender = WeightSender(
+            host, port, world_size, timeout_s, wire_device, bucket_bytes, secret=self.secret
+        )
+        self.sender.connect()
+        return {"ok": True}
+
+    def weights_broadcast(self, version=None, timeout_s=None):
+        version = self.version if version is None else version
+        return {"version": version, "bytes": self.sender.broadcast(self.weights, version)}
+
+    def weights_close(self, timeout_s=None):
+        self.sender.close()
+        return {"ok": True}
+
+    def health(self, timeout_s=5.0):
+        return {"ok": True, "weights_version": self.version}
+
+
+def restore_weights(server, model_dir) -> None:
+    """Sync ``model_dir``'s weights back to ``server`` (tagged by the trainer: version None), so
+    that the tests after one that changed them see the served policy they expect."""
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.infra.inference import auth
+    from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish
+
+    weights = list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())
+    source = SenderSource(weights, secret=auth.key_for(server.url))
+    join(source, [(server.url, 1)], GroupSpec.single(), timeout_s=30)
+    try:
+        publish(source, [server.url], None, timeout_s=30)
+    finally:
+        leave(source, [server.url], timeout_s=10)
 
 
 def greedy_reference(model_dir, prompt_ids: list[int], max_tokens: int):

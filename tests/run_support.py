@@ -1,10 +1,13 @@
-"""Shared by the end-to-end run tests: a small config, the CLI in a subprocess, the layout check."""
+"""Shared by the end-to-end run tests: a small config, the CLI in a subprocess, the layout check,
+and one Prefect API for every whole run of the session."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +57,59 @@ def write_config(
     return path
 
 
-def env_for(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+# The session's Prefect API: rollflow's own private API (``local_prefect_api``), held open by a
+# small process of its own until the session ends. A run given PREFECT_API_URL uses it instead of
+# starting one (a start, with its database's migration, took 20-60 s on 2 busy cores).
+_API_HOLDER = """
+import sys
+from rollflow.infra.prefect_api import local_prefect_api
+with local_prefect_api() as url:
+    print(url, flush=True)
+    sys.stdin.read()
+"""
+_api: subprocess.Popen | None = None
+_api_url: str | None = None
+
+
+def session_prefect_api() -> str:
+    """The URL of the session's Prefect API, started on first use and stopped at exit."""
+    global _api, _api_url
+    if _api_url is None:
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        env["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rollflow-tests-prefect-")
+        _api = subprocess.Popen(
+            [sys.executable, "-c", _API_HOLDER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        atexit.register(_stop_session_api)
+        url = _api.stdout.readline().strip()
+        assert url.startswith("http"), f"the session's Prefect API did not start ({url!r})"
+        _api_url = url
+    return _api_url
+
+
+def _stop_session_api() -> None:
+    if _api is not None and _api.poll() is None:
+        _api.stdin.close()  # the holder leaves local_prefect_api's block: the API stops
+        try:
+            _api.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _api.kill()
+
+
+def env_for(tmp_path: Path, api: bool = True) -> dict[str, str]:
+    """A run's environment: its own PREFECT_HOME, and the session's Prefect API unless ``api`` is
+    false (then the run starts its own private one, as without a configured server)."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    if api:
+        env["PREFECT_API_URL"] = session_prefect_api()
+    else:
+        env.pop("PREFECT_API_URL", None)
+    return env
 
 
 def run_cli(config: Path, tmp_path: Path, *overrides: str, timeout: float = 420) -> str:
@@ -84,3 +138,85 @@ def assert_every_step_once(run_dir: Path, steps: int) -> None:
         f"read_parquet('{run_dir}/rollouts/*/*.parquet', hive_partitioning=true) group by step order by step"
     ).fetchall()
     assert rows == [(s, 32, 8) for s in range(1, steps + 1)]
+
+
+def assert_documented_layout(
+    run_dir: Path, out: str, tmp_path: Path, rerun_args: list[str]
+) -> None:
+    """A finished 4-step synchronous run of ``SMALL`` (eval every 2 steps) wrote the documented
+    layout; `rollflow status` tables it; rerunning it (``rerun_args`` after ``rollflow run``)
+    does nothing and says so."""
+    import json
+
+    import duckdb
+    import pandas as pd
+
+    assert "step 4/4" in out and "held-out reward" in out
+    assert_every_step_once(run_dir, 4)
+    df = pd.read_parquet(run_dir / "rollouts", partitioning=None)  # step is a column of every file
+    expected = {
+        "run",
+        "step",
+        "env",
+        "prompt_id",
+        "group_index",
+        "sample_index",
+        "prompt_ids",
+        "completion_ids",
+        "completion_logprobs",
+        "reward",
+        "advantage",
+        "version_started",
+        "version_finished",
+        "finish_reason",
+        "error",
+        "info",
+    }
+    assert expected <= set(df.columns)
+    # Synchronous RL: step N was sampled by the policy of version N-1.
+    assert (df["version_started"] == df["step"] - 1).all()
+    assert all(
+        len(ids) == len(lp)
+        for ids, lp in zip(df["completion_ids"], df["completion_logprobs"], strict=True)
+    )
+    batches = duckdb.sql(
+        f"select advantage from read_parquet('{run_dir}/batches/*/*.parquet')"
+    ).df()
+    assert batches["advantage"].notna().all()
+    events = [
+        json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()
+    ]
+    assert events.count("step_committed") == 4 and events[-1] == "training_finished"
+    metrics = duckdb.sql(
+        f"select * from read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true)"
+    ).df()
+    assert sorted(metrics["step"]) == [0, 1, 2, 3, 4]
+    assert metrics["eval_reward"].notna().sum() == 3  # steps 0, 2, 4
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollflow.cli",
+            "status",
+            run_dir.name,
+            "--storage",
+            str(run_dir.parent),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[5].split()[0] == "4"  # header, steps 0..4
+    assert "4 steps committed (last: 4), training finished" in status.stdout
+    # A rerun of a finished run does nothing and says so.
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollflow.cli", "run", *rerun_args],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=env_for(tmp_path),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "already committed" in proc.stdout

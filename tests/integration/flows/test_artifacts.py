@@ -12,6 +12,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from rollflow.flows import artifacts
 from rollflow.flows.artifacts import (
@@ -20,17 +21,18 @@ from rollflow.flows.artifacts import (
     publish_step_metrics,
     publish_summary,
 )
-from rollflow.infra.prefect_api import local_prefect_api
 from rollflow.infra.storage import RunStorage
+
+from run_support import session_prefect_api
 
 NUM_STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def prefect_api():
-    # The run's own private API (tests' PREFECT_HOME keeps its database migrated between sessions).
-    with local_prefect_api() as url:
-        yield url
+    # The session's Prefect API (tests/run_support.py), as this process's configured server.
+    with temporary_settings(updates={PREFECT_API_URL: session_prefect_api()}) as settings:
+        yield settings.api.url
 
 
 def read_artifacts(key: str) -> list:

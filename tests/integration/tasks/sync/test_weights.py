@@ -18,41 +18,11 @@ from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.inference import auth
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.service import free_port
-from rollflow.infra.weights.group import WeightSender, weight_metadata
 from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, join, leave, publish
 
-from conftest import PROMPT_IDS, greedy_reference
+from conftest import PROMPT_IDS, SenderSource, greedy_reference
 
 pytestmark = pytest.mark.slow
-
-
-class SenderSource:
-    """The trainer's half of the weight plane, in process: its weights are set by the test."""
-
-    def __init__(self, weights, secret: str):
-        self.weights, self.sender, self.version = weights, None, 0
-        self.secret = secret  # the vLLM server's key: its workers prove it to join
-
-    def metadata(self):
-        return weight_metadata(self.weights)
-
-    def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
-        self.sender = WeightSender(
-            host, port, world_size, timeout_s, wire_device, bucket_bytes, secret=self.secret
-        )
-        self.sender.connect()
-        return {"ok": True}
-
-    def weights_broadcast(self, version=None, timeout_s=None):
-        version = self.version if version is None else version
-        return {"version": version, "bytes": self.sender.broadcast(self.weights, version)}
-
-    def weights_close(self, timeout_s=None):
-        self.sender.close()
-        return {"ok": True}
-
-    def health(self, timeout_s=5.0):
-        return {"ok": True, "weights_version": self.version}
 
 
 def greedy(url: str) -> list[int]:
