@@ -1,9 +1,11 @@
-"""The trainer's HTTP API on rank 0, and the dispatcher that hands each call to the main thread.
+"""The trainer's HTTP API on rank 0: one method per route of ``protocol.ROUTES``, beside its body.
 
-Every route but ``/health`` and ``/weights/metadata`` becomes one JSON command for the main
-thread, which runs it on every rank (``service.serve``). A route answers 400 for bad input found
-before any collective (``InputError``), 409 for a call out of turn, 502 when the weight plane
-failed (``WeightSyncError``), 503 once a rank died or a command failed
+A command route (``route.command``) becomes one JSON command for the main thread, which runs it
+on every rank (``service.serve``); the others (health, metadata, the end of a step and of
+training) rank 0 answers alone. Every route needs the run's token, and nothing else is served
+(no ``/docs`` or ``/openapi.json``). A route answers 400 for bad input found before any
+collective (``InputError``), 401 without the token, 409 for a call out of turn, 502 when the
+weight plane failed (``WeightSyncError``), 503 once a rank died or a command failed
 mid-collective, 504 past the call's deadline.
 """
 
@@ -12,10 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
@@ -24,7 +25,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
-from rollflow.trainer.control import PeerWatch
+from rollflow.trainer import protocol as p
+from rollflow.trainer.dispatch import Dispatcher, Pending
 from rollflow.trainer.ops import RankOps
 from rollflow.trainer.protocol import (
     BatchRef,
@@ -32,234 +34,230 @@ from rollflow.trainer.protocol import (
     ExportHF,
     ForwardBackward,
     Gradients,
+    Route,
     StepRef,
     WeightConnect,
 )
 from rollflow.trainer.trainer import Trainer
+from rollflow.trainer.weight_plane import NOT_CONNECTED
 
 log = logging.getLogger("rollflow.trainer")
 
-# ------------------------------------------------------------------------------ dispatcher
+
+def serves(route: Route) -> Callable[[Callable], Callable]:
+    """Mark a method of ``TrainerAPI`` as the handler of ``route``."""
+
+    def mark(handler: Callable) -> Callable:
+        handler.route = route  # type: ignore[attr-defined]
+        return handler
+
+    return mark
 
 
-class _Pending:
-    def __init__(self, cmd: dict[str, Any]):
-        self.cmd, self.done = cmd, threading.Event()  # {"op": name, "args": the request's JSON}
-        self.result: Any = None
-        self.error: BaseException | None = None
+class TrainerAPI:
+    """Rank 0's routes.
 
-    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
-        self.result, self.error = result, error
-        self.done.set()
-
-
-class Dispatcher:
-    """Rank 0's queue from HTTP threads to the main thread.
-
-    Invariant: commands run in submission order, one at a time; a caller gets its own command's
-    result, or, as soon as a failure is known, an error naming it; never a wait past its deadline.
+    Owns the step state, which rank 0 alone keeps: ``weights_version`` is the outer step whose
+    optimizer steps made the current weights (None between a step's first optimizer step and its
+    ``/end_step``); ``finished`` is set once, after the end of step ``num_steps`` (the explicit
+    end of training).
     """
 
-    def __init__(self, watch: PeerWatch):
-        self.watch = watch
-        self._queue: queue.Queue[_Pending] = queue.Queue()
+    def __init__(
+        self,
+        ops: RankOps,
+        trainer: Trainer,
+        dispatcher: Dispatcher,
+        ranks: list[dict],
+        *,
+        backend: str,
+        timeout_s: float,
+        num_steps: int | None = None,
+        weights_version: int = 0,
+    ):
+        self.ops, self.trainer, self.dispatcher, self.ranks = ops, trainer, dispatcher, ranks
+        self.backend, self.timeout_s, self.num_steps = backend, timeout_s, num_steps
+        self.weights_version: int | None = weights_version
+        self.finished = threading.Event()
+        self.finished_at: dict[str, Any] = {}
+        # Taken around reading or changing the step state and queueing the command that goes
+        # with it, so that a broadcast's version tag and an optimizer step are queued in the
+        # order they were read.
+        self.order = threading.Lock()
 
-    def enqueue(self, cmd: dict[str, Any]) -> _Pending:
-        if self.watch.failure:
-            raise ServiceError(self.watch.failure, 503)
-        pending = _Pending(cmd)
-        self._queue.put(pending)
-        return pending
+    def routes(self) -> list[tuple[Route, Callable]]:
+        """Every route with its bound handler, in the order declared below."""
+        marked = [f for f in vars(type(self)).values() if hasattr(f, "route")]
+        return [(f.route, getattr(self, f.__name__)) for f in marked]
 
-    def wait(self, pending: _Pending, timeout_s: float) -> Any:
-        cmd = pending.cmd
-        deadline = time.monotonic() + timeout_s
-        while not pending.done.wait(0.05):
-            if self.watch.failure:
-                raise ServiceError(self.watch.failure, 503)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"trainer {cmd['op']}: no result within {timeout_s:.0f}s")
-        if pending.error is not None:
-            raise pending.error
-        return pending.result
+    # ------------------------------------------------------------------- commands
 
-    def next(self, wait_s: float) -> _Pending | None:
-        try:
-            return self._queue.get(timeout=wait_s)
-        except queue.Empty:
-            return None
-
-
-def build_app(
-    token: str,
-    ops: RankOps,
-    trainer: Trainer,
-    dispatcher: Dispatcher,
-    ranks: list[dict],
-    *,
-    backend: str,
-    timeout_s: float,
-    num_steps: int | None = None,
-    weights_version: int = 0,
-) -> FastAPI:
-    """The HTTP API on rank 0; every route but the metadata, health and end-of-step ones runs a command.
-
-    Rank 0 alone keeps the step state: ``weights_version`` is the outer step whose optimizer steps
-    made the current weights (None between a step's first optimizer step and its ``/end_step``);
-    ``finished`` is set once, after the end of step ``num_steps`` (the explicit end of training).
-    """
-    state: dict[str, Any] = {"weights_version": weights_version, "finished": None}
-    finished = threading.Event()
-
-    def auth(authorization: str = Header("")) -> None:
-        if authorization != f"Bearer {token}":
-            raise HTTPException(401, "missing or wrong run token")
-
-    app = FastAPI(title="rollflow trainer", dependencies=[Depends(auth)])
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        """A malformed body is bad input like any other: 400, naming each field and what is wrong."""
-        problems = [f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()]
-        return JSONResponse(
-            {"detail": f"{request.url.path}: " + "; ".join(problems)}, status_code=400
-        )
-
-    # Taken around reading or changing the step state and queueing the command that goes with it,
-    # so that a broadcast's version tag and an optimizer step are queued in the order they were read.
-    order = threading.Lock()
-
-    def queue(op: str, request: BaseModel | None = None) -> _Pending:
+    def _queue(self, route: Route, request: BaseModel | None = None) -> Pending:
         args = request.model_dump(mode="json") if request is not None else {}
         with _as_http_errors():
-            return dispatcher.enqueue({"op": op, "args": args})
+            return self.dispatcher.enqueue({"op": route.op, "args": args})
 
-    def result(pending: _Pending, deadline_s: float = timeout_s) -> Any:
+    def _result(self, pending: Pending, deadline_s: float | None = None) -> Any:
         with _as_http_errors():
-            return dispatcher.wait(pending, deadline_s)
+            return self.dispatcher.wait(pending, deadline_s or self.timeout_s)
 
-    def run(op: str, request: BaseModel | None = None, deadline_s: float = timeout_s) -> Any:
-        return result(queue(op, request), deadline_s)
+    def _run(
+        self, route: Route, request: BaseModel | None = None, deadline_s: float | None = None
+    ) -> Any:
+        return self._result(self._queue(route, request), deadline_s)
 
-    @app.get("/health")
-    def health() -> dict:
-        if dispatcher.watch.failure:
-            raise HTTPException(503, dispatcher.watch.failure)
+    def _queue_tagged(self, route: Route, version: int | None) -> tuple[int, Pending]:
+        """Queue a weight-plane command for ``version`` (None: the last finished step's), in
+        order after the calls before it; 409 while a step is training (no version yet)."""
+        with self.order:
+            version = self.weights_version if version is None else version
+            if version is None:
+                raise HTTPException(
+                    409, "a step is training: its weights are no policy version yet"
+                )
+            return version, self._queue(route, Broadcast(version=version))
+
+    # --------------------------------------------------------------------- routes
+
+    @serves(p.HEALTH)
+    def health(self) -> dict:
+        if self.dispatcher.watch.failure:
+            raise HTTPException(503, self.dispatcher.watch.failure)
         return {
             "ok": True,
-            "optim_step": trainer.step,
-            "weights_version": state["weights_version"],
-            "backend": backend,
-            "world_size": len(ranks),
-            "ranks": ranks,
+            "optim_step": self.trainer.step,
+            "weights_version": self.weights_version,
+            "backend": self.backend,
+            "world_size": len(self.ranks),
+            "ranks": self.ranks,
             "pid": os.getpid(),
         }
 
-    @app.post("/forward")
-    def forward(req: BatchRef) -> dict:
-        return run("forward", req)
+    @serves(p.FORWARD)
+    def forward(self, req: BatchRef) -> dict:
+        return self._run(p.FORWARD, req)
 
-    @app.post("/forward_backward")
-    def forward_backward(req: ForwardBackward) -> dict:
-        if req.loss.kl_coef > 0 and trainer.reference is None:
+    @serves(p.FORWARD_BACKWARD)
+    def forward_backward(self, req: ForwardBackward) -> dict:
+        if req.loss.kl_coef > 0 and self.trainer.reference is None:
             raise HTTPException(
                 400,
                 "loss.kl_coef > 0 needs the reference model, and this trainer was "
                 "started without one: set train.loss.kl_coef > 0 in the run's config",
             )
-        return run("forward_backward", req)
+        return self._run(p.FORWARD_BACKWARD, req)
 
-    @app.post("/optim_step")
-    def optim_step() -> dict:
-        if finished.is_set():
+    @serves(p.OPTIM_STEP)
+    def optim_step(self) -> dict:
+        if self.finished.is_set():
             raise HTTPException(
-                409, f"training finished after step {num_steps}: no more optimizer steps"
+                409, f"training finished after step {self.num_steps}: no more optimizer steps"
             )
-        with order:
-            state["weights_version"] = None
-            pending = queue("optim_step")
-        return result(pending)
+        with self.order:
+            self.weights_version = None
+            pending = self._queue(p.OPTIM_STEP)
+        return self._result(pending)
 
-    @app.post("/end_step")
-    def end_step(req: StepRef) -> dict:
+    @serves(p.END_STEP)
+    def end_step(self, req: StepRef) -> dict:
         """Step ``req.step`` made all its optimizer steps; after the run's last, training ends."""
-        with order:  # queued after the step's optimizer steps (the train task calls in order)
-            state["weights_version"] = req.step
-        if req.step == num_steps and not finished.is_set():
-            state["finished"] = {"step": req.step, "optim_step": trainer.step, "time": time.time()}
-            finished.set()
-            log.info("training finished: step %s, optimizer step %s", req.step, trainer.step)
-        return {"finished": finished.is_set()}
+        with self.order:  # queued after the step's optimizer steps (the train task calls in order)
+            self.weights_version = req.step
+        if req.step == self.num_steps and not self.finished.is_set():
+            step = self.trainer.step
+            self.finished_at = {"step": req.step, "optim_step": step, "time": time.time()}
+            self.finished.set()
+            log.info("training finished: step %s, optimizer step %s", req.step, step)
+        return {"finished": self.finished.is_set()}
 
-    @app.get("/training_finished")
-    def training_finished(wait_s: float = 0.0) -> dict:
+    @serves(p.TRAINING_FINISHED)
+    def training_finished(self, wait_s: float = 0.0) -> dict:
         """The explicit end of training; a long poll of at most 30 s (calls go on meanwhile)."""
-        finished.wait(min(max(wait_s, 0.0), 30.0))
-        return {"finished": finished.is_set(), **(state["finished"] or {})}
+        self.finished.wait(min(max(wait_s, 0.0), 30.0))
+        return {"finished": self.finished.is_set(), **self.finished_at}
 
-    @app.post("/save_checkpoint")
-    def save_checkpoint(req: StepRef) -> dict:
-        return run("save_checkpoint", req)
+    @serves(p.SAVE_CHECKPOINT)
+    def save_checkpoint(self, req: StepRef) -> dict:
+        return self._run(p.SAVE_CHECKPOINT, req)
 
-    @app.post("/load_checkpoint")
-    def load_checkpoint(req: StepRef) -> dict:
-        return run("load_checkpoint", req)
+    @serves(p.LOAD_CHECKPOINT)
+    def load_checkpoint(self, req: StepRef) -> dict:
+        return self._run(p.LOAD_CHECKPOINT, req)
 
-    @app.post("/export_hf")
-    def export_hf(req: ExportHF) -> dict:
-        return run("export_hf", req)
+    @serves(p.EXPORT_HF)
+    def export_hf(self, req: ExportHF) -> dict:
+        return self._run(p.EXPORT_HF, req)
 
-    @app.post("/gradients")
-    def gradients(req: Gradients) -> dict:
-        return run("gradients", req)
+    @serves(p.GRADIENTS)
+    def gradients(self, req: Gradients) -> dict:
+        return self._run(p.GRADIENTS, req)
 
-    @app.get("/weights/metadata")
-    def metadata() -> list[dict]:
-        return trainer.metadata
+    @serves(p.WEIGHTS_METADATA)
+    def metadata(self) -> list[dict]:
+        return self.trainer.metadata
 
-    @app.post("/weights/connect")
-    def connect(req: WeightConnect) -> dict:
-        return run("weights_connect", req)
+    @serves(p.WEIGHTS_CONNECT)
+    def connect(self, req: WeightConnect) -> dict:
+        return self._run(p.WEIGHTS_CONNECT, req)
 
-    def queue_tagged(op: str, version: int | None) -> tuple[int, _Pending]:
-        """Queue a weight-plane command for ``version`` (None: the last finished step's), in
-        order after the calls before it; 409 while a step is training (no version yet)."""
-        with order:
-            version = state["weights_version"] if version is None else version
-            if version is None:
-                raise HTTPException(
-                    409, "a step is training: its weights are no policy version yet"
-                )
-            return version, queue(op, Broadcast(version=version))
-
-    @app.post("/weights/capture")
-    def capture(req: Broadcast) -> dict:
+    @serves(p.WEIGHTS_CAPTURE)
+    def capture(self, req: Broadcast) -> dict:
         """Keep the current weights as ``req.version`` (default: the last finished step's) for a
-        later ``/weights/broadcast`` of that version, which then leaves the ranks free to train."""
-        _, pending = queue_tagged("weights_capture", req.version)
-        return result(pending)
+        later broadcast of that version, which then leaves the ranks free to train."""
+        _, pending = self._queue_tagged(p.WEIGHTS_CAPTURE, req.version)
+        return self._result(pending)
 
-    @app.post("/weights/broadcast")
-    def broadcast(req: Broadcast) -> dict:
-        if ops.sender is None:
-            raise HTTPException(409, "weight group not connected: call /weights/connect first")
+    @serves(p.WEIGHTS_BROADCAST)
+    def broadcast(self, req: Broadcast) -> dict:
+        if not self.ops.weights.connected:
+            raise HTTPException(409, NOT_CONNECTED)
         if req.version is not None:
             # Captured at the end of its step: sent from this thread while the ranks go on.
             with _as_http_errors():
-                sent = ops.send_captured(req.version)
+                sent = self.ops.weights.send_captured(req.version)
             if sent is not None:
                 return {"version": req.version, **sent}
-        version, pending = queue_tagged("weights_broadcast", req.version)
-        return {"version": version, **result(pending)}
+        version, pending = self._queue_tagged(p.WEIGHTS_BROADCAST, req.version)
+        return {"version": version, **self._result(pending)}
 
-    @app.post("/weights/close")
-    def close_weights() -> dict:
-        return run("weights_close")
+    @serves(p.WEIGHTS_CLOSE)
+    def close_weights(self) -> dict:
+        return self._run(p.WEIGHTS_CLOSE)
 
-    @app.post("/shutdown")
-    def shutdown() -> dict:
-        return run("shutdown", deadline_s=30)
+    @serves(p.SHUTDOWN)
+    def shutdown(self) -> dict:
+        return self._run(p.SHUTDOWN, deadline_s=30)
 
+
+def build_app(token: str, api: TrainerAPI) -> FastAPI:
+    """The HTTP app of ``api``: each of its routes, all behind the run's token, and nothing else."""
+
+    def auth(authorization: str = Header("")) -> None:
+        if authorization != f"Bearer {token}":
+            raise HTTPException(401, "missing or wrong run token")
+
+    # FastAPI's /docs, /redoc and /openapi.json would answer without the token: not served.
+    app = FastAPI(
+        title="rollflow trainer",
+        dependencies=[Depends(auth)],
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A malformed body is bad input like any other: 400, naming each field and what is wrong."""
+        problems = [f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse(
+            {"detail": f"{request.url.path}: " + "; ".join(problems)}, status_code=400
+        )
+
+    routes = api.routes()
+    unserved = sorted(r.path for r in set(p.ROUTES) - {r for r, _ in routes})
+    assert not unserved and len(routes) == len(p.ROUTES), f"routes without a handler: {unserved}"
+    for route, handler in routes:
+        app.add_api_route(route.path, handler, methods=[route.method])
     return app
 
 

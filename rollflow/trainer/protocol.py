@@ -1,13 +1,18 @@
-"""What crosses into the trainer service: its start arguments and the body of every call.
+"""What crosses into the trainer service: its start arguments, and every route with its body.
 
-One model per request, used at every hop: the client (``tasks/train/client.py``) builds it, rank 0's HTTP
-API (``api.py``) parses it, rank 0 broadcasts it to every rank as the command's arguments, and
-each rank (``ops.py``) parses it again. Losses use the run config's own ``LossConfig`` and the
-service its ``TrainSection`` / ``TrainerSection``: every default lives in ``infra/config.py``.
+Owns: the route of every trainer call (method, path, request body, and whether every rank runs
+it), declared once below beside its body. The client (``tasks/train/client.py``) calls a route
+and builds its body, rank 0's HTTP API (``api.py``) serves it and parses the body, rank 0
+broadcasts it to every rank as the command ``route.op``, and each rank (``ops.py``) parses it
+again. No route string appears anywhere else. Losses use the run config's own ``LossConfig`` and
+the service its ``TrainSection`` / ``TrainerSection``: every default lives in ``infra/config.py``.
+
+Imported by the orchestrator's side: keep it free of torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,6 +22,22 @@ from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, T
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One trainer call: HTTP method, path, request body (None: no body), and whether it is a
+    command that every rank runs (``op``) or one that rank 0 answers alone."""
+
+    method: Literal["GET", "POST"]
+    path: str
+    body: type[_Body] | None = None
+    command: bool = True
+
+    @property
+    def op(self) -> str:
+        """The command's name on the control channel: the path, ``/`` as ``_``."""
+        return self.path.strip("/").replace("/", "_")
 
 
 class ServiceArgs(_Body):
@@ -55,11 +76,20 @@ class ServiceArgs(_Body):
         return self.train.loss.kl_coef > 0
 
 
+# ------------------------------------------------------------------------- the routes
+
+HEALTH = Route("GET", "/health", command=False)  # ok, optimizer step, weights version, ranks
+TRAINING_FINISHED = Route("GET", "/training_finished", command=False)  # ?wait_s= long poll
+
+
 class BatchRef(_Body):
     """A committed batch step, optionally restricted to some of its groups."""
 
     step: int
     group_indices: list[int] | None = None
+
+
+FORWARD = Route("POST", "/forward", BatchRef)
 
 
 class ForwardBackward(BatchRef):
@@ -73,16 +103,32 @@ class ForwardBackward(BatchRef):
     )
 
 
+FORWARD_BACKWARD = Route("POST", "/forward_backward", ForwardBackward)
+OPTIM_STEP = Route("POST", "/optim_step")
+
+
 class StepRef(_Body):
     step: int
+
+
+END_STEP = Route("POST", "/end_step", StepRef, command=False)  # rank 0 keeps the step state
+SAVE_CHECKPOINT = Route("POST", "/save_checkpoint", StepRef)
+LOAD_CHECKPOINT = Route("POST", "/load_checkpoint", StepRef)
 
 
 class ExportHF(_Body):
     uri: str
 
 
+EXPORT_HF = Route("POST", "/export_hf", ExportHF)
+
+
 class Gradients(_Body):
     path: str
+
+
+GRADIENTS = Route("POST", "/gradients", Gradients)
+WEIGHTS_METADATA = Route("GET", "/weights/metadata", command=False)
 
 
 class WeightConnect(_Body):
@@ -94,7 +140,19 @@ class WeightConnect(_Body):
     bucket_bytes: int = Field(gt=0)
 
 
+WEIGHTS_CONNECT = Route("POST", "/weights/connect", WeightConnect)
+
+
 class Broadcast(_Body):
     # None: the weights of the last finished step, tagged with that step (``weights_version``);
     # refused while a step is training (a restarted vLLM's re-sync waits for a step boundary).
     version: int | None = None
+
+
+WEIGHTS_CAPTURE = Route("POST", "/weights/capture", Broadcast)
+WEIGHTS_BROADCAST = Route("POST", "/weights/broadcast", Broadcast)
+WEIGHTS_CLOSE = Route("POST", "/weights/close")
+SHUTDOWN = Route("POST", "/shutdown")  # every rank tears down, then the service exits
+
+ROUTES = tuple(v for v in list(globals().values()) if isinstance(v, Route))
+"""Every route the HTTP API serves (``api.build_app`` serves each exactly once)."""

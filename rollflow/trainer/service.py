@@ -35,10 +35,11 @@ import uvicorn
 
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
 from rollflow.infra.storage import RunStorage
-from rollflow.trainer.api import Dispatcher, build_app
+from rollflow.trainer.api import TrainerAPI, build_app
 from rollflow.trainer.control import ControlGroup, PeerWatch, rank_identity
-from rollflow.trainer.ops import RankOps
-from rollflow.trainer.protocol import ServiceArgs
+from rollflow.trainer.dispatch import Dispatcher
+from rollflow.trainer.ops import HEARTBEAT, RankOps
+from rollflow.trainer.protocol import SHUTDOWN, ServiceArgs
 from rollflow.trainer.trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
@@ -62,7 +63,7 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
             if dispatcher.watch.failure:
                 return
             pending = dispatcher.next(HEARTBEAT_S)
-            cmd = pending.cmd if pending else {"op": "ping", "args": {}}
+            cmd = pending.cmd if pending else {"op": HEARTBEAT, "args": {}}
             try:
                 ops.control.broadcast(cmd)
             except Exception as err:
@@ -76,7 +77,7 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
                 return
         else:
             cmd = ops.control.broadcast()
-        if cmd["op"] == "shutdown":
+        if cmd["op"] == SHUTDOWN.op:
             if pending:
                 pending.resolve({"ok": True})
             return
@@ -200,8 +201,7 @@ def _serve_rank0(
             os._exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    app = build_app(
-        token,
+    api = TrainerAPI(
         ops,
         trainer,
         dispatcher,
@@ -211,6 +211,7 @@ def _serve_rank0(
         num_steps=args.num_steps,
         weights_version=args.checkpoint_step or 0,
     )
+    app = build_app(token, api)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     )

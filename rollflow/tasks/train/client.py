@@ -1,6 +1,7 @@
-"""The trainer service's one client: outside the service, the only code that names its routes.
+"""The trainer service's one client: the orchestrator's only way into the trainer process.
 
-Owns: the route of every trainer call, and the request body it sends (``protocol.py``). Each
+Calls the routes that ``rollflow/trainer/protocol.py`` declares (path, method and body, each
+once); no route string is written here. Each
 call is one blocking JSON request with the run's token and a deadline (``infra/http.py``), and
 raises ``ServiceError`` (with the HTTP status, None when nothing answered) on failure: 400 bad
 input (the service stays usable), 409 a call out of turn, 502 the weight plane failed, 503 a rank
@@ -15,6 +16,7 @@ from pydantic import BaseModel
 
 from rollflow.infra.config import LossConfig
 from rollflow.infra.http import Endpoint, call
+from rollflow.trainer import protocol as p
 from rollflow.trainer.protocol import (
     BatchRef,
     Broadcast,
@@ -41,31 +43,38 @@ class TrainerClient:
     def url(self) -> str:
         return self.endpoint.url
 
-    def _post(
-        self, path: str, body: BaseModel | None = None, timeout_s: float | None = None
+    def _call(
+        self,
+        route: p.Route,
+        body: BaseModel | None = None,
+        timeout_s: float | None = None,
+        query: str = "",
     ) -> Any:
         payload = body.model_dump(mode="json") if body is not None else None
-        return call(self.endpoint, path, payload, timeout_s=timeout_s or self.timeout_s)
-
-    def _get(self, path: str, timeout_s: float) -> Any:
-        return call(self.endpoint, path, timeout_s=timeout_s, method="GET")
+        return call(
+            self.endpoint,
+            route.path + query,
+            payload,
+            timeout_s=timeout_s or self.timeout_s,
+            method=route.method,
+        )
 
     # ------------------------------------------------------------------- state
 
     def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> dict[str, Any]:
         """``ok``, ``optim_step``, ``weights_version`` (None mid-step), backend, ranks."""
-        return self._get("/health", timeout_s)
+        return self._call(p.HEALTH, timeout_s=timeout_s)
 
     def training_finished(self, wait_s: float = 0.0) -> dict[str, Any]:
         """The explicit end of training (``finished``, step, optimizer step); a long poll of
         at most ``wait_s`` (the service caps it at 30 s)."""
-        return self._get(f"/training_finished?wait_s={wait_s:g}", timeout_s=wait_s + 10.0)
+        return self._call(p.TRAINING_FINISHED, timeout_s=wait_s + 10.0, query=f"?wait_s={wait_s:g}")
 
     # ----------------------------------------------------------------- compute
 
     def forward(self, step: int, group_indices: list[int] | None = None) -> dict[str, Any]:
         """The trainer's own log-probs of batch ``step``, written to ``logprobs/step=N``."""
-        return self._post("/forward", BatchRef(step=step, group_indices=group_indices))
+        return self._call(p.FORWARD, BatchRef(step=step, group_indices=group_indices))
 
     def forward_backward(
         self,
@@ -79,8 +88,8 @@ class TrainerClient:
     ) -> dict[str, Any]:
         """Accumulate the gradients of ``loss`` over batch ``step`` (restricted to the groups,
         and to the ``samples`` keys when given)."""
-        return self._post(
-            "/forward_backward",
+        return self._call(
+            p.FORWARD_BACKWARD,
             ForwardBackward(
                 step=step,
                 group_indices=group_indices,
@@ -92,36 +101,36 @@ class TrainerClient:
         )
 
     def optim_step(self) -> dict[str, Any]:
-        return self._post("/optim_step")
+        return self._call(p.OPTIM_STEP)
 
     def end_step(self, step: int) -> dict[str, Any]:
         """Outer step ``step`` made all its optimizer steps: its weights become that version;
         after the run's last step the service publishes ``training_finished``."""
-        return self._post("/end_step", StepRef(step=step))
+        return self._call(p.END_STEP, StepRef(step=step))
 
     # ------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, step: int) -> dict[str, Any]:
         """Model, optimizer, schedule, RNG and step to ``checkpoints/step=N`` (its commit point)."""
-        return self._post("/save_checkpoint", StepRef(step=step))
+        return self._call(p.SAVE_CHECKPOINT, StepRef(step=step))
 
     def load_checkpoint(self, step: int) -> dict[str, Any]:
         """Every rank restores committed checkpoint ``step`` (same backend)."""
-        return self._post("/load_checkpoint", StepRef(step=step))
+        return self._call(p.LOAD_CHECKPOINT, StepRef(step=step))
 
     def export_hf(self, uri: str) -> dict[str, Any]:
         """The current weights as a Hugging Face folder at ``uri`` (inspection, tests)."""
-        return self._post("/export_hf", ExportHF(uri=uri))
+        return self._call(p.EXPORT_HF, ExportHF(uri=uri))
 
     def gradients(self, path: str) -> dict[str, Any]:
         """The accumulated full gradient as safetensors at ``path`` (inspection, tests)."""
-        return self._post("/gradients", Gradients(path=path))
+        return self._call(p.GRADIENTS, Gradients(path=path))
 
     # ----------------------------------------------------------- weight plane
 
     def metadata(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Name, shape and dtype of every tensor a weight sync carries, in wire order."""
-        return self._get("/weights/metadata", timeout_s)
+        return self._call(p.WEIGHTS_METADATA, timeout_s=timeout_s)
 
     def weights_connect(
         self,
@@ -134,8 +143,8 @@ class TrainerClient:
     ) -> dict[str, Any]:
         """Rank 0 joins the weight group as its rank 0 (hosting its store), or answers 502 after
         the group's own ``timeout_s``; the call's deadline leaves it time to say so."""
-        return self._post(
-            "/weights/connect",
+        return self._call(
+            p.WEIGHTS_CONNECT,
             WeightConnect(
                 host=host,
                 port=port,
@@ -150,17 +159,17 @@ class TrainerClient:
     def weights_capture(self, version: int | None = None) -> dict[str, Any]:
         """Keep the weights as ``version`` on the trainer; its broadcast then runs off the ranks'
         command loop, so the next step can train meanwhile (``capture_s``, ``bytes``)."""
-        return self._post("/weights/capture", Broadcast(version=version))
+        return self._call(p.WEIGHTS_CAPTURE, Broadcast(version=version))
 
     def weights_broadcast(
         self, version: int | None = None, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """Send the weights as ``version`` (None: the last finished step's); ``bytes``, ``version``."""
-        return self._post("/weights/broadcast", Broadcast(version=version), timeout_s)
+        return self._call(p.WEIGHTS_BROADCAST, Broadcast(version=version), timeout_s)
 
     def weights_close(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._post("/weights/close", None, timeout_s)
+        return self._call(p.WEIGHTS_CLOSE, None, timeout_s)
 
     def shutdown(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """Every rank tears down its engine and process group; then the service exits."""
-        return self._post("/shutdown", None, timeout_s)
+        return self._call(p.SHUTDOWN, None, timeout_s)

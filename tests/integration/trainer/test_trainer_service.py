@@ -217,6 +217,15 @@ def test_bad_requests_are_named_and_leave_the_service_usable(service):
     assert service.client.optim_step()["optim_step"] >= 1
 
 
+def test_nothing_answers_without_the_run_token(service):
+    """FastAPI's own pages (/docs, /redoc, /openapi.json) would list every route to anyone."""
+    _whole_suite(service)
+    for path in ("/docs", "/redoc", "/openapi.json", "/health"):
+        answer = httpx.get(f"{service.ep.url}{path}", timeout=10)
+        assert answer.status_code in (401, 404), f"{path} answered {answer.status_code}"
+        assert "openapi" not in answer.text
+
+
 def test_checkpoint_round_trip_is_sharding_aware_and_exact(service):
     _whole_suite(service)
     saved = service.client.save_checkpoint(5)

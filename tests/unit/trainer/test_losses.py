@@ -403,7 +403,7 @@ def test_ratio_quantiles_from_the_histogram():
 
 
 def test_correction_metrics_reach_the_step_metrics():
-    from rollflow.trainer.ops import _merge_forward_backward
+    from rollflow.trainer.compute import merge_forward_backward
     from rollflow.trainer.trainer import SUM_KEYS
 
     hist = [0.0] * (len(IS_HIST_EDGES) + 1)
@@ -412,7 +412,7 @@ def test_correction_metrics_reach_the_step_metrics():
     )
     part = {"sums": dict.fromkeys(SUM_KEYS, 0.0), "per_env": {}, "is_hist": hist}
     part["sums"].update(num_loss_tokens=10, is_masked_tokens=2)
-    merged = _merge_forward_backward([part, part], denominator=20, elapsed_s=0.1)
+    merged = merge_forward_backward([part, part], denominator=20, elapsed_s=0.1)
     assert merged["is_masked_fraction"] == pytest.approx(0.2)
     assert merged["is_ratio_q50"] == pytest.approx(1.0, abs=1e-12)
     assert {"is_ratio_q05", "is_ratio_q95"} <= set(merged)

@@ -88,7 +88,7 @@ def test_packed_rows_attend_within_each_sequence_only(tiny_model_dir, row_tokens
 
 def test_the_loss_mask_packs_with_its_tokens_and_bad_masks_are_named():
     from rollflow.infra.errors import InputError
-    from rollflow.trainer.ops import _check_row
+    from rollflow.trainer.batches import check_row
 
     rows = make_rows(12, seed=3, masked=True)
     seqs = sequences(rows)
@@ -104,4 +104,4 @@ def test_the_loss_mask_packs_with_its_tokens_and_bad_masks_are_named():
     assert sum(0 in (r.get("completion_mask") or []) for r in rows) >= 2
     bad = {**rows[1], "completion_mask": [1, 0]}
     with pytest.raises(InputError, match="completion_mask must hold one 0 or 1 per completion"):
-        _check_row(3, 1, bad, None, False)
+        check_row(3, 1, bad, None, False)

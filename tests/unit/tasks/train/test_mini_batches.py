@@ -12,7 +12,7 @@ from rollflow.infra.config import TrainSection
 from rollflow.infra.errors import InputError
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.train.task import minibatches, sample_minibatches, split_seed
-from rollflow.trainer.ops import RankOps
+from rollflow.trainer.batches import BatchReader
 
 from trainer_support import make_rows, write_batch
 
@@ -53,8 +53,7 @@ def test_sample_mini_batches_depend_on_the_seed_only():
 def ops(tmp_path):
     storage = RunStorage(str(tmp_path), "t")
     write_batch(storage, 1, make_rows(16, seed=3))  # 4 groups of 4 samples
-    control = SimpleNamespace(rank=0, world_size=1)  # sequences() reads storage only
-    return RankOps(None, control, storage, micro_batch_tokens=64, row_tokens=None)
+    return BatchReader(storage, 0, 1, micro_batch_tokens=64, row_tokens=None)
 
 
 def test_a_rank_takes_exactly_the_mini_batch_samples(ops):
