@@ -2,6 +2,7 @@
 # The first call on a lent GPU machine: one table for docs/performance.md ("GPU: device check").
 #   bash scripts/device_check.sh          (carry .whl/ with the DeepSpeed and pydantic wheels)
 # Without a GPU it fails at once with one line saying so. See bench/device_check.py.
+# Not the GPU node's pytest run of the whole GPU branch (vLLM included): that is scripts/gpu_check.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-}

@@ -6,7 +6,8 @@
 #   bash scripts/lock.sh                        # after editing dependencies: keeps the other pins
 #   bash scripts/lock.sh --upgrade              # take the newest releases of everything
 #   bash scripts/lock.sh --upgrade-package X    # ... of X only
-#   bash scripts/lock.sh --gpu                  # requirements/gpu.lock: extras gpu + deepspeed, CUDA
+#   bash scripts/lock.sh --gpu                  # requirements/gpu.lock: extras gpu, deepspeed, lora and
+#                                               # check (pytest for scripts/gpu_check.sh), CUDA
 #                                               # torch from PyPI (what the Dockerfile installs)
 # Then run bash scripts/setup.sh (it syncs .venv to the new lock) and the tests, and commit the lock.
 set -euo pipefail
@@ -18,7 +19,7 @@ uv=${UV:-.venv/bin/uv}
   || { echo "lock: needs uv: run bash scripts/setup.sh first (it puts uv in .venv), or set UV=/path/to/uv" >&2; exit 1; }
 if [ "${1:-}" = "--gpu" ]; then
   shift
-  "$uv" pip compile -q pyproject.toml --extra gpu --extra deepspeed --extra lora --python-version 3.11 \
+  "$uv" pip compile -q pyproject.toml --extra gpu --extra deepspeed --extra lora --extra check --python-version 3.11 \
     --python-platform x86_64-manylinux_2_28 --generate-hashes \
     --custom-compile-command "bash scripts/lock.sh --gpu" -o requirements/gpu.lock "$@"
   echo "lock: wrote requirements/gpu.lock ($(grep -c '^[a-z0-9]' requirements/gpu.lock) packages)"
