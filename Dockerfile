@@ -1,5 +1,8 @@
 # The image the GPU work pools run (workpools/*: rollflow:latest): CUDA, Python 3.11, rollflow with
 # its gpu and deepspeed extras installed from requirements/gpu.lock (hashed, CUDA torch from PyPI).
+# The repository is at /opt/rollflow (the WORKDIR below): prefect.yaml's `working_dir` of the
+# container pools names the same folder (tests/unit/test_image.py checks they agree); the
+# virtualenv is apart, at /opt/venv.
 #
 #   docker build -t rollflow:latest .        # or: bash scripts/build_image.sh
 #
@@ -10,20 +13,20 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
-    VIRTUAL_ENV=/opt/rollflow \
-    PATH=/opt/rollflow/bin:$PATH
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
 RUN apt-get update \
     && apt-get install -y --no-install-recommends software-properties-common curl ca-certificates git \
     && add-apt-repository -y ppa:deadsnakes/ppa \
     && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev \
     && rm -rf /var/lib/apt/lists/*
-RUN python3.11 -m venv /opt/rollflow && /opt/rollflow/bin/pip install --no-cache-dir uv==0.13.9
+RUN python3.11 -m venv /opt/venv && /opt/venv/bin/pip install --no-cache-dir uv==0.13.9
 
-WORKDIR /opt/rollflow-src
+WORKDIR /opt/rollflow
 # Dependencies first (a layer that changes only with the lock), then the code.
 COPY requirements/gpu.lock requirements/gpu.lock
-RUN DS_BUILD_OPS=0 uv pip sync --python /opt/rollflow/bin/python requirements/gpu.lock
+RUN DS_BUILD_OPS=0 uv pip sync --python /opt/venv/bin/python requirements/gpu.lock
 COPY . .
-RUN uv pip install --python /opt/rollflow/bin/python --no-deps -e .
+RUN uv pip install --python /opt/venv/bin/python --no-deps -e .
 
 CMD ["rollflow", "--help"]

@@ -23,3 +23,31 @@ def test_the_image_lock_holds_pytest_for_gpu_check():
     lock_sh = (ROOT / "scripts" / "lock.sh").read_text()
     gpu_compile = next(line for line in lock_sh.splitlines() if "--extra gpu " in line)
     assert "--extra check" in gpu_compile
+
+
+def _dockerfile_source_dir() -> str:
+    """The WORKDIR in force where the Dockerfile copies the repository (`COPY . .`)."""
+    workdir = None
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("WORKDIR "):
+            workdir = line.split(None, 1)[1].strip()
+        if line.split() == ["COPY", ".", "."]:
+            assert workdir, "the Dockerfile copies the repository before any WORKDIR"
+            return workdir
+    raise AssertionError("the Dockerfile never copies the repository (COPY . .)")
+
+
+def test_container_pools_run_from_where_the_image_holds_the_repository():
+    import yaml
+
+    source = _dockerfile_source_dir()
+    venv = re.search(r"VIRTUAL_ENV=(\S+)", (ROOT / "Dockerfile").read_text()).group(1)
+    assert source != venv, "the repository and the virtualenv share a folder"
+    pools = yaml.safe_load((ROOT / "prefect.yaml").read_text())["definitions"]["work_pools"]
+    containers = {n: p for n, p in pools.items() if p["type"] in ("docker", "kubernetes")}
+    assert containers, "prefect.yaml defines no container pool"
+    for name, pool in containers.items():
+        assert pool.get("working_dir") == source, (
+            f"prefect.yaml pool {name}: working_dir {pool.get('working_dir')!r}, but the "
+            f"Dockerfile copies the repository to {source!r}"
+        )
