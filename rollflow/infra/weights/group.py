@@ -8,18 +8,35 @@ itself, each with a timeout: a dead peer is an error after ``timeout_s``, never 
 Wire format of one sync (no pickling; both sides hold the same JSON metadata and bucket size):
 
 1. a header, int64 ``[version, total_bytes]``;
-2. the tensors' bytes in metadata order, packed into buckets of at most ``bucket_bytes`` (each
-   tensor starts at a 64-byte boundary; a tensor larger than a bucket travels alone), one
-   broadcast per bucket. ``bucket_layout`` computes the packing; both sides call it.
+2. the tensors' bytes in metadata order, packed into buckets of at most ``bucket_bytes``, one
+   broadcast per bucket. Each piece starts at a 64-byte boundary of its bucket; a tensor that
+   fits a bucket travels whole (in the next bucket if the current one is too full); a larger
+   one fills the current bucket's rest and goes on in the next buckets, in pieces
+   (``Piece(index, start, length, at)``: bytes ``[start, start + length)`` of tensor ``index``
+   at byte ``at`` of its bucket). ``bucket_layout`` computes the pieces; both sides call it, and
+   the receiver assembles a split tensor from its pieces.
 
-Extra memory is one bucket on each side, reused by every sync (a fresh CPU bucket per sync paid a
-page fault per 4 KiB page: bench/weight_sync.py measured ~3x the broadcast itself), plus, on
-the receiving side when a sync spans several buckets, a copy of the tensors vLLM has not yet
-loaded: its layer-wise reload keeps each tensor until its layer is complete, so views into a
-bucket the next broadcast overwrites would be wrong. dtypes travel as bytes: nothing is cast.
+Extra memory is one bucket of at most ``bucket_bytes`` on each side, whatever the largest tensor
+(an embedding of 152k x 3584 no longer sizes a buffer outside vLLM's memory budget), reused by
+every sync (a fresh CPU bucket per sync paid a page fault per 4 KiB page: bench/weight_sync.py
+measured ~3x the broadcast itself), plus, on the receiving side when a sync spans several
+buckets, a copy of the tensors vLLM has not yet loaded: its layer-wise reload keeps each tensor
+until its layer is complete, so views into a bucket the next broadcast overwrites would be
+wrong. dtypes travel as bytes: nothing is cast.
 
 Backend and device come from the placement plan (``placement.choose_backend``): NCCL with
 buckets in GPU memory when both sides are on GPUs, gloo with buckets in host memory otherwise.
+
+Failures take one path on both backends, NCCL's: any collective that fails or outlives
+``timeout_s`` aborts the group (``abort()``: the communicator is gone, every later call raises
+at once) and raises ``WeightSyncError``; the owner closes the member and connects anew. torch's
+own NCCL watchdog would instead take the whole process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+defaults to 3, "SkipCleanUp": tear down without cleanup) on a timeout or a dead peer, killing
+trainer rank 0 when a vLLM server dies mid-sync; the NCCL group is therefore built with mode 2,
+"CleanUpOnly" (abort the communicators, never the process), so ``work.wait`` raises instead.
+gloo raises by itself and would go on with a broken group: here it is aborted just the same.
+``close()`` aborts rather than shuts down (NCCL's ``shutdown`` flushes, waiting for peers that
+may be dead) and gives up waiting after ``CLOSE_TIMEOUT_S``.
 
 Membership is proven before the group forms: rank 0 posts a random nonce in the store, every
 other rank answers HMAC-SHA256(run secret, nonce and its rank), and rank 0 checks each answer
@@ -35,10 +52,12 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import secrets
+import threading
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroup, TCPStore
@@ -82,30 +101,90 @@ def _nbytes(m: dict[str, Any]) -> int:
     return _numel(m["shape"]) * _dtype(m["dtype"]).itemsize
 
 
-def bucket_layout(metadata: list[dict[str, Any]], bucket_bytes: int) -> list[list[tuple[int, int]]]:
-    """The buckets of one sync: for each, ``(metadata index, byte offset)`` of its tensors.
+class Piece(NamedTuple):
+    """Bytes ``[start, start + length)`` of tensor ``index`` travel at byte ``at`` of a bucket."""
 
-    Greedy in metadata order; a tensor larger than ``bucket_bytes`` gets a bucket of its own.
+    index: int
+    start: int
+    length: int
+    at: int
+
+
+def bucket_layout(metadata: list[dict[str, Any]], bucket_bytes: int) -> list[list[Piece]]:
+    """The buckets of one sync, each the pieces it carries; no bucket exceeds ``bucket_bytes``.
+
+    Greedy in metadata order: a tensor that fits a bucket is never split; a larger one fills the
+    current bucket and continues in as many buckets as it needs.
     """
-    buckets: list[list[tuple[int, int]]] = []
-    current: list[tuple[int, int]] = []
+    if bucket_bytes < _ALIGN:
+        raise ValueError(f"bucket_bytes must be at least {_ALIGN}, got {bucket_bytes}")
+    buckets: list[list[Piece]] = []
+    current: list[Piece] = []
     used = 0
     for i, m in enumerate(metadata):
-        size = _nbytes(m)
-        offset = -(-used // _ALIGN) * _ALIGN
-        if current and offset + size > bucket_bytes:
-            buckets.append(current)
-            current, offset = [], 0
-        current.append((i, offset))
-        used = offset + size
+        size, start = _nbytes(m), 0
+        while True:
+            at = -(-used // _ALIGN) * _ALIGN
+            room = bucket_bytes - at
+            if current and (room <= 0 or (size - start <= bucket_bytes and size - start > room)):
+                buckets.append(current)
+                current, at, room = [], 0, bucket_bytes
+            length = min(size - start, room)
+            current.append(Piece(i, start, length, at))
+            used, start = at + length, start + length
+            if start >= size:
+                break
     if current:
         buckets.append(current)
     return buckets
 
 
-def _bucket_size(metadata: list[dict[str, Any]], bucket: list[tuple[int, int]]) -> int:
-    i, offset = bucket[-1]
-    return offset + _nbytes(metadata[i])
+def _bucket_size(bucket: list[Piece]) -> int:
+    return bucket[-1].at + bucket[-1].length
+
+
+CLOSE_TIMEOUT_S = 10.0
+# torch's ErrorHandlingMode 2, "CleanUpOnly": on an error or a timeout the NCCL watchdog aborts
+# the communicators and the waiting call raises; the default (3) takes the process down.
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+_ENV_LOCK = threading.Lock()
+
+
+def _nccl_group(store: PrefixStore, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """A ``ProcessGroupNCCL`` whose failures raise: its error handling is read from the
+    environment when it is built, so the environment says CleanUpOnly for that moment only."""
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in NCCL_ERROR_HANDLING}
+        os.environ.update(NCCL_ERROR_HANDLING)
+        try:
+            return ProcessGroupNCCL(store, rank, world_size, options)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _bounded(call: Any, what: str, timeout_s: float) -> None:
+    """Run ``call`` on a thread and wait at most ``timeout_s``: teardown must neither hang nor
+    mask the error that caused it."""
+
+    def run() -> None:
+        try:
+            call()
+        except Exception as err:
+            logger.debug("weight group %s failed: %s", what, err)
+
+    thread = threading.Thread(target=run, name=f"weight-group-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("weight group %s did not finish within %.0f s; left behind", what, timeout_s)
 
 
 class _WeightGroupMember:
@@ -136,6 +215,7 @@ class _WeightGroupMember:
         self._store: TCPStore | None = None
         self._group: ProcessGroup | None = None
         self._buffer: torch.Tensor | None = None  # the bucket, reused by every sync
+        self._failure: str | None = None  # why the group was aborted, until close()
 
     @property
     def connected(self) -> bool:
@@ -145,6 +225,7 @@ class _WeightGroupMember:
         """Join the group; returns once every rank has joined, or raises after ``timeout_s``."""
         if self._group is not None:
             return
+        self._failure = None
         try:
             self._store = TCPStore(
                 self.host,
@@ -204,49 +285,62 @@ class _WeightGroupMember:
 
     def _make_group(self, store: PrefixStore) -> Any:
         if self.device.type == "cuda":
-            from torch._C._distributed_c10d import ProcessGroupNCCL
-
             torch.cuda.set_device(self.device)
-            options = ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
-            return ProcessGroupNCCL(store, self.rank, self.world_size, options)
+            return _nccl_group(store, self.rank, self.world_size, self.timeout)
         from torch._C._distributed_c10d import ProcessGroupGloo
+
+        from rollflow.trainer.control import gloo_device
 
         options = ProcessGroupGloo._Options()
         options._timeout = self.timeout
-        options._devices = [ProcessGroupGloo.create_default_device()]
+        # The interface that reaches the store's host, not the hostname's (maybe 127.0.1.1).
+        options._devices = [gloo_device(self.host)]
         return ProcessGroupGloo(store, self.rank, self.world_size, options)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
+        """One collective, through the failure path both backends share (module docstring)."""
         if self._group is None:
-            raise WeightSyncError("weight group is not connected; call connect() first")
+            raise WeightSyncError(
+                self._failure or "weight group is not connected; call connect() first"
+            )
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         opts.timeout = self.timeout
-        work = self._group.broadcast([tensor], opts)
         try:
+            work = self._group.broadcast([tensor], opts)
             work.wait(self.timeout)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         except Exception as err:
-            raise WeightSyncError(
+            raise self._abort(
                 f"weight broadcast failed on rank {self.rank} "
                 f"(timeout {self.timeout.total_seconds():.0f} s): {err}"
             ) from err
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+
+    def _abort(self, reason: str) -> WeightSyncError:
+        """Abort the group as NCCL does on an error: it is unusable from now on, on any backend.
+
+        Returns the error to raise; later collectives raise it at once, without touching a peer.
+        """
+        group, self._group = self._group, None
+        self._failure = f"weight group aborted: {reason}; close it and connect anew"
+        if group is not None:
+            _bounded(group.abort, "abort", CLOSE_TIMEOUT_S)
+        return WeightSyncError(reason)
 
     def close(self) -> None:
-        """Leave the group and release the store (rank 0 stops hosting it)."""
+        """Leave the group and release the store (rank 0 stops hosting it); never hangs.
+
+        Aborts the communicator: a graceful shutdown would wait for the peers (on NCCL it
+        flushes), and a peer may be dead. Gives up after ``CLOSE_TIMEOUT_S``.
+        """
         group, self._group = self._group, None
         if group is not None:
-            shutdown = getattr(group, "shutdown", None) or getattr(group, "abort", None)
-            if shutdown is not None:
-                try:
-                    shutdown()
-                except Exception as err:  # teardown must not mask the error that caused it
-                    logger.debug("weight group shutdown failed: %s", err)
+            _bounded(group.abort, "abort", CLOSE_TIMEOUT_S)
         self._store = None
         self._buffer = None
+        self._failure = None
 
     def _bucket(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of the reused bucket buffer (grown when a larger bucket comes)."""
@@ -290,15 +384,18 @@ class WeightSender(_WeightGroupMember):
         tensors = [t.detach() for _, t in named_tensors]
         metadata = weight_metadata((str(i), t) for i, t in enumerate(tensors))
         layout = bucket_layout(metadata, self.bucket_bytes)
-        total = sum(_bucket_size(metadata, b) for b in layout)
+        total = sum(_bucket_size(b) for b in layout)
         header = torch.tensor([int(version), total], dtype=torch.int64, device=self.device)
         self._broadcast(header)
         fault_point("weight_broadcast")
+        flat: dict[int, torch.Tensor] = {}  # the tensor whose pieces are being sent, as bytes
         for bucket in layout:
-            buffer = self._bucket(_bucket_size(metadata, bucket))
-            for i, offset in bucket:
-                flat = tensors[i].contiguous().reshape(-1).view(torch.uint8)
-                buffer[offset : offset + flat.numel()].copy_(flat)
+            buffer = self._bucket(_bucket_size(bucket))
+            for p in bucket:
+                if p.index not in flat:
+                    flat = {p.index: tensors[p.index].contiguous().reshape(-1).view(torch.uint8)}
+                src = flat[p.index][p.start : p.start + p.length]
+                buffer[p.at : p.at + p.length].copy_(src)
             self._broadcast(buffer)
         return total + header.numel() * header.element_size()
 
@@ -324,7 +421,7 @@ class WeightReceiverGroup(_WeightGroupMember):
         self._broadcast(header)
         version, total = (int(x) for x in header.tolist())
         layout = bucket_layout(metadata, self.bucket_bytes)
-        expected = sum(_bucket_size(metadata, b) for b in layout)
+        expected = sum(_bucket_size(b) for b in layout)
         if total != expected:
             raise WeightSyncError(
                 f"sender announced {total} bytes, metadata and trainer.weight_bucket_mb describe "
@@ -333,15 +430,25 @@ class WeightReceiverGroup(_WeightGroupMember):
         return version, self._tensors(metadata, layout)
 
     def _tensors(
-        self, metadata: list[dict[str, Any]], layout: list[list[tuple[int, int]]]
+        self, metadata: list[dict[str, Any]], layout: list[list[Piece]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         copy = len(layout) > 1  # the next bucket overwrites this one's bytes
+        whole: torch.Tensor | None = None  # a split tensor, assembled from its pieces
         for bucket in layout:
-            buffer = self._bucket(_bucket_size(metadata, bucket))
+            buffer = self._bucket(_bucket_size(bucket))
             self._broadcast(buffer)
-            for i, offset in bucket:
-                m = metadata[i]
-                view = (
-                    buffer[offset : offset + _nbytes(m)].view(_dtype(m["dtype"])).view(m["shape"])
-                )
-                yield m["name"], view.clone() if copy else view
+            for p in bucket:
+                m = metadata[p.index]
+                size = _nbytes(m)
+                piece = buffer[p.at : p.at + p.length]
+                if p.length == size:  # whole in this bucket
+                    data = piece.clone() if copy else piece
+                else:
+                    if p.start == 0:
+                        whole = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    assert whole is not None
+                    whole[p.start : p.start + p.length].copy_(piece)
+                    if p.start + p.length < size:
+                        continue
+                    data, whole = whole, None
+                yield m["name"], data.view(_dtype(m["dtype"])).view(m["shape"])

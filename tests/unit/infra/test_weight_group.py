@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 
 from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.service import free_port
+from rollflow.infra.weights import group as group_module
 from rollflow.infra.weights.group import (
+    Piece,
     WeightReceiverGroup,
     WeightSender,
     bucket_layout,
@@ -126,26 +130,59 @@ def _group(world_size: int, bucket_bytes: int, timeout_s: float = 20.0):
     return sender, receivers
 
 
-def test_bucket_layout_bounds_buckets_and_gives_big_tensors_their_own():
+def test_bucket_layout_splits_a_tensor_larger_than_a_bucket():
     metadata = weight_metadata(
         [
             ("a", torch.zeros(10)),
             ("b", torch.zeros(10)),
-            ("big", torch.zeros(100)),
+            ("big", torch.zeros(100)),  # 400 bytes: four buckets of 128
             ("c", torch.zeros(3)),
         ]
     )
     layout = bucket_layout(metadata, bucket_bytes=128)
-    assert layout == [[(0, 0), (1, 64)], [(2, 0)], [(3, 0)]]
-    assert bucket_layout(metadata, bucket_bytes=1 << 20) == [[(0, 0), (1, 64), (2, 128), (3, 576)]]
+    assert layout == [
+        [Piece(0, 0, 40, 0), Piece(1, 0, 40, 64)],
+        [Piece(2, 0, 128, 0)],
+        [Piece(2, 128, 128, 0)],
+        [Piece(2, 256, 128, 0)],
+        [Piece(2, 384, 16, 0), Piece(3, 0, 12, 64)],
+    ]
+    whole = [Piece(0, 0, 40, 0), Piece(1, 0, 40, 64), Piece(2, 0, 400, 128), Piece(3, 0, 12, 576)]
+    assert bucket_layout(metadata, bucket_bytes=1 << 20) == [whole]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bucket_layout_covers_every_byte_once_and_no_bucket_exceeds_the_bound(seed):
+    gen = torch.Generator().manual_seed(seed)
+    bucket_bytes = int(torch.randint(64, 2048, (1,), generator=gen))
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]
+    tensors = [
+        (f"t{i}", torch.zeros(int(n), dtype=dtypes[i % len(dtypes)]))
+        for i, n in enumerate(torch.randint(0, 3000, (12,), generator=gen))
+    ]
+    metadata = weight_metadata(tensors)
+    layout = bucket_layout(metadata, bucket_bytes)
+    covered: dict[int, int] = {}  # tensor index -> bytes seen so far, in order
+    for bucket in layout:
+        assert bucket and bucket[-1].at + bucket[-1].length <= bucket_bytes
+        end = 0
+        for p in bucket:
+            assert p.at % 64 == 0 and p.at >= end  # aligned, never overlapping
+            end = p.at + p.length
+            assert p.start == covered.get(p.index, 0)  # contiguous: each byte once, in order
+            covered[p.index] = p.start + p.length
+    assert covered == {i: t.numel() * t.element_size() for i, (_, t) in enumerate(tensors)}
+    for i, (_, t) in enumerate(tensors):  # a tensor that fits a bucket travels whole
+        pieces = [p for bucket in layout for p in bucket if p.index == i]
+        assert len(pieces) == 1 or t.numel() * t.element_size() > bucket_bytes
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_any_group_size_delivers_bit_equal_tensors_in_bounded_buckets(world_size):
     """One broadcast reaches every receiver (several servers, or TP workers): all bit-equal, with
-    no side holding more than one bucket (or the largest tensor) beyond the weights."""
+    no side holding more than one bucket beyond the weights, whatever the largest tensor."""
     tensors = [
-        ("embed", torch.randn(300, 16)),  # 19200 bytes: larger than a bucket, travels alone
+        ("embed", torch.randn(300, 16)),  # 19200 bytes: larger than a bucket, split in pieces
         ("norm", torch.randn(16).to(torch.bfloat16)),
         *[(f"layer{i}", torch.randn(24, 16)) for i in range(6)],  # 1536 bytes each
     ]
@@ -167,9 +204,8 @@ def test_any_group_size_delivers_bit_equal_tensors_in_bounded_buckets(world_size
     sender.broadcast(second, version=2)
     for t in threads:
         t.join(30)
-    largest = max(t.numel() * t.element_size() for _, t in tensors)
     for member in [sender, *receivers]:
-        assert member.peak_bucket_bytes <= max(bucket_bytes, largest)
+        assert member.peak_bucket_bytes <= bucket_bytes
         member.close()
     for received in got:
         for sync, sent, version in ((0, tensors, 1), (1, second, 2)):
@@ -248,3 +284,67 @@ def test_a_stranger_cannot_join_the_weight_group():
 def test_a_member_without_a_secret_is_refused_at_once():
     with pytest.raises(ValueError, match="needs the run's secret"):
         WeightReceiverGroup("127.0.0.1", free_port(), 1, 2, 1.0, secret="")
+
+
+def test_a_failed_collective_aborts_the_group_as_nccl_does():
+    """gloo raises on a dead peer and would go on with the broken group; NCCL aborts its
+    communicator. Both take NCCL's path: the group is aborted, every later call fails at once."""
+    sender, receiver = _pair(timeout_s=3)
+    receiver.close()
+    with pytest.raises(WeightSyncError):
+        sender.broadcast([("w", torch.ones(1000))], version=1)
+    assert not sender.connected
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="aborted"):
+        sender.broadcast([("w", torch.ones(1000))], version=2)
+    assert time.monotonic() - start < 0.5
+    sender.close()
+
+
+class _HungGroup:
+    """A process group whose graceful shutdown waits for a dead peer (NCCL's flush)."""
+
+    def __init__(self, abort_hangs: bool = False):
+        self.abort_hangs, self.aborted = abort_hangs, threading.Event()
+
+    def shutdown(self) -> None:
+        time.sleep(30)
+
+    def abort(self) -> None:
+        self.aborted.set()
+        if self.abort_hangs:
+            time.sleep(30)
+
+
+@pytest.mark.parametrize("abort_hangs", [False, True])
+def test_close_aborts_and_never_waits_for_a_dead_peer(monkeypatch, abort_hangs):
+    monkeypatch.setattr(group_module, "CLOSE_TIMEOUT_S", 0.5)
+    member = WeightReceiverGroup("127.0.0.1", free_port(), 1, 2, 30.0, secret=SECRET)
+    member._group = _HungGroup(abort_hangs)
+    done = threading.Event()
+    threading.Thread(target=lambda: (member.close(), done.set()), daemon=True).start()
+    assert done.wait(2), "close() waited for the dead peer"
+    assert member._group is None and not member.connected
+
+
+def test_the_nccl_group_is_built_to_raise_not_to_kill_the_process(monkeypatch):
+    """torch's NCCL watchdog reads its error handling from the environment when the group is
+    built; the default (3) kills the process on a timeout or a dead peer. Ours is built with 2
+    (abort the communicator, raise), and the process's environment is left as it was."""
+    import torch._C._distributed_c10d as c10d
+
+    seen = {}
+
+    class FakeNCCL:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, world_size, options):
+            seen["mode"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            seen["timeout"] = options._timeout
+
+    monkeypatch.setattr(c10d, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    group_module._nccl_group(None, 0, 2, timedelta(seconds=7))
+    assert seen == {"mode": "2", "timeout": timedelta(seconds=7)}
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
