@@ -246,6 +246,7 @@ def vllm_pause(
 
     from rollflow.infra.inference.client import InferenceClient
     from rollflow.infra.inference.server import InferenceServer
+    from rollflow.infra.inference.workers import WeightWorkers
     from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, sync_weights
     from rollflow.trainer.lora import adapter_state, merged_state, save_initial_adapter
 
@@ -317,7 +318,7 @@ def vllm_pause(
             stop.set()
             await asyncio.gather(*loaders)
             for client in clients:
-                await client.collective_rpc("close_weight_group")
+                await WeightWorkers(client).close_weight_group()
             return stats
         finally:
             for client in clients:

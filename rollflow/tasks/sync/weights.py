@@ -2,18 +2,18 @@
 
 Both sides of each collective must run at the same time: the trainer's half is an awaitable
 factory (e.g. ``lambda: asyncio.to_thread(sender.broadcast, params, version)``) and the server's
-half a ``/collective_rpc`` call; ``init_weight_group`` and ``sync_weights`` start them together
-and bound the pair by a deadline. ``join``, ``publish``, ``rejoin`` and ``leave`` do the same
-for every server of the deployment at once (one group: the trainer is rank 0, each server's
-workers follow), with the trainer service as the sender (any ``WeightSource``: the train stage's client is one),
-for the run's services, the sync task and the inference supervisor's restarts.
+half a call of its workers (``infra/inference/workers.WeightWorkers``); ``init_weight_group`` and
+``sync_weights`` start them together and bound the pair by a deadline. ``join``, ``publish``,
+``rejoin`` and ``leave`` do the same for every server of the deployment at once (one group: the
+trainer is rank 0, each server's workers follow), with the trainer service as the sender (any
+``WeightSource``: the train stage's client is one), for the run's services, the sync task and the
+inference supervisor's restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.inference.workers import WeightWorkers
 from rollflow.infra.service import free_port
 
 logger = logging.getLogger(__name__)
@@ -76,24 +77,21 @@ async def init_weight_group(
     """
     start = time.perf_counter()
     rpcs = [
-        client.collective_rpc(
-            "init_weight_group",
-            [
-                spec.host,
-                port,
-                first_rank,
-                spec.world_size,
-                timeout_s,
-                json.dumps(metadata),
-                spec.wire_device,
-                spec.bucket_bytes,
-            ],
+        WeightWorkers(client).init_weight_group(
+            host=spec.host,
+            port=port,
+            first_rank=first_rank,
+            world_size=spec.world_size,
+            group_timeout_s=timeout_s,
+            metadata=metadata,
+            wire_device=spec.wire_device,
+            bucket_bytes=spec.bucket_bytes,
             timeout_s=timeout_s + _RPC_MARGIN_S,
         )
         for client, first_rank in clients
     ]
     _, *ranks = await _together(connect(), rpcs, timeout_s, "weight group set-up")
-    return {"ranks": [int(r) for rs in ranks for r in rs], "init_s": time.perf_counter() - start}
+    return {"ranks": [r for rs in ranks for r in rs], "init_s": time.perf_counter() - start}
 
 
 async def sync_weights(
@@ -127,14 +125,14 @@ async def sync_weights(
             raise failed_pause
         paused_at = time.perf_counter()
         rpcs = [
-            client.collective_rpc("receive_weights", timeout_s=timeout_s + _RPC_MARGIN_S)
+            WeightWorkers(client).receive_weights(timeout_s=timeout_s + _RPC_MARGIN_S)
             for client in clients
         ]
         sent, *versions = await _together(send(), rpcs, timeout_s, what)
         broadcast_done = time.perf_counter()
         if version is None:
             version = sent.get("version") if isinstance(sent, dict) else None
-        loaded = [int(v) for vs in versions for v in vs]
+        loaded = [v for vs in versions for v in vs]
         if any(v != version for v in loaded):
             raise WeightSyncError(f"workers loaded versions {loaded}, expected {version}")
         # Cached KV blocks were computed by the old weights.
@@ -286,7 +284,7 @@ def leave(source: WeightSource, urls: Sequence[str], timeout_s: float) -> None:
 
     async def close_workers(url: str) -> None:
         async with InferenceClient(url, timeout_s=timeout_s) as client:
-            await client.collective_rpc("close_weight_group", [], timeout_s=timeout_s)
+            await WeightWorkers(client).close_weight_group(timeout_s=timeout_s)
 
     for url in urls:
         try:
