@@ -59,7 +59,10 @@ def test_moved_secrets_reach_storage_of_that_root_only(monkeypatch, s3_endpoint,
 def test_a_planted_secret_is_in_neither_the_flow_parameters_nor_config_json(tmp_path, s3_endpoint):
     """A run given S3 credentials in run.storage_options, on a Prefect server the test can read:
     the run writes config.json and registers its flow run, then fails (vLLM cannot load the
-    weights); the secret is in neither, nor in run.log, nor on the terminal."""
+    weights); the secret is in neither, nor in run.log, nor on the terminal.
+
+    The same run is the error met while a run runs (weights that pass the preflight, a file is
+    there, but that vLLM cannot load): exit 1, one error line and where its traceback is."""
     import shutil
 
     import fsspec
@@ -67,7 +70,8 @@ def test_a_planted_secret_is_in_neither_the_flow_parameters_nor_config_json(tmp_
 
     from rollflow.infra.config import TinyModelSpec
     from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
-    from rollflow.infra.prefect_api import local_prefect_api
+
+    from run_support import session_prefect_api
 
     tok = build_char_tokenizer()
     model = save_hf_dir(
@@ -92,39 +96,47 @@ def test_a_planted_secret_is_in_neither_the_flow_parameters_nor_config_json(tmp_
         AWS_EC2_METADATA_DISABLED="true",
     )
     env.pop(secrets.SECRETS_ENV, None)
-    with local_prefect_api() as api:
-        env["PREFECT_API_URL"] = api
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "rollflow.cli",
-                "run",
-                "configs/quickstart.toml",
-                "~model.tiny",
-                f"model.path={model}",
-                f"run.storage={root}",
-                "run.name=planted",
-                options,
-                "metrics.sinks=[]",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-            env=env,
-        )
-        assert proc.returncode == 1, proc.stderr[-3000:]
-        assert "note: run.storage_options key, secret kept out of the stored config" in proc.stderr
-        runs = httpx.post(
-            f"{api}/flow_runs/filter",
-            json={"flow_runs": {"name": {"any_": ["planted"]}}},
-            timeout=10,
-        ).json()
-        assert runs, "the run flow never reached the Prefect API"
-        parameters = json.dumps([r["parameters"] for r in runs])
-        assert "planted" in parameters and s3_endpoint in parameters
-        assert PLANTED_SECRET not in parameters and PLANTED_KEY not in parameters
+    api = session_prefect_api()
+    env["PREFECT_API_URL"] = api
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollflow.cli",
+            "run",
+            "configs/quickstart.toml",
+            "~model.tiny",
+            f"model.path={model}",
+            f"run.storage={root}",
+            "run.name=planted",
+            options,
+            "metrics.sinks=[]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "note: run.storage_options key, secret kept out of the stored config" in proc.stderr
+    # One line, no traceback; the traceback is in run.log (here local: the storage is S3).
+    log = Path("~/.cache/rollflow/logs/planted/run.log").expanduser()
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"  (traceback in {log}; --debug prints it here)"
+    print(errors[0])
+    assert "Traceback" in log.read_text()
+    runs = httpx.post(
+        f"{api}/flow_runs/filter",
+        json={"flow_runs": {"name": {"any_": ["planted"]}}},
+        timeout=10,
+    ).json()
+    assert runs, "the run flow never reached the Prefect API"
+    parameters = json.dumps([r["parameters"] for r in runs])
+    assert "planted" in parameters and s3_endpoint in parameters
+    assert PLANTED_SECRET not in parameters and PLANTED_KEY not in parameters
     fs = fsspec.filesystem(
         "s3", endpoint_url=s3_endpoint, key="testing", secret="testing", skip_instance_cache=True
     )
@@ -132,6 +144,5 @@ def test_a_planted_secret_is_in_neither_the_flow_parameters_nor_config_json(tmp_
     assert s3_endpoint in stored
     assert PLANTED_SECRET not in stored and PLANTED_KEY not in stored
     assert PLANTED_SECRET not in proc.stdout + proc.stderr
-    log = Path("~/.cache/rollflow/logs/planted/run.log").expanduser()
     assert PLANTED_SECRET not in log.read_text()
     shutil.rmtree(log.parent, ignore_errors=True)
