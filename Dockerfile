@@ -7,7 +7,9 @@
 #   docker build -t rollflow:latest .        # or: bash scripts/build_image.sh
 #
 # The tests do not build it (no Docker here); scripts/gpu_check.sh runs inside it on a GPU node.
-FROM nvidia/cuda:12.8.1-devel-ubuntu24.04
+# CUDA 13.0, as requirements/gpu.lock's torch (cuda-toolkit 13.0.x, nvidia-nccl-cu13): the host
+# needs NVIDIA driver 580 or newer (docs/install.md, "GPU nodes"; tests/unit/test_image.py).
+FROM nvidia/cuda:13.0.2-devel-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \

@@ -37,6 +37,9 @@ from rollflow.infra.errors import ConfigError
 
 Device = Literal["cpu", "cuda"]
 COLOCATED_GPU_MEMORY_UTILIZATION = 0.45
+# requirements/gpu.lock's torch is built for CUDA 13.0, the Dockerfile's base image is CUDA 13.0:
+# the host's NVIDIA driver must be 580 or newer (an older one: torch sees no GPU at all).
+CUDA_DRIVER = "CUDA 13.0 needs NVIDIA driver 580 or newer"
 
 
 class PlanError(ConfigError):
@@ -191,8 +194,8 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
             f"trainer.num_nodes = {tr.num_nodes} but the machine has {machine.nodes} node(s): "
             f"lower trainer.num_nodes or plan with --nodes {tr.num_nodes}"
         )
-    inf_device = _device("inference.device", inf.device, machine)
-    tr_device = _device("trainer.device", tr.device, machine)
+    inf_device = _device("inference", inf.device, inf.devices, machine)
+    tr_device = _device("trainer", tr.device, tr.devices, machine)
     wire = choose_backend(tr_device, inf_device, tr.weight_backend)
     _check_tensor_parallel(cfg, tp)
 
@@ -285,15 +288,36 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _device(key: str, value: str, machine: Machine) -> Device:
-    if value == "auto":
-        return "cuda" if machine.gpus > 0 else "cpu"
-    if value == "cuda" and machine.gpus == 0:
+def _device(section: str, value: str, devices, machine: Machine) -> Device:
+    """``auto`` is CPU only on a machine without GPUs where the config asks for none: a config
+    that asks for GPUs (``device = 'cuda'``, or a ``devices`` list) never falls back to CPU."""
+    if machine.gpus > 0:
+        return "cuda" if value == "auto" else value  # type: ignore[return-value]
+    if value == "cuda":
+        raise PlanError(f"{section}.device = 'cuda' but {no_gpu_hint(section)}")
+    if value == "auto" and devices is not None:
         raise PlanError(
-            f"{key} = 'cuda' but the machine has no GPU: set {key} = 'auto' (CPU here), or "
-            "plan for another machine with --gpus N"
+            f"{section}.devices = {list(devices)} asks for GPUs but {no_gpu_hint(section)}"
         )
-    return value  # type: ignore[return-value]
+    return "cpu"
+
+
+def no_gpu_hint(section: str) -> str:
+    """Why a machine shows no GPU and what to check: the driver against torch's CUDA."""
+    try:
+        import torch
+
+        build = (
+            f"torch {torch.__version__}, built for CUDA {torch.version.cuda or '- (a CPU build)'}"
+        )
+    except ImportError:  # pragma: no cover - torch is a dependency
+        build = "torch is not installed"
+    return (
+        f"the machine has no GPU that torch can see ({build}): check that nvidia-smi lists the "
+        f"GPUs and that its driver supports the wheels' CUDA ({CUDA_DRIVER}; docs/install.md); "
+        f"for CPU set {section}.device = 'auto' and drop {section}.devices, or plan for another "
+        "machine with --gpus N"
+    )
 
 
 def _check_exist(key: str, gpus, machine: Machine) -> None:

@@ -51,3 +51,24 @@ def test_container_pools_run_from_where_the_image_holds_the_repository():
             f"prefect.yaml pool {name}: working_dir {pool.get('working_dir')!r}, but the "
             f"Dockerfile copies the repository to {source!r}"
         )
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def test_base_image_lock_and_driver_requirement_name_one_cuda():
+    from rollflow.infra.placement import CUDA_DRIVER
+
+    base = re.search(r"^FROM nvidia/cuda:(\d+\.\d+)\.\d+-", (ROOT / "Dockerfile").read_text(), re.M)
+    assert base, "the Dockerfile's base image is not nvidia/cuda:X.Y.Z-..."
+    cuda = base.group(1)
+    assert _major_minor(_pinned("cuda-toolkit")) == cuda
+    assert _major_minor(_pinned("nvidia-cuda-runtime")) == cuda
+    major = cuda.split(".")[0]
+    assert _pinned(f"nvidia-nccl-cu{major}"), f"the lock's NCCL is not built for CUDA {major}"
+    assert CUDA_DRIVER.startswith(f"CUDA {cuda} needs NVIDIA driver")
+    driver = re.search(r"driver (\d+) or newer", CUDA_DRIVER).group(1)
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert f"nvidia/cuda:{cuda}." in install and f"driver {driver} or newer" in install
+    assert f"CUDA {cuda}" in (ROOT / "docs" / "guides" / "single-gpu.md").read_text()

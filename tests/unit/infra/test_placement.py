@@ -114,6 +114,8 @@ def test_rollflow_plan_command(capsys):
         (["inference.devices=[0]", "trainer.devices=[0]"], 2, "given to both vLLM"),
         (["trainer.num_ranks=4"], 2, "set inference.colocate = true"),
         (["inference.device='cuda'"], 0, "the machine has no GPU"),
+        (["inference.devices=[0]"], 0, "inference.devices = [0] asks for GPUs"),
+        (["trainer.devices=[1]"], 0, "trainer.devices = [1] asks for GPUs"),
         (["trainer.weight_backend='nccl'"], 0, "needs the trainer and vLLM on GPUs"),
         (["inference.devices=[0, 1]"], 4, "inference.devices lists 2 GPU(s)"),
     ],
@@ -124,6 +126,19 @@ def test_impossible_plans_fail_before_anything_starts(overrides, gpus, message, 
     argv = ["plan", str(ROOT / "configs/quickstart.toml"), *overrides, "--gpus", str(gpus)]
     assert main(argv) == 2
     assert message.split("'")[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["inference.device='cuda'"], ["trainer.device='cuda'"], ["trainer.devices=[0]"]],
+)
+def test_a_gpu_config_where_torch_sees_no_gpu_names_the_driver_to_check(overrides):
+    """Never a silent CPU run: a driver older than the wheels' CUDA shows as "no GPU"."""
+    with pytest.raises(PlanError) as err:
+        make_plan(cfg(*overrides), Machine(gpus=0))
+    assert "nvidia-smi" in str(err.value) and "CUDA 13.0 needs NVIDIA driver 580" in str(err.value)
+    # auto on a machine without GPUs, asking for none: CPU, as before
+    assert make_plan(cfg(), Machine(gpus=0)).wire == WeightWire("gloo", "cpu")
 
 
 def test_more_trainer_nodes_than_the_machine():
