@@ -1,0 +1,62 @@
+"""The interface gloo binds to on several nodes (``control.socket_interface``): never the
+hostname's address by default, which is 127.0.1.1 on stock Ubuntu and unreachable elsewhere."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rollflow.trainer import control
+from rollflow.trainer.control import bind_gloo_interface, socket_interface
+
+HOST = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.1.2.3", "fe80::1%eth0"], "ib0": ["192.168.7.5"]}
+
+
+def test_a_loopback_master_is_reached_through_lo():
+    name, why = socket_interface("127.0.0.1", env={}, interfaces=HOST)
+    assert name == "lo" and "127.0.0.1" in why
+
+
+def test_a_master_on_another_host_is_reached_through_the_interface_that_routes_to_it():
+    name, why = socket_interface("10.1.9.9", env={}, interfaces=HOST, local_address="10.1.2.3")
+    assert name == "eth0" and "10.1.9.9" in why
+    name, _ = socket_interface("192.168.7.1", env={}, interfaces=HOST, local_address="192.168.7.5")
+    assert name == "ib0"
+
+
+def test_the_hostname_address_is_never_the_default():
+    """127.0.1.1 (the hostname on Ubuntu) is on no interface: no interface, not loopback."""
+    name, why = socket_interface("10.1.9.9", env={}, interfaces=HOST, local_address="127.0.1.1")
+    assert name is None and "127.0.1.1" in why
+
+
+@pytest.mark.parametrize(
+    ("env", "backend", "expected"),
+    [
+        ({"GLOO_SOCKET_IFNAME": "ib0"}, "gloo", "ib0"),
+        ({"GLOO_SOCKET_IFNAME": "ib0,eth0", "NCCL_SOCKET_IFNAME": "eth0"}, "gloo", "ib0"),
+        ({"NCCL_SOCKET_IFNAME": "ib0"}, "gloo", "ib0"),
+        ({"NCCL_SOCKET_IFNAME": "=ib0"}, "gloo", "ib0"),
+        ({"NCCL_SOCKET_IFNAME": "^docker"}, "gloo", "eth0"),  # NCCL's exclusion: not a name
+        ({"NCCL_SOCKET_IFNAME": "ib"}, "gloo", "eth0"),  # NCCL's prefix: not a name for gloo
+        ({"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0"}, "nccl", "ib0"),
+    ],
+)
+def test_an_interface_named_in_the_environment_wins(env, backend, expected):
+    name, why = socket_interface(
+        "10.1.9.9", backend, env=env, interfaces=HOST, local_address="10.1.2.3"
+    )
+    assert name == expected
+    assert ("SOCKET_IFNAME" in why) == (expected == "ib0")
+
+
+def test_binding_names_the_interface_for_torch_and_says_so(monkeypatch, caplog):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(control, "_host_interfaces", lambda: HOST)
+    monkeypatch.setattr(control, "_route_source", lambda addr: "10.1.2.3")
+    with caplog.at_level(logging.INFO, logger=control.__name__):
+        assert bind_gloo_interface("10.1.9.9") == "eth0"
+    assert control.os.environ["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert "binds to interface eth0" in caplog.text
