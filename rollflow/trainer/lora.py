@@ -31,6 +31,7 @@ from torch import nn
 
 from rollflow.infra import export
 from rollflow.infra.config import LoraSection
+from rollflow.infra.errors import ConfigError
 
 ADAPTER = "default"  # peft's name of the one adapter
 ADAPTER_DIR = export.ADAPTER  # a checkpoint's sub-folder holding the adapter alone
@@ -65,7 +66,7 @@ def apply_lora(model: nn.Module, cfg: LoraSection, seed: int = 0) -> list[nn.Mod
     ``forward_backward`` only (HF models load in eval mode, and the ratio's old log-probs must
     come without dropout). B starts at zero (peft's default), so the policy starts as the base.
     """
-    unmatched = ValueError(
+    unmatched = ConfigError(
         f"train.lora.target_modules {list(cfg.target_modules)} matched no linear layer of "
         f"{type(model).__name__}; name its projections (e.g. q_proj, v_proj)"
     )

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollflow.infra.errors import ServiceError
+from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.http import Endpoint
 from rollflow.infra.service import ManagedProcess, cpu_split, free_port, log_tail
 from rollflow.tasks.train.client import TrainerClient
@@ -81,7 +81,7 @@ def launcher_argv(
             SERVICE_MODULE,
             str(args_file),
         ]
-    raise ValueError(f"unknown trainer backend {backend!r}; expected 'fsdp2' or 'deepspeed'")
+    raise ConfigError(f"trainer.backend = {backend!r} is unknown: set 'fsdp2' or 'deepspeed'")
 
 
 def hostfile_text(num_nodes: int, num_ranks: int) -> str:

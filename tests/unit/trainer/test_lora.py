@@ -8,6 +8,7 @@ import torch
 from test_trainer import _micro_batches, _tokens, one_rank  # noqa: F401 (one_rank: autouse, one gloo rank)
 
 from rollflow.infra.config import LoraSection, LossConfig, TrainSection
+from rollflow.infra.errors import ConfigError
 from rollflow.trainer import lora
 from rollflow.trainer.trainer import Trainer, TrainerSpec
 
@@ -46,7 +47,7 @@ def test_only_the_adapters_train(tiny_model_dir):
 
 
 def test_unmatched_target_modules_are_named(tiny_model_dir):
-    with pytest.raises(ValueError, match="train.lora.target_modules \\['nope'\\] matched no"):
+    with pytest.raises(ConfigError, match="train.lora.target_modules \\['nope'\\] matched no"):
         lora.apply_lora(load(tiny_model_dir), LoraSection(target_modules=["nope"]))
 
 
