@@ -17,7 +17,8 @@ GPUs of node 0 go to the servers first (``inference.devices``, else the first
 ``num_servers × tensor_parallel_size``), then to the trainer (``trainer.devices``, else the
 next ``trainer.num_ranks``). Other trainer nodes give their first ``num_ranks`` GPUs to the
 trainer. Colocated mode (``inference.colocate``) puts vLLM on the trainer's GPUs with its memory
-share capped, for one-GPU nodes.
+share capped, for one-GPU nodes; its weight group meets on gloo (NCCL refuses two members on one
+GPU), and a ``--gpu-memory-utilization`` in ``inference.extra_args`` may not override the share.
 
 ``choose_backend`` is the single decision of the weight group's transport: both the trainer's
 sender and every vLLM worker take backend and device from the plan, never from a default.
@@ -77,11 +78,16 @@ class WeightWire:
 
 
 def choose_backend(
-    trainer_device: Device, inference_device: Device, requested: str = "auto"
+    trainer_device: Device,
+    inference_device: Device,
+    requested: str = "auto",
+    shared_gpu: bool = False,
 ) -> WeightWire:
     """The one decision of the weight group's transport, for both sides.
 
-    NCCL needs both sides on GPUs; gloo works for every pair (a GPU side stages its weights
+    NCCL needs both sides on GPUs, each member on a GPU of its own: ``shared_gpu`` (colocated
+    mode, the trainer's rank 0 on a vLLM worker's GPU) is a pair NCCL refuses ("Duplicate GPU
+    detected"), so it meets on gloo. gloo works for every pair (a GPU side stages its weights
     through host memory: correct, slower). ``requested`` is ``trainer.weight_backend``.
     """
     for side, device in (("trainer", trainer_device), ("inference", inference_device)):
@@ -98,6 +104,15 @@ def choose_backend(
         raise PlanError(
             f"trainer.weight_backend = {requested!r}: expected 'auto', 'gloo' or 'nccl'"
         )
+    if both_gpu and shared_gpu:
+        if requested == "nccl":
+            raise PlanError(
+                "trainer.weight_backend = 'nccl' with inference.colocate = true: the trainer's "
+                "rank 0 shares a GPU with a vLLM worker and NCCL refuses two members of one group "
+                "on one GPU; set trainer.weight_backend = 'auto' (gloo through host memory) or "
+                "give vLLM and the trainer separate GPUs"
+            )
+        return WeightWire("gloo", "cpu")
     if both_gpu and requested != "gloo":
         return WeightWire("nccl", "cuda")
     return WeightWire("gloo", "cpu")
@@ -196,7 +211,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         )
     inf_device = _device("inference", inf.device, inf.devices, machine)
     tr_device = _device("trainer", tr.device, tr.devices, machine)
-    wire = choose_backend(tr_device, inf_device, tr.weight_backend)
+    choose_backend(tr_device, inf_device, tr.weight_backend)  # a bad pair fails before the GPUs
     _check_tensor_parallel(cfg, tp)
 
     inference_gpus: list[tuple[int, ...]] = [() for _ in range(n_servers)]
@@ -238,6 +253,9 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 "trainer (trainer.devices): separate them, or set inference.colocate = true "
                 "(vLLM's memory share is then capped)"
             )
+    # The weight group's members on node 0: trainer rank 0 (its first GPU) and every vLLM worker.
+    shared = bool(trainer_gpus) and any(trainer_gpus[0] in server for server in inference_gpus)
+    wire = choose_backend(tr_device, inf_device, tr.weight_backend, shared_gpu=shared)
     processes: list[PlannedProcess] = []
     rank = 1
     for i, gpus in enumerate(inference_gpus):
@@ -273,6 +291,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
     memory = inf.gpu_memory_utilization
     if memory is None and inf.colocate:
         memory = COLOCATED_GPU_MEMORY_UTILIZATION
+    _check_memory_flag(inf.extra_args, memory, inf.colocate)
     return Plan(
         machine=machine,
         processes=tuple(processes),
@@ -318,6 +337,24 @@ def no_gpu_hint(section: str) -> str:
         f"for CPU set {section}.device = 'auto' and drop {section}.devices, or plan for another "
         "machine with --gpus N"
     )
+
+
+def _check_memory_flag(extra_args, memory: float | None, colocate: bool) -> None:
+    """vLLM reads its arguments last-wins: a recipe's own ``--gpu-memory-utilization`` after the
+    plan's would silently take the share the plan gave the trainer."""
+    flag = "--gpu-memory-utilization"
+    given = [a for a in extra_args if a == flag or a.startswith(flag + "=")]
+    if given and memory is not None:
+        source = (
+            "inference.colocate = true (vLLM's share of a GPU it shares with the trainer)"
+            if colocate
+            else "inference.gpu_memory_utilization"
+        )
+        raise PlanError(
+            f"inference.extra_args sets {flag} but the plan gives vLLM {memory} of each GPU from "
+            f"{source}: remove {flag} from inference.extra_args and set "
+            "inference.gpu_memory_utilization instead"
+        )
 
 
 def _check_exist(key: str, gpus, machine: Machine) -> None:

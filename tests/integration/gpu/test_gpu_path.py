@@ -5,7 +5,9 @@ Without CUDA every test here skips with its reason. With GPUs:
   receivers bit-equal, the bucket on each GPU, through the plan's backend decision;
 - the compiled Triton log-prob kernel against the torch reference, values and gradients;
 - one bf16 FSDP2 step of the trainer service on one GPU;
-- a 3-step run of a tiny model with vLLM on a GPU (colocated on one GPU, or on its own).
+- a 3-step run of a tiny model with vLLM on a GPU (on its own, NCCL weights; or colocated on one
+  GPU, where the plan sends the weights over gloo through host memory: NCCL refuses two members
+  of one group on one GPU).
 """
 
 from __future__ import annotations

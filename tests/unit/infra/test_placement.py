@@ -78,6 +78,50 @@ def test_colocated_mode_shares_the_gpu_and_caps_vllm_memory():
     assert plan.servers[0].gpus == plan.trainer_nodes[0].gpus == (0,)
     assert "--gpu-memory-utilization" in plan.server_args(0)
     assert plan.gpu_memory_utilization == 0.45
+    # NCCL refuses two members of one group on one GPU ("Duplicate GPU detected"): gloo
+    assert plan.wire == WeightWire("gloo", "cpu")
+
+
+def test_colocated_weight_group_never_puts_two_nccl_members_on_one_gpu():
+    assert choose_backend("cuda", "cuda", "auto", shared_gpu=True) == WeightWire("gloo", "cpu")
+    with pytest.raises(PlanError, match="NCCL refuses two members of one group on one GPU"):
+        make_plan(cfg("inference.colocate=true", "trainer.weight_backend='nccl'"), Machine(gpus=1))
+    # two trainer ranks beside one server: rank 0 (the group's member) is on vLLM's GPU 0
+    plan = make_plan(cfg("inference.colocate=true", "trainer.num_ranks=2"), Machine(gpus=2))
+    assert plan.trainer_nodes[0].gpus == (0, 1) and plan.wire.backend == "gloo"
+    # colocate allowed but the GPUs kept apart: every member has its own GPU, NCCL works
+    apart = make_plan(cfg("inference.colocate=true", "trainer.devices=[1]"), Machine(gpus=2))
+    assert apart.wire == WeightWire("nccl", "cuda")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["inference.colocate=true"], "inference.colocate = true"),
+        (["inference.gpu_memory_utilization=0.6"], "inference.gpu_memory_utilization"),
+    ],
+)
+@pytest.mark.parametrize(
+    "flag", [["--gpu-memory-utilization", "0.85"], ["--gpu-memory-utilization=0.85"]]
+)
+def test_extra_args_never_override_the_plans_memory_share(overrides, names, flag):
+    extra = "inference.extra_args=" + repr(["--max-model-len", "64", *flag]).replace("'", '"')
+    with pytest.raises(PlanError) as err:
+        make_plan(cfg(*overrides, extra), Machine(gpus=2))
+    assert "inference.extra_args sets --gpu-memory-utilization" in str(err.value)
+    assert names in str(err.value)
+    # where the plan sets no share, the recipe's flag is the only one: allowed
+    plan = make_plan(cfg(extra), Machine(gpus=2))
+    assert "--gpu-memory-utilization" not in plan.server_args(0)
+
+
+@pytest.mark.parametrize("name", ["quickstart.toml", "recipes/qwen2.5-1.5b-math-gspo.toml"])
+def test_single_gpu_configs_run_colocated_on_one_gpu(name):
+    """docs/guides/single-gpu.md: `rollflow run RECIPE inference.colocate=true` on one GPU."""
+    plan = make_plan(
+        load_config(ROOT / "configs" / name, ["inference.colocate=true"]), Machine(gpus=1)
+    )
+    assert plan.wire.backend == "gloo" and plan.gpu_memory_utilization == 0.45
 
 
 def test_multi_node_plan_prints_the_other_nodes_command():
