@@ -68,6 +68,8 @@ class RunServices:
         # Impossible plans fail here, before any process starts.
         self.plan = make_plan(cfg, machine or Machine.here(nodes=cfg.trainer.num_nodes))
         self.group = GroupSpec.from_plan(self.plan, cfg.trainer.weight_bucket_mb)
+        # What every server serves, and so what the trainer sends (one device for all servers).
+        self.weight_dtype = cfg.inference.serving_dtype(self.plan.servers[0].device == "cuda")
         self.weights_lock = threading.Lock()
         self.trainer_proc: TrainerProcess | None = None
         self.supervisors: list[InferenceSupervisor] = []
@@ -95,7 +97,7 @@ class RunServices:
         cfg, plan = self.cfg, self.plan
         start = time.perf_counter()
         self.trainer_proc = TrainerProcess(
-            trainer_args(cfg, self.policy_dir, self.checkpoint_step),
+            trainer_args(cfg, self.policy_dir, self.checkpoint_step, self.weight_dtype),
             token=self.token,
             log_dir=self.log_dir,
             beside_inference=True,
@@ -122,7 +124,7 @@ class RunServices:
                 lora_adapter=adapter,
                 index=i,
                 env=planned.env,
-                server_args=plan.server_args(i),
+                server_args=[*plan.server_args(i), "--dtype", self.weight_dtype],
                 progress=self.progress,
                 api_key=self.token,  # every vLLM route needs the run's token (inference/auth.py)
                 on_restart=lambda info, i=i: publish(
@@ -236,9 +238,13 @@ class RunServices:
         self.stop()
 
 
-def trainer_args(cfg: RunConfig, policy_dir: str, checkpoint_step: int | None) -> ServiceArgs:
-    """The trainer service's start arguments: the run's train, trainer and sampling sections."""
+def trainer_args(
+    cfg: RunConfig, policy_dir: str, checkpoint_step: int | None, weight_dtype: str = "float32"
+) -> ServiceArgs:
+    """The trainer service's start arguments: the run's train, trainer and sampling sections,
+    and the dtype vLLM serves (weight syncs travel in it)."""
     return ServiceArgs(
+        weight_dtype=weight_dtype,
         model_path=str(policy_dir),
         checkpoint_step=checkpoint_step,
         storage_root=cfg.run.storage,

@@ -312,14 +312,15 @@ def make_backend(
     weight_decay: float,
     max_grad_norm: float,
     warmup_steps: int,
+    mixed_precision: bool,
 ) -> Backend:
-    """The configured backend; bf16 mixed precision on CUDA, fp32 on CPU."""
+    """The configured backend; ``mixed_precision``: bf16 compute, fp32 master weights."""
     common = dict(
         lr=lr,
         weight_decay=weight_decay,
         max_grad_norm=max_grad_norm,
         warmup_steps=warmup_steps,
-        mixed_precision=device.type == "cuda",
+        mixed_precision=mixed_precision,
     )
     if name == "fsdp2":
         return FSDP2Backend(policy, device, **common)

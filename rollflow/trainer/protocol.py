@@ -64,6 +64,9 @@ class ServiceArgs(_Body):
         None,
         description="The KL term's frozen policy; default: the checkpoint's record, else model_path",
     )
+    weight_dtype: str = Field(
+        "float32", description="The dtype vLLM serves: weight syncs travel in it"
+    )
     host: str = "127.0.0.1"
     port: int = 0
     dead_rank_grace_s: float = Field(

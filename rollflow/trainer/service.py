@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         sampling=args.sampling,
         seed=args.seed,
         reference_model_path=_reference_path(args),
+        weight_dtype=args.weight_dtype,
     )
     trainer = Trainer(spec, device)
     if args.checkpoint_step is not None:

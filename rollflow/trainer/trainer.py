@@ -63,6 +63,8 @@ class TrainerSpec:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     seed: int = 0
     reference_model_path: str | None = None
+    # The dtype vLLM serves (InferenceSection.serving_dtype): weight syncs travel in it.
+    weight_dtype: str = "float32"
 
 
 class Trainer:
@@ -74,7 +76,10 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         hf = load_hf_model(spec.model_path, device)
         self.config = hf.config
-        plain = weight_metadata(hf.state_dict().items())  # HF names, full shapes, in order
+        # What a sync announces: HF names, full shapes, in order, floats in the serving dtype
+        # (whatever the backend holds: fp32 masters, or DeepSpeed's bf16 copies).
+        self.weight_dtype = getattr(torch, spec.weight_dtype)
+        plain = weight_metadata(self._on_wire(hf.state_dict().items(), device="meta"))
         self.hf_names = [m["name"] for m in plain]
         t = spec.train
         # LoRA: adapters injected before sharding; the HF names above stay what leaves the trainer.
@@ -83,7 +88,9 @@ class Trainer:
         # adapter alone, named as peft saves it (vLLM's worker writes it as a peft folder).
         self.sync_adapter = t.lora is not None and t.lora.sync == "adapter"
         self.metadata = (
-            weight_metadata(lora.adapter_state(hf.state_dict()).items())
+            weight_metadata(
+                self._on_wire(lora.adapter_state(hf.state_dict()).items(), device="meta")
+            )
             if self.sync_adapter
             else plain
         )
@@ -97,6 +104,7 @@ class Trainer:
             weight_decay=t.weight_decay,
             max_grad_norm=t.max_grad_norm,
             warmup_steps=t.lr_warmup_steps,
+            mixed_precision=spec.trainer.bf16(on_gpu=device.type == "cuda"),
         )
         self.reference = None
         if spec.reference_model_path is not None:
@@ -214,11 +222,23 @@ class Trainer:
     def sync_weights(self) -> list[tuple[str, torch.Tensor]]:
         """What a weight sync sends, in ``metadata`` order on rank 0 (a collective; [] on other
         ranks): ``named_weights``, or under ``train.lora.sync = "adapter"`` the adapter alone
-        (only the trainable tensors are gathered)."""
+        (only the trainable tensors are gathered); floats in the serving dtype, so the bytes
+        equal what ``metadata`` announces on every backend."""
         if not self.sync_adapter:
-            return self.named_weights()
+            return self._on_wire(self.named_weights())
         adapter = lora.adapter_state(self.backend.full_state_dict(trainable_only=True))
-        return _in_order(adapter, [m["name"] for m in self.metadata]) if self.rank == 0 else []
+        if self.rank != 0:
+            return []
+        return self._on_wire(_in_order(adapter, [m["name"] for m in self.metadata]))
+
+    def _on_wire(self, named, device: str | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Floating tensors in the serving dtype (``device="meta"``: shapes only, no copy)."""
+        return [
+            (n, t.to(device=device or t.device, dtype=self.weight_dtype))
+            if t.is_floating_point()
+            else (n, t.to(device=device) if device else t)
+            for n, t in named
+        ]
 
     def detached(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """``named`` made safe to keep while training goes on: tensors that share memory with

@@ -51,6 +51,18 @@ class InferenceSection(Section):
         description="vLLM's share of each GPU's memory (None: vLLM's 0.9, or 0.45 when colocated).",
     )
 
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="The dtype vLLM serves, and so the dtype weight syncs travel in "
+        "(auto: bfloat16 on GPUs, float32 on CPU).",
+    )
+
+    def serving_dtype(self, on_gpu: bool) -> str:
+        """The dtype a server on a GPU (or on CPU) serves: the one owner of that choice."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if on_gpu else "float32"
+
     @field_validator("extra_args")
     @classmethod
     def _owned_args(cls, value: list[str]) -> list[str]:
@@ -59,5 +71,10 @@ class InferenceSection(Section):
                 "inference.extra_args may not set --logprobs-mode: rollflow serves "
                 "processed_logprobs (the log-probs of the distribution that sampled, which the "
                 "trainer matches); remove it"
+            )
+        if any(arg.split("=")[0] == "--dtype" for arg in value):
+            raise ValueError(
+                "inference.extra_args may not set --dtype: the trainer sends weights in the "
+                "dtype vLLM serves, so set inference.dtype instead"
             )
         return value

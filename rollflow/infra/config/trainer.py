@@ -61,3 +61,12 @@ class TrainerSection(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the ranks compute: CUDA when available (auto), or forced."
     )
+    mixed_precision: Literal["auto", "bf16", "off"] = Field(
+        "auto",
+        description="bf16 compute with fp32 master weights (FSDP2 mixed precision, DeepSpeed "
+        "bf16), or fp32 throughout (off); auto: bf16 on GPUs, off on CPU.",
+    )
+
+    def bf16(self, on_gpu: bool) -> bool:
+        """Whether the ranks compute in bf16: the one owner of that choice."""
+        return self.mixed_precision == "bf16" or (self.mixed_precision == "auto" and on_gpu)

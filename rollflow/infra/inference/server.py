@@ -112,7 +112,10 @@ class InferenceServer:
         if _on_cpu():
             # Eager mode skips torch.compile and graph capture. (vLLM's CPU platform forces
             # the multiprocess executor, so "--distributed-executor-backend uni" cannot help.)
-            cmd += ["--dtype", "float32", "--enforce-eager"]
+            # fp32 unless the run names the serving dtype (InferenceSection.serving_dtype).
+            cmd += ["--enforce-eager"]
+            if not any(a.split("=")[0] == "--dtype" for a in self.extra_args):
+                cmd += ["--dtype", "float32"]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.lora_adapter:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollflow.infra.config import LossConfig, TrainSection
+from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
 from rollflow.trainer.packing import pack, plan_micro_batches
 from rollflow.trainer.trainer import Trainer, TrainerSpec
 
@@ -168,3 +168,63 @@ def test_resuming_with_another_backend_says_which(tiny_model_dir, tmp_path):
     state.write_text(state.read_text().replace('"fsdp2"', '"deepspeed"'))
     with pytest.raises(ValueError, match="trainer.backend = 'deepspeed'"):
         _trainer(tmp_path / "ckpt").load_checkpoint(tmp_path / "ckpt")
+
+
+def _wire_bytes(named) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)
+
+
+def _announced_bytes(metadata) -> int:
+    return sum(
+        torch.Size(m["shape"]).numel() * getattr(torch, m["dtype"]).itemsize for m in metadata
+    )
+
+
+def test_weights_travel_in_the_serving_dtype(tiny_model_dir):
+    """A sync sends what vLLM serves (bf16 on GPUs), and its metadata announces those bytes:
+    half the fp32 bytes, and a receiver that waits for exactly what arrives (issue 26, item 11)."""
+    spec = TrainerSpec(model_path=str(tiny_model_dir), weight_dtype="bfloat16")
+    trainer = Trainer(spec, CPU)
+    named = trainer.sync_weights()
+    assert {t.dtype for _, t in named} == {torch.bfloat16}
+    assert {m["dtype"] for m in trainer.metadata} == {"bfloat16"}
+    assert _wire_bytes(named) == _announced_bytes(trainer.metadata)
+    fp32 = dict(trainer.named_weights())  # checkpoints and exports stay in the masters' fp32
+    assert all(t.dtype == torch.float32 for t in fp32.values())
+    for name, t in named:
+        torch.testing.assert_close(t, fp32[name].to(torch.bfloat16))
+
+
+def test_a_backend_holding_bf16_copies_sends_what_it_announces(tiny_model_dir, monkeypatch):
+    """DeepSpeed bf16 casts the parameters after the engine is built (ZeRO-3 gathers 16-bit):
+    its full state dict is bf16 while the model the metadata was read from was fp32. The bytes
+    sent must still be the bytes announced (issue 26, item 1: else the receiver blocks)."""
+    trainer = _trainer(tiny_model_dir)  # serving dtype float32, as on CPU
+    full = trainer.backend.full_state_dict
+    monkeypatch.setattr(
+        trainer.backend,
+        "full_state_dict",
+        lambda **kw: {k: v.to(torch.bfloat16) for k, v in full(**kw).items()},
+    )
+    named = trainer.sync_weights()
+    assert _wire_bytes(named) == _announced_bytes(trainer.metadata)
+    assert {t.dtype for _, t in named} == {torch.float32}
+
+
+def test_bf16_mixed_precision_on_cpu_keeps_fp32_masters(tiny_model_dir):
+    """trainer.mixed_precision = "bf16" computes in bf16 on CPU too (the GPU's numerics, for the
+    simulation), with fp32 master weights: log-probs close to fp32's, not equal."""
+    rows = make_rows(8, seed=3)
+    out = {}
+    for mode in ("off", "bf16"):
+        spec = TrainerSpec(
+            model_path=str(tiny_model_dir),
+            trainer=TrainerSection(mixed_precision=mode),
+        )
+        trainer = Trainer(spec, CPU)
+        logps = dict(trainer.forward(_micro_batches(rows, 10_000)))
+        out[mode] = torch.tensor([x for key in sorted(logps) for x in logps[key]])
+        masters = [p for g in trainer.backend.optimizer.param_groups for p in g["params"]]
+        assert masters and all(p.dtype == torch.float32 for p in masters)
+    diff = (out["bf16"] - out["off"]).abs().max()
+    assert 0 < diff < 0.1
