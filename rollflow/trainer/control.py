@@ -10,21 +10,16 @@ that dies is named ("trainer rank 1 (pid 4242) died") within a fraction of a sec
 collective notices, so the HTTP API can fail the pending call and the health check at once.
 Ranks on other hosts are covered by the collective timeouts only.
 
-``socket_interface`` picks the network interface gloo binds to on several nodes: torch's default
-is the address the hostname resolves to, 127.0.1.1 on stock Ubuntu, which the other nodes cannot
-reach. It is the interface that holds the local address routing to ``master_addr``, unless
-``GLOO_SOCKET_IFNAME`` (or ``NCCL_SOCKET_IFNAME``) names one; the choice is logged.
+The control group binds gloo to the interface that reaches ``MASTER_ADDR``
+(``infra/network.py``), not the hostname's address (127.0.1.1 on stock Ubuntu).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -32,100 +27,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+from rollflow.infra.network import bind_gloo_interface
 
 WATCH_INTERVAL_S = 0.2
-IFNAME_ENVS = {
-    "gloo": ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"),
-    "nccl": ("NCCL_SOCKET_IFNAME",),
-}
-
-
-def socket_interface(
-    master_addr: str,
-    backend: str = "gloo",
-    env: Mapping[str, str] | None = None,
-    interfaces: Mapping[str, list[str]] | None = None,
-    local_address: str | None = None,
-) -> tuple[str | None, str]:
-    """The interface to bind to so that ``master_addr`` is reachable: ``(name, why)``.
-
-    An interface named in the backend's environment variable wins (gloo honours
-    ``NCCL_SOCKET_IFNAME`` too, so one setting serves both). Otherwise the one holding the local
-    address the kernel routes to ``master_addr`` from (``local_address``, found with a UDP
-    "connect" that sends nothing). ``interfaces`` maps names to their IPv4/IPv6 addresses (the
-    host's, by default). ``name`` is None when no interface holds that address.
-    """
-    env = os.environ if env is None else env
-    if interfaces is None:
-        interfaces = _host_interfaces()
-    for var in IFNAME_ENVS[backend]:
-        name = (env.get(var) or "").split(",")[0].strip()
-        if var.startswith("NCCL") and backend == "gloo":
-            # NCCL's syntax (prefixes, "^" to exclude) names no interface for gloo unless exact.
-            name = name.removeprefix("=")
-            if name not in interfaces:
-                continue
-        if name:
-            return name, f"{var}={env[var]}"
-    if local_address is None:
-        local_address = _route_source(master_addr)
-    local = ipaddress.ip_address(local_address.split("%")[0])
-    for name, addresses in interfaces.items():
-        if any(ipaddress.ip_address(a.split("%")[0]) == local for a in addresses):
-            return name, f"it holds {local_address}, the local address that reaches {master_addr}"
-    return None, f"no interface holds {local_address} (the local address toward {master_addr})"
-
-
-def _route_source(master_addr: str) -> str:
-    """The local address the kernel would send from to reach ``master_addr``."""
-    info = socket.getaddrinfo(master_addr, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
-        probe.connect(info[4])  # UDP: picks a route, sends nothing
-        return probe.getsockname()[0]
-
-
-def _host_interfaces() -> dict[str, list[str]]:
-    import psutil
-
-    families = (socket.AF_INET, socket.AF_INET6)
-    return {
-        name: [a.address for a in addrs if a.family in families]
-        for name, addrs in psutil.net_if_addrs().items()
-    }
-
-
-def gloo_device(master_addr: str) -> Any:
-    """A gloo device bound to the interface that reaches ``master_addr`` (``socket_interface``);
-    torch's default device (the hostname's address) when none is found."""
-    from torch._C._distributed_c10d import ProcessGroupGloo
-
-    try:
-        name, why = socket_interface(master_addr)
-    except (OSError, ValueError) as err:
-        name, why = None, f"no route to {master_addr}: {err}"
-    if name is None:
-        logger.warning("gloo toward %s: default device (%s)", master_addr, why)
-        return ProcessGroupGloo.create_default_device()
-    logger.info("gloo toward %s binds to interface %s (%s)", master_addr, name, why)
-    return ProcessGroupGloo.create_device(interface=name)
-
-
-def bind_gloo_interface(master_addr: str | None = None) -> str | None:
-    """Before a gloo group is made with torch's defaults (``init_process_group``, ``new_group``):
-    name the interface that reaches ``master_addr`` (``MASTER_ADDR`` by default) in
-    ``GLOO_SOCKET_IFNAME``, which torch reads then. Returns the interface, None if none found."""
-    master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        name, why = socket_interface(master_addr)
-    except (OSError, ValueError) as err:
-        name, why = None, f"no route to {master_addr}: {err}"
-    if name is None:
-        logger.warning("gloo toward %s: torch's default interface (%s)", master_addr, why)
-        return None
-    os.environ["GLOO_SOCKET_IFNAME"] = name
-    logger.info("gloo toward %s binds to interface %s (%s)", master_addr, name, why)
-    return name
 
 
 class ControlGroup:

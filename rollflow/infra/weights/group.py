@@ -64,6 +64,7 @@ from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGro
 
 from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.faults import fault_point
+from rollflow.infra.network import gloo_device
 
 logger = logging.getLogger(__name__)
 
@@ -288,8 +289,6 @@ class _WeightGroupMember:
             torch.cuda.set_device(self.device)
             return _nccl_group(store, self.rank, self.world_size, self.timeout)
         from torch._C._distributed_c10d import ProcessGroupGloo
-
-        from rollflow.trainer.control import gloo_device
 
         options = ProcessGroupGloo._Options()
         options._timeout = self.timeout

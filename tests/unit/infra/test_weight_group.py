@@ -352,11 +352,9 @@ def test_the_nccl_group_is_built_to_raise_not_to_kill_the_process(monkeypatch):
 
 def test_gloo_binds_to_the_interface_that_reaches_the_trainer(monkeypatch):
     """Not torch's default device (the hostname's address, 127.0.1.1 on stock Ubuntu)."""
-    from rollflow.trainer import control
-
     asked = []
-    real = control.gloo_device
-    monkeypatch.setattr(control, "gloo_device", lambda host: asked.append(host) or real(host))
+    real = group_module.gloo_device
+    monkeypatch.setattr(group_module, "gloo_device", lambda host: asked.append(host) or real(host))
     sender, receiver = _pair()
     sender.close()
     receiver.close()

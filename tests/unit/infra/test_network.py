@@ -1,4 +1,4 @@
-"""The interface gloo binds to on several nodes (``control.socket_interface``): never the
+"""The interface gloo binds to on several nodes (``network.socket_interface``): never the
 hostname's address by default, which is 127.0.1.1 on stock Ubuntu and unreachable elsewhere."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from rollflow.trainer import control
-from rollflow.trainer.control import bind_gloo_interface, socket_interface
+from rollflow.infra import network
+from rollflow.infra.network import bind_gloo_interface, socket_interface
 
 HOST = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.1.2.3", "fe80::1%eth0"], "ib0": ["192.168.7.5"]}
 
@@ -54,9 +54,28 @@ def test_an_interface_named_in_the_environment_wins(env, backend, expected):
 def test_binding_names_the_interface_for_torch_and_says_so(monkeypatch, caplog):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    monkeypatch.setattr(control, "_host_interfaces", lambda: HOST)
-    monkeypatch.setattr(control, "_route_source", lambda addr: "10.1.2.3")
-    with caplog.at_level(logging.INFO, logger=control.__name__):
+    monkeypatch.setattr(network, "_host_interfaces", lambda: HOST)
+    monkeypatch.setattr(network, "_route_source", lambda addr: "10.1.2.3")
+    with caplog.at_level(logging.INFO, logger=network.__name__):
         assert bind_gloo_interface("10.1.9.9") == "eth0"
-    assert control.os.environ["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert network.os.environ["GLOO_SOCKET_IFNAME"] == "eth0"
     assert "binds to interface eth0" in caplog.text
+
+
+def test_a_user_list_of_interfaces_stays_whole(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0,ib0")
+    monkeypatch.setattr(network, "_host_interfaces", lambda: HOST)
+    assert bind_gloo_interface("10.1.9.9") == "eth0"
+    assert network.os.environ["GLOO_SOCKET_IFNAME"] == "eth0,ib0"
+
+
+def test_an_unreachable_master_leaves_torch_its_default(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+
+    def no_route(addr):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(network, "_route_source", no_route)
+    assert bind_gloo_interface("10.1.9.9") is None
+    assert "GLOO_SOCKET_IFNAME" not in network.os.environ
