@@ -30,7 +30,7 @@ from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightReceiverGroup
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.launch import TrainerProcess
-from rollflow.trainer.protocol import ServiceArgs
+from rollflow.trainer.protocol import HEALTH, ServiceArgs
 
 from trainer_support import (
     adamw_step,
@@ -220,7 +220,7 @@ def test_bad_requests_are_named_and_leave_the_service_usable(service):
 def test_nothing_answers_without_the_run_token(service):
     """FastAPI's own pages (/docs, /redoc, /openapi.json) would list every route to anyone."""
     _whole_suite(service)
-    for path in ("/docs", "/redoc", "/openapi.json", "/health"):
+    for path in ("/docs", "/redoc", "/openapi.json", HEALTH.path):
         answer = httpx.get(f"{service.ep.url}{path}", timeout=10)
         assert answer.status_code in (401, 404), f"{path} answered {answer.status_code}"
         assert "openapi" not in answer.text
@@ -396,7 +396,7 @@ def test_a_dead_rank_is_named_within_seconds(service):
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.monotonic()
     while True:
-        resp = httpx.get(f"{service.ep.url}/health", headers=service.ep.headers(), timeout=5)
+        resp = httpx.get(service.ep.url + HEALTH.path, headers=service.ep.headers(), timeout=5)
         if resp.status_code == 503:
             break
         assert time.monotonic() - killed < 5, "health still OK 5 s after a rank died"
