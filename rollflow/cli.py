@@ -236,7 +236,7 @@ def render_plan(cfg, gpus: int | None = None, nodes: int | None = None) -> str:
     log_dir = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options).log_dir()
     commands = {
         p.name: node_argv(
-            cfg.trainer, p.node, log_dir / "trainer-args.json", cfg.trainer.master_port
+            cfg.trainer, p.node, log_dir / "trainer-args.json", cfg.trainer.master_port, p.env
         )
         for p in plan.trainer_nodes
         if p.node > 0

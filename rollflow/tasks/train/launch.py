@@ -38,9 +38,14 @@ def launcher_argv(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     hostfile: str | Path | None = None,
+    gpus: str | None = None,
 ) -> list[str]:
     """The launcher command line of one trainer node: torchrun for FSDP2, the deepspeed launcher
     for DeepSpeed, ``num_ranks`` ranks on this node of ``num_nodes``.
+
+    ``gpus`` is the node's ``CUDA_VISIBLE_DEVICES`` from the plan (None on CPU). torchrun keeps
+    the variable; DeepSpeed's launcher does not (it deletes it and gives the ranks 0..N-1 of
+    ``--num_gpus``, or its hostfile's slots), so its devices are named with ``--include``.
 
     Both are run as modules of this interpreter (``torchrun`` is ``torch.distributed.run``,
     ``deepspeed`` is ``deepspeed.launcher.runner``), so the ranks get the same environment.
@@ -71,7 +76,9 @@ def launcher_argv(
             if hostfile is None:
                 raise ValueError("a multi-node DeepSpeed launch needs a hostfile")
             argv += [f"--hostfile={hostfile}", "--no_ssh", f"--node_rank={node_rank}"]
-        else:
+        if gpus is not None:
+            argv.append("--include=" + deepspeed_include(gpus, num_ranks, num_nodes, node_rank))
+        elif num_nodes == 1:
             argv.append(f"--num_gpus={num_ranks}")
         return [
             *argv,
@@ -84,9 +91,40 @@ def launcher_argv(
     raise ConfigError(f"trainer.backend = {backend!r} is unknown: set 'fsdp2' or 'deepspeed'")
 
 
-def hostfile_text(num_nodes: int, num_ranks: int) -> str:
-    """DeepSpeed's hostfile: one line per trainer node (names only label nodes with --no_ssh)."""
-    return "".join(f"node-{i} slots={num_ranks}\n" for i in range(num_nodes))
+def deepspeed_gpu_ids(gpus: str) -> list[int]:
+    """A node's ``CUDA_VISIBLE_DEVICES`` as the GPU indices DeepSpeed's ``--include`` takes."""
+    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not ids or not all(g.isdigit() for g in ids):
+        raise ConfigError(
+            f"trainer.backend = 'deepspeed' names its GPUs by index (--include host:0,1), but "
+            f"this node's CUDA_VISIBLE_DEVICES is {gpus!r}: give the work pool GPU indices "
+            "rather than UUIDs or MIG ids, or use trainer.backend = 'fsdp2'"
+        )
+    return [int(g) for g in ids]
+
+
+def deepspeed_include(gpus: str, num_ranks: int, num_nodes: int = 1, node_rank: int = 0) -> str:
+    """DeepSpeed's own way to name devices: ``localhost:4,5,6,7`` on one node; with a hostfile,
+    ``node-0:..@node-1:..`` where this node's slots are its GPUs (each node runs its own launcher,
+    which only uses its own entry; the others' give their rank counts)."""
+    ids = deepspeed_gpu_ids(gpus)
+    if len(ids) != num_ranks:
+        raise ConfigError(
+            f"trainer.num_ranks = {num_ranks} but the plan gives this node {len(ids)} GPU(s) "
+            f"({gpus}): one rank per GPU"
+        )
+    own = ",".join(map(str, ids))
+    if num_nodes == 1:
+        return f"localhost:{own}"
+    others = ",".join(map(str, range(num_ranks)))
+    return "@".join(f"node-{i}:{own if i == node_rank else others}" for i in range(num_nodes))
+
+
+def hostfile_text(num_nodes: int, num_ranks: int, slots: int | None = None) -> str:
+    """DeepSpeed's hostfile: one line per trainer node (names only label nodes with --no_ssh).
+    ``slots`` (default ``num_ranks``) must cover the highest GPU index ``--include`` names."""
+    slots = max(num_ranks, slots or 0)
+    return "".join(f"node-{i} slots={slots}\n" for i in range(num_nodes))
 
 
 def launcher_env(
@@ -111,8 +149,15 @@ def launcher_env(
     return env
 
 
-def node_argv(trainer: Any, node_rank: int, args_file: str | Path, master_port: int) -> list[str]:
-    """The launcher command of trainer node ``node_rank`` for a run's ``[trainer]`` section."""
+def node_argv(
+    trainer: Any,
+    node_rank: int,
+    args_file: str | Path,
+    master_port: int,
+    device_env: dict[str, str] | None = None,
+) -> list[str]:
+    """The launcher command of trainer node ``node_rank`` for a run's ``[trainer]`` section;
+    ``device_env`` is the plan's environment for that node (its ``CUDA_VISIBLE_DEVICES``)."""
     hostfile = None
     if trainer.backend == "deepspeed" and trainer.num_nodes > 1:
         hostfile = Path(args_file).with_name("trainer-hostfile")
@@ -125,6 +170,7 @@ def node_argv(trainer: Any, node_rank: int, args_file: str | Path, master_port: 
         node_rank=node_rank,
         master_addr=trainer.master_addr if trainer.num_nodes > 1 else "127.0.0.1",
         hostfile=hostfile,
+        gpus=(device_env or {}).get("CUDA_VISIBLE_DEVICES"),
     )
 
 
@@ -170,11 +216,12 @@ class TrainerProcess:
         env.update(device_env or {})
         self.process = ManagedProcess(
             "trainer" + suffix,
-            node_argv(tr, node_rank, args_file, master_port),
+            node_argv(tr, node_rank, args_file, master_port, device_env),
             log_path,
             env=env,
         )
         self.args_file = args_file
+        self.device_env = dict(device_env or {})
         self.ranks: list[dict[str, Any]] = []
 
     def start(self) -> TrainerProcess:
@@ -183,8 +230,10 @@ class TrainerProcess:
         self.args_file.write_text(self.args.model_dump_json())
         tr = self.args.trainer
         if tr.backend == "deepspeed" and tr.num_nodes > 1:
+            gpus = self.device_env.get("CUDA_VISIBLE_DEVICES")
+            slots = max(deepspeed_gpu_ids(gpus)) + 1 if gpus else None
             self.args_file.with_name("trainer-hostfile").write_text(
-                hostfile_text(tr.num_nodes, tr.num_ranks)
+                hostfile_text(tr.num_nodes, tr.num_ranks, slots)
             )
         self.process.start()
         return self

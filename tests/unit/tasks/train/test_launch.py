@@ -1,0 +1,70 @@
+"""The trainer launchers' exact command lines: which GPUs DeepSpeed's own launcher gives the ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollflow.infra.config import TrainerSection, TrainSection
+from rollflow.infra.errors import ConfigError
+from rollflow.tasks.train.launch import TrainerProcess, hostfile_text, launcher_argv, node_argv
+from rollflow.trainer.protocol import ServiceArgs
+
+runner = pytest.importorskip("deepspeed.launcher.runner")
+
+
+def deepspeed_devices(argv: list[str], gpus_on_host: int = 8) -> dict[str, list[int]]:
+    """The GPU indices DeepSpeed's runner hands each host's ranks for ``argv``, by its own code
+    (runner.main: hostfile or all local GPUs, --include/--exclude, --num_nodes/--num_gpus; its
+    launch.py then sets CUDA_VISIBLE_DEVICES to exactly these)."""
+    i = argv.index("deepspeed.launcher.runner")
+    args = runner.parse_args(argv[i + 1 :])
+    pool = runner.fetch_hostfile(args.hostfile) or {"localhost": gpus_on_host}
+    if args.include and (args.num_nodes >= 0 or args.num_gpus >= 0):
+        raise ValueError("Cannot specify num_nodes/gpus with include/exclude")  # runner.main's
+    active = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)
+    return dict(runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus))
+
+
+def test_deepspeed_ranks_get_the_plans_gpus_not_the_first_ones():
+    argv = launcher_argv("deepspeed", 4, "a.json", 29500, gpus="4,5,6,7")
+    assert "--include=localhost:4,5,6,7" in argv and not any("--num_gpus" in a for a in argv)
+    assert deepspeed_devices(argv) == {"localhost": [4, 5, 6, 7]}
+    # on CPU there are no GPUs to name: the rank count as before
+    cpu = launcher_argv("deepspeed", 2, "a.json", 29500)
+    assert "--num_gpus=2" in cpu
+
+
+def test_trainer_process_passes_the_plans_devices_to_deepspeed(tmp_path):
+    args = ServiceArgs(
+        model_path="m",
+        storage_root=str(tmp_path),
+        run="r",
+        train=TrainSection(),
+        trainer=TrainerSection(backend="deepspeed", num_ranks=2, device="cuda"),
+    )
+    proc = TrainerProcess(
+        args, token="t", log_dir=tmp_path, device_env={"CUDA_VISIBLE_DEVICES": "2,3"}
+    )
+    assert deepspeed_devices(proc.process.argv) == {"localhost": [2, 3]}
+
+
+def test_two_node_deepspeed_names_each_nodes_gpus(tmp_path):
+    trainer = TrainerSection(
+        backend="deepspeed", num_ranks=2, num_nodes=2, master_addr="n0", device="cuda"
+    )
+    hostfile = tmp_path / "trainer-hostfile"
+    hostfile.write_text(hostfile_text(2, 2, slots=4))
+    env = {"CUDA_VISIBLE_DEVICES": "2,3"}  # node 0: vLLM has 0 and 1
+    node0 = node_argv(trainer, 0, tmp_path / "trainer-args.json", 29500, env)
+    assert deepspeed_devices(node0) == {"node-0": [2, 3], "node-1": [0, 1]}
+    node1 = node_argv(
+        trainer, 1, tmp_path / "trainer-args.json", 29500, {"CUDA_VISIBLE_DEVICES": "0,1"}
+    )
+    assert deepspeed_devices(node1)["node-1"] == [0, 1]
+
+
+def test_deepspeed_cannot_name_gpus_by_uuid():
+    with pytest.raises(ConfigError, match="names its GPUs by index"):
+        launcher_argv("deepspeed", 1, "a.json", 1, gpus="GPU-8f2e2c1a-0000-1111-2222-333344445555")
+    with pytest.raises(ConfigError, match="one rank per GPU"):
+        launcher_argv("deepspeed", 2, "a.json", 1, gpus="4")
