@@ -58,11 +58,19 @@ class Machine:
     # The CUDA_VISIBLE_DEVICES this process was given (a GPU work pool sets it for the flow run);
     # None: every GPU of the node. The plan's indices count within it (``physical_gpus``).
     visible: str | None = None
+    # NVIDIA GPUs the kernel driver lists (/proc/driver/nvidia/gpus), seen by torch or not: more
+    # than ``gpus`` sees means a driver too old for the wheels' CUDA, not a CPU machine.
+    driver_gpus: int = 0
 
     @classmethod
     def here(cls, nodes: int = 1) -> Machine:
         """This host (GPUs visible to CUDA), assumed ``nodes`` times."""
-        return cls(gpus=_visible_gpus(), nodes=nodes, visible=os.environ.get(CUDA_VISIBLE))
+        return cls(
+            gpus=_visible_gpus(),
+            nodes=nodes,
+            visible=os.environ.get(CUDA_VISIBLE),
+            driver_gpus=_driver_gpus(),
+        )
 
     def describe(self) -> str:
         gpus = f"{self.gpus} GPU(s)" if self.gpus else "no GPU"
@@ -327,6 +335,12 @@ def _device(section: str, value: str, devices, machine: Machine) -> Device:
         raise PlanError(
             f"{section}.devices = {list(devices)} asks for GPUs but {no_gpu_hint(section)}"
         )
+    if value == "auto" and machine.driver_gpus and machine.visible != "":
+        raise PlanError(
+            f"{section}.device = 'auto' on a host whose NVIDIA driver lists "
+            f"{machine.driver_gpus} GPU(s), but {no_gpu_hint(section)}; to run on CPU anyway "
+            f"set {section}.device = 'cpu' (or CUDA_VISIBLE_DEVICES='')"
+        )
     return "cpu"
 
 
@@ -444,6 +458,13 @@ def _device_env(
 
 def _ranges(ranks: tuple[int, ...]) -> str:
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _driver_gpus(root: str = "/proc/driver/nvidia/gpus") -> int:
+    try:
+        return len(os.listdir(root))
+    except OSError:
+        return 0
 
 
 def _visible_gpus() -> int:

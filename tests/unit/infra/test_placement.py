@@ -192,6 +192,16 @@ def test_a_gpu_config_where_torch_sees_no_gpu_names_the_driver_to_check(override
     assert make_plan(cfg(), Machine(gpus=0)).wire == WeightWire("gloo", "cpu")
 
 
+def test_auto_on_a_host_whose_driver_lists_gpus_torch_cannot_see_is_an_error():
+    """The 570-driver host: nvidia-smi shows GPUs, torch (CUDA 13) none; not a CPU machine."""
+    with pytest.raises(PlanError, match="NVIDIA driver lists 2 GPU"):
+        make_plan(cfg(), Machine(gpus=0, driver_gpus=2))
+    # GPUs hidden on purpose, or a cpu config: CPU
+    assert make_plan(cfg(), Machine(gpus=0, driver_gpus=2, visible="")).wire.device == "cpu"
+    cpu = cfg("inference.device='cpu'", "trainer.device='cpu'")
+    assert make_plan(cpu, Machine(gpus=0, driver_gpus=2)).wire.device == "cpu"
+
+
 def test_more_trainer_nodes_than_the_machine():
     with pytest.raises(PlanError, match="plan with --nodes 2"):
         make_plan(cfg("trainer.num_nodes=2"), Machine(gpus=0, nodes=1))
