@@ -107,7 +107,11 @@ class RunServices:
         self.trainer_proc.start()  # loads while vLLM starts
         for node in plan.trainer_nodes[1:]:  # the other trainer nodes are the user's to start
             cmd = node_argv(
-                cfg.trainer, node.node, self.trainer_proc.args_file, cfg.trainer.master_port
+                cfg.trainer,
+                node.node,
+                self.trainer_proc.args_file,
+                cfg.trainer.master_port,
+                node.env,  # DeepSpeed names that node's GPUs with --include
             )
             env = "".join(f"{k}={v} " for k, v in sorted(node.env.items()))
             self.progress(
