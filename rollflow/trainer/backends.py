@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rollflow.infra.errors import ConfigError
 from rollflow.trainer.policy import PackedPolicy, hf_name
 
 
@@ -326,4 +327,4 @@ def make_backend(
         return FSDP2Backend(policy, device, **common)
     if name == "deepspeed":
         return DeepSpeedBackend(policy, device, zero_stage=zero_stage, **common)
-    raise ValueError(f"unknown trainer backend {name!r}; expected 'fsdp2' or 'deepspeed'")
+    raise ConfigError(f"trainer.backend = {name!r} is unknown: set 'fsdp2' or 'deepspeed'")

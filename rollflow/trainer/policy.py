@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rollflow.gpu_kernels import varlen_attention
 from rollflow.gpu_kernels.logprobs import selective_logprobs_entropy
+from rollflow.infra.errors import ConfigError
 
 PREFIX = "hf."  # state-dict keys of the wrapper are the HF model's, behind this prefix
 
@@ -31,9 +32,10 @@ class PackedPolicy(nn.Module):
     def __init__(self, hf_model: nn.Module, temperature: float = 1.0, top_p: float = 1.0):
         super().__init__()
         if getattr(hf_model.config, "final_logit_softcapping", None):
-            raise ValueError(
-                f"{type(hf_model).__name__} soft-caps its logits; the trainer's log-prob "
-                "kernel computes plain lm_head logits and would be wrong for it"
+            raise ConfigError(
+                f"model.path: {type(hf_model).__name__} soft-caps its logits, and the trainer's "
+                "log-prob kernel computes plain lm_head logits: pick a model without "
+                "final_logit_softcapping"
             )
         self.hf = hf_model
         # The distribution the rollouts were sampled from (SamplingSection.behaviour): the
@@ -48,7 +50,10 @@ class PackedPolicy(nn.Module):
         """The transformer blocks (the units FSDP2 shards one by one)."""
         layers = getattr(self.hf.base_model, "layers", None)
         if layers is None:
-            raise ValueError(f"{type(self.hf).__name__}: no `.layers` on its base model to shard")
+            raise ConfigError(
+                f"model.path: {type(self.hf).__name__} has no `.layers` on its base model for "
+                "FSDP2 to shard: set trainer.backend = 'deepspeed'"
+            )
         return list(layers)
 
     def forward(

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
+from rollflow.infra.errors import ConfigError
 from rollflow.infra.weights.group import weight_metadata
 from rollflow.trainer import lora
 from rollflow.trainer.backends import Backend, make_backend
@@ -325,7 +326,7 @@ class Trainer:
         state_dir = Path(folder) / "trainer"
         state = json.loads((state_dir / "state.json").read_text())
         if state["backend"] != self.backend.name:
-            raise ValueError(
+            raise ConfigError(
                 f"{folder} holds {state['backend']} trainer state; this trainer runs "
                 f"{self.backend.name}: set trainer.backend = {state['backend']!r} to resume it"
             )
