@@ -2,7 +2,7 @@
 
 Without CUDA every test skips with its reason; the fault test needs two GPUs (NCCL refuses two
 members of one group on one GPU). The same paths run on gloo in
-tests/integration/infra/test_weight_group.py.
+tests/integration/infra/test_weight_group_peers.py.
 """
 
 from __future__ import annotations
