@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
+from rollflow.infra import network
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
 from rollflow.infra.storage import RunStorage
 from rollflow.trainer.api import TrainerAPI, build_app
@@ -103,6 +104,10 @@ def _init_distributed(args: ServiceArgs) -> torch.device:
     device = args.trainer.device
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     timeout = timedelta(seconds=args.trainer.request_timeout_s)
+    # The default group's gloo part (every rank's control and CPU collectives) binds to the
+    # interface that reaches MASTER_ADDR, not to what the hostname resolves to (127.0.1.1 on
+    # stock Ubuntu, unreachable from another node).
+    network.bind_gloo_interface()
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
