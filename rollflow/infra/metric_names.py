@@ -48,6 +48,7 @@ class Metric:
     # sync and evaluation
     SYNC_S = "sync_s"
     SYNC_PAUSE_S = "sync_pause_s"
+    SYNC_BYTES = "sync_bytes"  # what one weight sync carried (in the serving dtype)
     EVAL_REWARD = "eval_reward"  # per environment: eval_reward/<env>
     # timed phases of the step flow
     GENERATE_PHASE_S = "generate_phase_s"
