@@ -18,6 +18,7 @@ while its marker holds the same id.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -270,11 +271,21 @@ class RunStorage:
     def upload_dir(self, local: str | Path, kind: str, step: int) -> str:
         """Copy a local folder into ``<kind>/step=<N>`` and commit it."""
         self.clear_uncommitted(kind, step)
+        files = [f for f in sorted(Path(local).rglob("*")) if f.is_file() and f.name != SUCCESS]
+        self.upload_files(local, [f.relative_to(local).as_posix() for f in files], kind, step)
+        self.commit(kind, step)
+        return self.step_uri(kind, step)
+
+    def upload_files(self, local: str | Path, files: list[str], kind: str, step: int) -> None:
+        """Copy ``files`` (paths relative to ``local``) into ``<kind>/step=<N>``, uncommitted.
+
+        Several writers may upload parts of one step folder (the trainer ranks of several
+        nodes); one of them commits once all are done.
+        """
         folder = self.step_dir(kind, step)
         self.fs.makedirs(folder, exist_ok=True)
-        files = [f for f in sorted(Path(local).rglob("*")) if f.is_file() and f.name != SUCCESS]
-        for num_files, file in enumerate(files):
-            remote = f"{folder}/{file.relative_to(local).as_posix()}"
+        for num_files, name in enumerate(files):
+            file, remote = Path(local) / name, f"{folder}/{name}"
             self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
             try:
                 self.fs.put_file(str(file), remote)
@@ -282,8 +293,6 @@ class RunStorage:
                 raise StorageError(f"uploading {file} to {remote}: {exc}") from exc
             if kind == "checkpoints" and num_files == 0:
                 fault_point("checkpoint_upload")  # once per upload, after its first file
-        self.commit(kind, step)
-        return self.step_uri(kind, step)
 
     def local_copy(self, kind: str, step: int, cache: str | Path) -> Path:
         """A local folder holding a committed step folder (itself, when storage is local).
@@ -307,21 +316,31 @@ class RunStorage:
         key = hashlib.sha256(self.step_uri(kind, step).encode()).hexdigest()[:16]
         target = Path(cache) / f"{self.run}-{kind}-step={step}-{key}"
         local_marker = target / SUCCESS
-        if not (local_marker.exists() and local_marker.read_bytes() == commit_id):
-            shutil.rmtree(target, ignore_errors=True)
-            target.mkdir(parents=True)
-            source = self.step_dir(kind, step)
-            for remote in self.fs.find(source):
-                if remote.rsplit("/", 1)[-1] == SUCCESS:
-                    continue  # written last, below: a copy cut short must not look whole
-                local = target / remote[len(source) + 1 :]
-                local.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    self.fs.get_file(remote, str(local))
-                except OSError as exc:
-                    raise StorageError(f"downloading {remote} to {local}: {exc}") from exc
-            local_marker.write_bytes(commit_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Processes of one host (the trainer's ranks) copy into one cache: one at a time.
+        lock = os.open(target.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (local_marker.exists() and local_marker.read_bytes() == commit_id):
+                self._download(kind, step, target)
+                local_marker.write_bytes(commit_id)
+        finally:
+            os.close(lock)  # and with it the lock
         return target
+
+    def _download(self, kind: str, step: int, target: Path) -> None:
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        source = self.step_dir(kind, step)
+        for remote in self.fs.find(source):
+            if remote.rsplit("/", 1)[-1] == SUCCESS:
+                continue  # written last, by the caller: a copy cut short must not look whole
+            local = target / remote[len(source) + 1 :]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.fs.get_file(remote, str(local))
+            except OSError as exc:
+                raise StorageError(f"downloading {remote} to {local}: {exc}") from exc
 
     # ---------------------------------------------------------------- helpers
 

@@ -1,9 +1,10 @@
-"""Checkpoints and exports as every rank runs them: each rank writes its part, rank 0 moves files.
+"""Checkpoints and exports as every rank runs them: each rank writes and uploads its part.
 
-Owns: where a checkpoint is staged (a temporary folder rank 0 makes and broadcasts; a loaded one
-is copied to ``LOCAL_CHECKPOINTS`` by rank 0 first), the upload that commits it
-(``checkpoints/step=N``), and the HF exports and gradient dumps used for inspection. Every
-command here is a collective: the ranks gather shards together, rank 0 alone touches storage.
+Owns: where a checkpoint is staged (a folder of one name, broadcast by rank 0, in each rank's own
+temp folder: nodes share no file system), who uploads which file (``assign_uploads``), the commit
+(``checkpoints/step=N/_SUCCESS``, by rank 0 once every rank's upload is done), where a loaded one
+is copied (``LOCAL_CHECKPOINTS`` of each host), and the HF exports and gradient dumps used for
+inspection. Every command here is a collective with the control group's deadline.
 """
 
 from __future__ import annotations
@@ -11,16 +12,45 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import fsspec
 
+from rollflow.infra.errors import StorageError
 from rollflow.infra.storage import RunStorage
 from rollflow.trainer.control import ControlGroup
 from rollflow.trainer.protocol import ExportHF, Gradients, StepRef
 from rollflow.trainer.trainer import Trainer
 
 LOCAL_CHECKPOINTS = Path("~/.cache/rollflow/checkpoints").expanduser()
+
+
+def assign_uploads(listings: list[list[str]]) -> list[list[str]]:
+    """Which rank uploads which staged file: each file by the first rank that sees it.
+
+    ``listings[r]`` is the files rank ``r`` sees in its staging folder. Ranks of one node (or of
+    nodes sharing a file system) see the same files, and the first of them uploads them; a node
+    of its own uploads what its ranks wrote. Every file is uploaded exactly once.
+    """
+    taken: set[str] = set()
+    assigned = []
+    for files in listings:
+        mine = [f for f in files if f not in taken]
+        taken.update(mine)
+        assigned.append(mine)
+    return assigned
+
+
+def staged_files(folder: Path) -> list[str]:
+    """The files under ``folder``, as sorted POSIX paths relative to it."""
+    return sorted(f.relative_to(folder).as_posix() for f in folder.rglob("*") if f.is_file())
+
+
+def failures(outcomes: list[str | None]) -> str | None:
+    """One line naming every rank whose part failed, or None when all succeeded."""
+    failed = [f"rank {r}: {err}" for r, err in enumerate(outcomes) if err]
+    return "; ".join(failed) or None
 
 
 class CheckpointOps:
@@ -31,41 +61,63 @@ class CheckpointOps:
         self.rank = control.rank
 
     def save_checkpoint(self, req: StepRef) -> dict:
-        """Every rank writes its part into rank 0's temporary folder; rank 0 uploads and commits."""
+        """Every rank writes its part into a staging folder on its own host and uploads what
+        ``assign_uploads`` gives it; rank 0 commits once every upload is done."""
         start = time.perf_counter()
-        made = tempfile.mkdtemp(prefix=f"rollflow-ckpt-{req.step}-") if self.rank == 0 else None
-        folder = Path(self.control.broadcast(made))
-        self.trainer.save_checkpoint(folder)
-        if self.rank != 0:
-            return {}
+        name = None
+        if self.rank == 0:
+            self.storage.clear_uncommitted("checkpoints", req.step)
+            name = f"rollflow-ckpt-{req.step}-{uuid.uuid4().hex[:12]}"
+        folder = Path(tempfile.gettempdir()) / self.control.broadcast(name)
+        folder.mkdir(parents=True, exist_ok=True)
         try:
-            uri = self.storage.upload_dir(folder, "checkpoints", req.step)
+            self.trainer.save_checkpoint(folder)  # ends with a barrier: every part is written
+            mine = assign_uploads(self.control.all_gather(staged_files(folder)))[self.rank]
+            try:
+                self.storage.upload_files(folder, mine, "checkpoints", req.step)
+                outcome = None
+            except Exception as err:  # every rank must reach the gather below
+                outcome = f"{type(err).__name__}: {err}"
+            failed = failures(self.control.all_gather(outcome))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        if failed:
+            raise StorageError(f"checkpoint {req.step} was not uploaded: {failed}")
+        if self.rank != 0:
+            return {}
+        self.storage.commit("checkpoints", req.step)
+        uri = self.storage.step_uri("checkpoints", req.step)
         return {"uri": uri, "checkpoint_s": time.perf_counter() - start}
 
     def load_checkpoint(self, req: StepRef) -> dict:
-        local = (
-            self.storage.local_copy("checkpoints", req.step, LOCAL_CHECKPOINTS)
-            if self.rank == 0
-            else None
-        )
-        folder = self.control.broadcast(str(local) if local is not None else None)
+        """Every rank reads a copy on its own host (one download per host and checkpoint)."""
+        try:
+            folder, outcome = (
+                self.storage.local_copy("checkpoints", req.step, LOCAL_CHECKPOINTS),
+                None,
+            )
+        except Exception as err:  # every rank must reach the gather below
+            folder, outcome = None, f"{type(err).__name__}: {err}"
+        failed = failures(self.control.all_gather(outcome))
+        if failed:
+            raise StorageError(f"checkpoint {req.step} could not be read: {failed}")
         self.trainer.load_checkpoint(folder)
-        return {"optim_step": self.trainer.step, "path": folder}
+        return {"optim_step": self.trainer.step, "path": str(folder)}
 
     def export_hf(self, req: ExportHF) -> dict:
         """Weights, config and tokenizer as an HF directory at ``uri`` (a local path or fsspec URI)."""
         uri = req.uri
         fs, path = fsspec.core.url_to_fs(uri, **self.storage.options)
         local = "file" in fs.protocol
-        tmp = Path(path) if local else Path(tempfile.mkdtemp(prefix="rollflow-export-"))
+        # Rank 0 alone writes the export (on its host); a remote one is staged there first.
+        staged = not local and self.rank == 0
+        tmp = Path(tempfile.mkdtemp(prefix="rollflow-export-")) if staged else Path(path)
         try:
             self.trainer.export_hf(tmp)
-            if self.rank == 0 and not local:
+            if staged:
                 fs.put(f"{tmp}/", path, recursive=True)
         finally:
-            if not local and self.rank == 0:
+            if staged:
                 shutil.rmtree(tmp, ignore_errors=True)
         return {"uri": uri}
 

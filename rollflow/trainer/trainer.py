@@ -298,7 +298,8 @@ class Trainer:
         """HF export at the top, trainer state in ``trainer/``: backend shards, RNG, step (collective).
 
         vLLM loads every ``*.safetensors`` at the top of a model directory: trainer state stays in
-        the sub-folder. ``folder`` must be visible to every rank (one node, or a shared path).
+        the sub-folder. Each rank writes its own files into ``folder`` on its own host; the union
+        of the hosts' folders is the checkpoint (``checkpoints.CheckpointOps`` uploads it).
         """
         folder = Path(folder)
         self.export_hf(folder)
