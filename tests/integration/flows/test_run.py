@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,98 +14,6 @@ from deployed_run import processes_marked
 from run_support import ROOT, assert_every_step_once, env_for, run_cli, write_config
 
 pytestmark = pytest.mark.slow
-
-
-def test_run_trains_and_writes_the_documented_layout(tmp_path, model_cache):
-    import duckdb
-    import pandas as pd
-
-    out = run_cli(write_config(tmp_path, model_cache), tmp_path)
-    assert "step 4/4" in out and "held-out reward" in out
-    run_dir = tmp_path / "runs" / "small"
-    assert_every_step_once(run_dir, 4)
-    df = pd.read_parquet(run_dir / "rollouts", partitioning=None)  # step is a column of every file
-    expected = {
-        "run",
-        "step",
-        "env",
-        "prompt_id",
-        "group_index",
-        "sample_index",
-        "prompt_ids",
-        "completion_ids",
-        "completion_logprobs",
-        "reward",
-        "advantage",
-        "version_started",
-        "version_finished",
-        "finish_reason",
-        "error",
-        "info",
-    }
-    assert expected <= set(df.columns)
-    # Synchronous RL: step N was sampled by the policy of version N-1.
-    assert (df["version_started"] == df["step"] - 1).all()
-    assert all(
-        len(ids) == len(lp)
-        for ids, lp in zip(df["completion_ids"], df["completion_logprobs"], strict=True)
-    )
-    batches = duckdb.sql(
-        f"select advantage from read_parquet('{run_dir}/batches/*/*.parquet')"
-    ).df()
-    assert batches["advantage"].notna().all()
-    events = [
-        json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()
-    ]
-    assert events.count("step_committed") == 4 and events[-1] == "training_finished"
-    metrics = duckdb.sql(
-        f"select * from read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true)"
-    ).df()
-    assert sorted(metrics["step"]) == [0, 1, 2, 3, 4]
-    assert metrics["eval_reward"].notna().sum() == 3  # steps 0, 2, 4
-    status = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollflow.cli",
-            "status",
-            "small",
-            "--storage",
-            str(tmp_path / "runs"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert status.returncode == 0, status.stderr
-    assert status.stdout.splitlines()[5].split()[0] == "4"  # header, steps 0..4
-    assert "4 steps committed (last: 4), training finished" in status.stdout
-    # A rerun of a finished run does nothing and says so.
-    again = run_cli(write_config(tmp_path, model_cache), tmp_path)
-    assert "already committed" in again
-
-
-def test_run_on_s3_resumes_from_s3(tmp_path, model_cache, s3_endpoint):
-    """The whole layout on S3 (moto's server): rollouts, checkpoints, and a resume that reads them."""
-    import fsspec
-
-    storage = f"s3://rollflow/{tmp_path.name}"
-    options = f'run.storage_options={{endpoint_url="{s3_endpoint}"}}'
-    config = write_config(tmp_path, model_cache, name="ons3", steps=2, storage=storage)
-    run_cli(config, tmp_path, options)
-    out = run_cli(config, tmp_path, options, "run.num_steps=3")
-    assert "resuming after committed step 2" in out
-    fs = fsspec.filesystem("s3", endpoint_url=s3_endpoint)
-    root = f"rollflow/{tmp_path.name}/ons3"
-    for kind in ("rollouts", "batches", "checkpoints"):
-        assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{root}/{kind}/step=*/_SUCCESS")) == [
-            "step=1",
-            "step=2",
-            "step=3",
-        ]
-    # The trainer's sharded state went up with the model (FSDP2: DCP shards and their metadata).
-    assert fs.exists(f"{root}/checkpoints/step=3/trainer/state.json")
-    assert fs.glob(f"{root}/checkpoints/step=3/trainer/dcp/*.distcp")
 
 
 def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_path, model_cache):
@@ -211,37 +120,63 @@ def test_a_fractional_staleness_sends_weights_mid_step_and_samples_the_next_step
     assert [m[-1] for m in metrics] == [0.0, 0.5, 0.5, 0.5]  # staleness in steps: 1 of 2 optim
 
 
-def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache):
+def test_a_lora_run_on_s3_checkpoints_resumes_and_exports_its_adapter(
+    tmp_path, model_cache, s3_endpoint
+):
     """[train.lora] through the whole run with train.lora.sync = "adapter" (vLLM serves the base
     model and the adapter; the merged sync's run is in test_lora_sync.py, service level, to keep
-    the suite short), one step, then a resume whose vLLM starts from the checkpoint's adapter:
-    every checkpoint holds the adapter beside the merged model (peft's merge of
-    the one is the other), and `rollflow export` writes the adapter in peft's format (the merged
-    model with --merged)."""
+    the suite short), on S3 (moto's server), one step, then a resume that reads the checkpoint back
+    from S3 and whose vLLM starts from its adapter: the whole layout is on S3 (rollouts, batches,
+    checkpoints with the trainer's sharded state), every checkpoint holds the adapter beside the
+    merged model (peft's merge of the one is the other), and `rollflow export` writes the adapter
+    in peft's format (the merged model with --merged)."""
     peft = pytest.importorskip("peft")
+    import shutil
+    import uuid
+
     import duckdb
+    import fsspec
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    config = write_config(tmp_path, model_cache, name="lora", steps=1)
+    name = f"lora-{uuid.uuid4().hex[:8]}"  # its logs are local, under ~/.cache/rollflow/logs
+    storage = f"s3://rollflow/{tmp_path.name}"
+    options = f'run.storage_options={{endpoint_url="{s3_endpoint}"}}'
+    config = write_config(tmp_path, model_cache, name=name, steps=1, storage=storage)
     # The tiny policy's rewards may all be zero in two steps; zero-advantage groups are kept and an
     # entropy bonus gives them a gradient, so every step trains the adapter whatever the rewards.
     lora = ["train.lora.rank=4", "train.lora.sync=adapter", "train.lr=1e-3", "run.eval_every=0"]
     train = ["train.filter_zero_advantage=false", "train.loss.entropy_coef=0.01"]
-    run_cli(config, tmp_path, *lora, *train)
-    # The resume's vLLM starts from the base model and the checkpoint's adapter.
-    out = run_cli(config, tmp_path, *lora, *train, "run.num_steps=2")
-    assert "resuming after committed step 1" in out and "step 2/2" in out
-    run_dir = tmp_path / "runs" / "lora"
-    # vllm.log holds both launches; each logs the adapter it serves as the policy.
-    served = [
-        line
-        for line in (run_dir / "logs" / "vllm.log").read_text().splitlines()
-        if "lora_modules" in line
-    ]
+    logs = Path("~/.cache/rollflow/logs").expanduser() / name
+    try:
+        run_cli(config, tmp_path, options, *lora, *train)
+        # The resume's vLLM starts from the base model and the checkpoint's adapter, read from S3.
+        out = run_cli(config, tmp_path, options, *lora, *train, "run.num_steps=2")
+        assert "resuming after committed step 1" in out and "step 2/2" in out
+        # vllm.log holds both launches; each logs the adapter it serves as the policy.
+        served = [
+            line for line in (logs / "vllm.log").read_text().splitlines() if "lora_modules" in line
+        ]
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+        for copy in Path("~/.cache/rollflow/checkpoints").expanduser().glob(f"{name}-*"):
+            shutil.rmtree(copy, ignore_errors=True)
     assert len(served) == 2 and "adapter-v0" in served[0], served
-    assert str(run_dir / "checkpoints" / "step=1" / "adapter") in served[1], served
+    assert f"{name}-checkpoints-step=1-" in served[1] and "/adapter" in served[1], served
+    fs = fsspec.filesystem("s3", endpoint_url=s3_endpoint)
+    root = f"rollflow/{tmp_path.name}/{name}"
+    for kind in ("rollouts", "batches", "checkpoints"):
+        assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{root}/{kind}/step=*/_SUCCESS")) == [
+            "step=1",
+            "step=2",
+        ]
+    # The trainer's sharded state went up with the model (FSDP2: DCP shards and their metadata).
+    assert fs.exists(f"{root}/checkpoints/step=2/trainer/state.json")
+    assert fs.glob(f"{root}/checkpoints/step=2/trainer/dcp/*.distcp")
+    # The rest is read from a local copy of the run.
+    fs.get(f"{root}/", str(tmp_path / "runs" / name), recursive=True)
+    run_dir = tmp_path / "runs" / name
     assert_every_step_once(run_dir, 2)
     optim_steps = duckdb.sql(
         f"select step, num_optim_steps from read_parquet('{run_dir}/metrics/step=[12].parquet', "
@@ -269,12 +204,12 @@ def test_a_lora_run_checkpoints_and_exports_its_adapter(tmp_path, model_cache):
     for extra, wanted in (([], "adapter_config.json"), (["--merged"], "model.safetensors")):
         folder = tmp_path / f"export{len(extra)}"
         done = subprocess.run(
-            [sys.executable, "-m", "rollflow.cli", "export", "lora", "--step", "2"]
+            [sys.executable, "-m", "rollflow.cli", "export", name, "--step", "2"]
             + ["--out", str(folder), *storage, *extra],
             capture_output=True,
             text=True,
             timeout=60,
-            env=env_for(tmp_path),
+            env=env_for(tmp_path, api=False),
             cwd=ROOT,
         )
         assert done.returncode == 0, done.stderr

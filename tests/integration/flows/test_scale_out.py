@@ -29,7 +29,7 @@ from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
 
 from conftest import PROMPT_IDS, greedy_reference
-from run_support import ROOT, assert_every_step_once, env_for, write_config
+from run_support import ROOT, assert_documented_layout, env_for, write_config
 from trainer_support import make_rows, write_batch
 
 pytestmark = pytest.mark.slow
@@ -102,10 +102,14 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
     assert all(not s.server.is_alive() for s in services.supervisors)
 
 
-def test_a_run_on_a_two_node_trainer_completes(tmp_path, model_cache):
+def test_a_run_on_a_two_node_trainer_completes_and_writes_the_documented_layout(
+    tmp_path, model_cache
+):
     """``rollflow run`` with trainer.num_nodes = 2 starts node 0 and prints node 1's command; run
-    as printed (here, on the same host), node 1 joins and the run completes, each step once."""
-    config = write_config(tmp_path, model_cache, name="twonode", steps=2)
+    as printed (here, on the same host), node 1 joins and the run completes, each step once.
+    The run is also the suite's check of the documented layout, `rollflow status` and the rerun
+    of a finished run (``run_support.assert_documented_layout``)."""
+    config = write_config(tmp_path, model_cache, name="twonode", steps=4)
     overrides = [
         "trainer.num_nodes=2",
         "trainer.num_ranks=1",
@@ -140,12 +144,15 @@ def test_a_run_on_a_two_node_trainer_completes(tmp_path, model_cache):
             if p is not None and p.poll() is None:
                 p.kill()
     assert "1 rank(s) × 2 nodes" in "".join(output)
-    assert_every_step_once(tmp_path / "runs" / "twonode", 2)
+    assert_documented_layout(
+        tmp_path / "runs" / "twonode", "".join(output), tmp_path, [str(config), *overrides]
+    )
 
 
 def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, tmp_path):
     """vLLM on CPU with tensor parallelism 2 (the plan's thread binding): both workers join the
-    group as ranks 1 and 2, and after one sync the server serves the trainer's weights."""
+    group as ranks 1 and 2, and after one sync the server serves the trainer's weights; its stop
+    then leaves none of its processes behind."""
     from rollflow.infra.inference.server import InferenceServer
     from rollflow.infra.placement import make_plan
     from rollflow.infra.weights.group import WeightSender, weight_metadata
@@ -198,3 +205,9 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
         weights.publish(source, [server.url], 1, timeout_s=60)
         assert greedy(server.url) == expected
         weights.leave(source, [server.url], timeout_s=10)
+        procs = [psutil.Process(pid) for pid in server.pids()]
+        start = time.monotonic()
+    # The stop leaves no process behind: the guard, the API server, the engine, both workers.
+    print(f"\nstop took {time.monotonic() - start:.1f}s")
+    assert len(procs) >= 2 and not server.is_alive()
+    assert not [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
