@@ -20,7 +20,7 @@ from rollflow.tasks.train.launch import TrainerProcess
 from rollflow.trainer.lora import ADAPTER_DIR, save_initial_adapter
 from rollflow.trainer.protocol import ServiceArgs
 
-from conftest import PROMPT_IDS, VLLM_MAX_LEN
+from conftest import PROMPT_IDS, VLLM_MAX_LEN, restore_weights
 from trainer_support import make_rows, write_batch
 
 peft = pytest.importorskip("peft")
@@ -163,4 +163,6 @@ def test_vllm_serves_the_trainers_adapter_after_every_sync(
             leave(client, [url], timeout_s=10)
     finally:
         proc.stop(timeout_s=30)
+        if sync == "merged":  # the session's server: back to the policy the other tests expect
+            restore_weights(server, base)
     assert len({tuple(t) for t, _ in served}) > 1, "training never changed vLLM's greedy output"
