@@ -1,4 +1,5 @@
-"""Fault tests of a whole run: SIGKILLed at random moments, its vLLM killed, its trainer killed.
+"""Fault tests of a whole run: SIGKILLed at random moments, its vLLM killed, Ctrl-C and SIGTERM,
+its trainer killed.
 
 One run directory goes through every fault in turn (one model cache, one warm start), each
 launch resuming where the last one stopped:
@@ -8,7 +9,10 @@ launch resuming where the last one stopped:
    rollouts were committed (the resume rule must then reuse or regenerate them);
 2. the vLLM server is killed mid-step (frozen first, so that requests are surely in flight): the
    run notices within 30 s, restarts it, retries its rollouts and goes on (then is SIGKILLed);
-3. the trainer is killed: the run fails within 60 s naming it; a rerun resumes and completes.
+3. Ctrl-C (SIGINT) and SIGTERM at a seeded random point of a step: the run stops within 30 s and
+   prints one line (no traceback) saying what is committed and the command that resumes it;
+4. the trainer is killed: the run fails within 60 s naming it; a rerun (the printed command)
+   resumes and completes, and its progress lines are in its flow runs' logs on the Prefect API.
 
 After every fault no process of the run is left, and storage holds every committed step once:
 rollouts, batches, metrics and checkpoints, checked with DuckDB. The seed (``ROLLFLOW_CHAOS_SEED``)
@@ -34,11 +38,11 @@ import pytest
 from rollflow.trainer import SERVICE_MODULE
 
 from deployed_run import processes_marked
-from run_support import ROOT, env_for, write_config
+from run_support import ROOT, env_for, session_prefect_api, write_config
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 SEED = int(os.environ.get("ROLLFLOW_CHAOS_SEED", "6"))
-STEPS = 12
+STEPS = 14  # room for every fault's steps before the last launch completes the run
 ROWS_PER_STEP = 8 * 4  # train_batch_size x group_size of run_support.SMALL
 START_TIMEOUT_S = 300.0  # a launch's first step: Prefect API, vLLM start-up (slow on busy CI)
 
@@ -46,8 +50,8 @@ START_TIMEOUT_S = 300.0  # a launch's first step: Prefect API, vLLM start-up (sl
 class Campaign:
     """One run directory killed again and again; launches, kill points and checks."""
 
-    def __init__(self, root: Path, model_cache: Path, prefect_api: str):
-        self.root, self.prefect_api = root, prefect_api
+    def __init__(self, root: Path, model_cache: Path):
+        self.root, self.prefect_api = root, session_prefect_api()
         self.config = write_config(root, model_cache, name="chaos", steps=STEPS)
         self.run_dir = root / "runs" / "chaos"
         self.rng = random.Random(SEED)
@@ -60,18 +64,14 @@ class Campaign:
     def launch(
         self, *overrides: str, private_api: bool = False, env: dict[str, str] | None = None
     ) -> subprocess.Popen:
-        """Start the run; on the campaign's Prefect API unless ``private_api`` (the run starts
+        """Start the run; on the session's Prefect API unless ``private_api`` (the run starts
         its own, as without a configured server)."""
         if self.proc is not None and self.proc.poll() is None:  # an earlier test failed mid-launch
             self.kill_run(self.proc)
         self.launches += 1
         self.launched_at = time.time()
         self.log = self.root / f"launch-{self.launches}.log"
-        env = {
-            **env_for(self.root),
-            **({} if private_api else {"PREFECT_API_URL": self.prefect_api}),
-            **(env or {}),
-        }
+        env = {**env_for(self.root, api=not private_api), **(env or {})}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollflow.cli", "run", str(self.config), *overrides],
@@ -239,14 +239,11 @@ class Campaign:
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory, model_cache) -> Campaign:
-    # One Prefect API for the launches saves its start-up each time; two launches start their own
-    # as a run without a configured server does (a SIGKILLed one, a failing one).
-    from rollflow.infra.prefect_api import local_prefect_api
-
-    with local_prefect_api() as prefect_api:
-        c = Campaign(tmp_path_factory.mktemp("chaos"), model_cache, prefect_api)
-        yield c
-        c.close()
+    # The session's Prefect API for the launches saves its start-up each time; two launches start
+    # their own as a run without a configured server does (a SIGKILLed one, a failing one).
+    c = Campaign(tmp_path_factory.mktemp("chaos"), model_cache)
+    yield c
+    c.close()
 
 
 def test_sigkill_during_service_start_up(campaign):
@@ -344,6 +341,39 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
     c.assert_consistent()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_signal_at_a_random_point_of_a_step_prints_one_line(campaign, signum):
+    c = campaign
+    before = c.committed()
+    step = len(before) + 1
+    proc = c.launch("train.max_staleness=1")
+    name, reached, delay = c.random_kill_point(step)
+    c.wait_for(proc, reached, name)
+    time.sleep(delay)
+    proc.send_signal(signum)
+    sent = time.monotonic()
+    proc.wait(timeout=60)
+    took = time.monotonic() - sent
+    print(f"seed {SEED}: {signal.Signals(signum).name} {delay}s after {name}; exit in {took:.1f}s")
+    c.assert_no_orphans()
+    c.assert_consistent()
+    out = c.output()
+    assert took < 30, out[-3000:]
+    assert proc.returncode == 128 + signum, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert not [line for line in out.splitlines() if line.startswith("error")], out[-3000:]
+    how = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    stopped = [line for line in out.splitlines() if line.startswith("stopped")]
+    steps = c.committed()
+    done = (
+        f"committed through step {steps[-1]} of {STEPS} in {c.run_dir}"
+        if steps
+        else f"no step committed yet in {c.run_dir}"
+    )
+    resume = f"rollflow run {c.config} train.max_staleness=1"
+    assert stopped == [f"stopped by {how}: {done}; resume with: {resume}"], out[-3000:]
+
+
 @pytest.mark.parametrize("point", ["checkpoint_upload", "weight_broadcast"])
 def test_trainer_killed_at_a_fault_point_fails_the_run_then_nothing_half_done_counts(
     campaign, point
@@ -354,9 +384,7 @@ def test_trainer_killed_at_a_fault_point_fails_the_run_then_nothing_half_done_co
     c = campaign
     nth = c.rng.randint(1, 3)
     before = c.committed()
-    proc = c.launch(
-        "train.max_staleness=0", env={"ROLLFLOW_FAULT": f"{point}@{nth}"}, private_api=True
-    )
+    proc = c.launch("train.max_staleness=0", env={"ROLLFLOW_FAULT": f"{point}@{nth}"})
     code = proc.wait(timeout=START_TIMEOUT_S + 120)
     errors = re.findall(r"^error: .*$", c.output(), re.M)
     print(f"fault {point}@{nth}: exit {code}; {errors[-1] if errors else 'no error line'}")
@@ -397,13 +425,18 @@ def test_trainer_killed_fails_the_run_fast_naming_it_then_a_rerun_completes(camp
     c.assert_no_orphans()
     c.assert_consistent()
 
+    # The rerun, as a stopped run prints it: it resumes after the last committed step and
+    # finishes; its progress lines are in its flow runs' logs on the Prefect API (the UI's Logs).
     before = c.committed()
-    proc = c.launch()
+    proc = c.launch("train.max_staleness=1")
     assert proc.wait(timeout=600) == 0, c.output()[-4000:]
     if before:
         assert f"resuming after committed step {before[-1]}" in c.output()
     c.assert_no_orphans()
     c.assert_consistent(final=True)
+    logs = flow_run_logs(c.prefect_api, "chaos")
+    assert f"step {STEPS}/{STEPS}: reward" in logs, logs[-3000:]
+    assert "services: vLLM at" in logs and "done: held-out reward" in logs
 
 
 def _service_process(marker: Path, module: str) -> psutil.Process:
@@ -418,3 +451,24 @@ def _service_process(marker: Path, module: str) -> psutil.Process:
     with_rank = [p for p in found if "RANK" in p.environ()]
     assert found, f"no process runs {module}"
     return max(with_rank, key=lambda p: int(p.environ()["RANK"])) if with_rank else found[0]
+
+
+def flow_run_logs(api: str, run_name: str) -> str:
+    """Every log message of the flow runs named ``run_name``, read back from the Prefect API."""
+    import httpx
+
+    runs = httpx.post(
+        f"{api}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [run_name]}}}, timeout=10
+    ).json()
+    ids = [r["id"] for r in runs]
+    messages, offset = [], 0
+    while True:
+        page = httpx.post(
+            f"{api}/logs/filter",
+            json={"logs": {"flow_run_id": {"any_": ids}}, "offset": offset, "limit": 200},
+            timeout=10,
+        ).json()
+        messages += [log["message"] for log in page]
+        offset += len(page)
+        if len(page) < 200:
+            return "\n".join(messages)
