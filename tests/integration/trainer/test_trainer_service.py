@@ -4,14 +4,18 @@ One service per backend configuration for the whole module (launches are the slo
 torchrun + FSDP2, and the deepspeed launcher with ZeRO-1, -2 and -3. Every configuration runs
 the exactness test; FSDP2 and ZeRO-3 (one per launcher) run the whole suite, which ends by
 killing a rank. Batches have widely varying lengths and a small micro-batch budget, so ranks
-hold different token counts and several micro-batches, some of them empty.
+hold different token counts and several micro-batches, some of them empty. fsdp2-2nodes runs
+its two nodes on separate hosts (tests/host_support.py: network and mount namespaces, storage
+on S3) and, besides the exactness test, round-trips a checkpoint across them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
+import shutil
 import signal
 import threading
 import time
@@ -32,6 +36,7 @@ from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.launch import TrainerProcess
 from rollflow.trainer.protocol import HEALTH, ServiceArgs
 
+from host_support import object_storage, two_hosts
 from trainer_support import (
     adamw_step,
     load,
@@ -46,7 +51,7 @@ pytestmark = pytest.mark.slow
 
 CONFIGS = {  # name: (backend, ZeRO stage, trainer nodes; 2 ranks in all)
     "fsdp2": ("fsdp2", None, 1),
-    "fsdp2-2nodes": ("fsdp2", None, 2),  # two torchrun launchers on 127.0.0.1, one rank each
+    "fsdp2-2nodes": ("fsdp2", None, 2),  # two torchrun launchers on two hosts, one rank each
     "zero1": ("deepspeed", 1, 1),
     "zero2": ("deepspeed", 2, 1),
     "zero3": ("deepspeed", 3, 1),
@@ -76,19 +81,37 @@ class Service:
 def service(request, tiny_model_dir, tmp_path_factory):
     backend, stage, nodes = CONFIGS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    storage = RunStorage(str(root / "runs"), "t")
+    with contextlib.ExitStack() as hosts_and_storage:
+        if nodes == 1:
+            hosts, storage_root, options, master_addr = [], str(root / "runs"), {}, "127.0.0.1"
+        else:  # node 1 on a host of its own; storage is the only thing the hosts share
+            hosts = hosts_and_storage.enter_context(two_hosts())
+            endpoint = hosts_and_storage.enter_context(object_storage(hosts[0]))
+            storage_root = f"s3://rollflow/{request.param}"
+            options = {"endpoint_url": endpoint, "skip_instance_cache": True}
+            master_addr = hosts[0].address
+        yield from _service(
+            request.param, root, tiny_model_dir, hosts, storage_root, options, master_addr
+        )
+
+
+def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
+    backend, stage, nodes = CONFIGS[name]
+    storage = RunStorage(storage_root, "t", options)
     write_batch(storage, 1, make_rows(22, seed=11))
     write_batch(storage, 2, make_rows(9, seed=12, step=2))
     write_batch(storage, 3, make_rows(14, seed=13, step=3, masked=True))
     args = ServiceArgs(
-        model_path=str(tiny_model_dir),
-        storage_root=str(root / "runs"),
+        model_path=str(model_dir),
+        storage_root=storage_root,
+        storage_options=options,
         run="t",
         train=TrainSection(lr=LR, max_grad_norm=MAX_GRAD_NORM),
         trainer=TrainerSection(
             backend=backend,
             num_ranks=2 // nodes,
             num_nodes=nodes,
+            master_addr=master_addr,
             master_port=free_port(),
             zero_stage=stage,
             micro_batch_tokens=48,
@@ -100,21 +123,34 @@ def service(request, tiny_model_dir, tmp_path_factory):
     )
     token = secrets.token_hex(8)
     proc = TrainerProcess(args, token=token, log_dir=root / "logs")
-    # The other node's launcher, as `rollflow plan` prints it: started by the user, not the run.
-    others = [
-        TrainerProcess(args, token="", log_dir=root / "logs", node_rank=n) for n in range(1, nodes)
-    ]
+    # The other node's launcher, as `rollflow plan` prints it: started by the user, not the run,
+    # on its own host with its own copy of the model (tests/host_support.py).
+    others = []
+    for n, host in enumerate(hosts[1:], start=1):
+        own_model = shutil.copytree(model_dir, host.root / "model")
+        other = TrainerProcess(
+            args.model_copy(update={"model_path": str(own_model)}),
+            token="",
+            log_dir=host.root / "logs",
+            node_rank=n,
+        )
+        other.process.argv = host.wrap(other.process.argv)
+        others.append(other)
+    if hosts:
+        proc.process.argv = hosts[0].wrap(proc.process.argv)
     start = time.monotonic()
-    proc.start()
-    for other in others:
-        other.start()
-    proc.wait_healthy()
-    print(f"\n{request.param}: 2 ranks healthy after {time.monotonic() - start:.0f}s")
-    yield Service(request.param, proc, storage, root)
-    pids = proc.process.pids() + [p for o in others for p in o.process.pids()]
-    proc.stop(timeout_s=30)
-    for other in others:
-        other.stop(timeout_s=30)
+    try:
+        proc.start()
+        for other in others:
+            other.start()
+        proc.wait_healthy()
+        print(f"\n{name}: 2 ranks healthy after {time.monotonic() - start:.0f}s")
+        yield Service(name, proc, storage, root)
+    finally:
+        pids = proc.process.pids() + [p for o in others for p in o.process.pids()]
+        proc.stop(timeout_s=30)
+        for other in others:
+            other.stop(timeout_s=30)
     assert not [
         p
         for p in pids
@@ -227,7 +263,10 @@ def test_nothing_answers_without_the_run_token(service):
 
 
 def test_checkpoint_round_trip_is_sharding_aware_and_exact(service):
-    _whole_suite(service)
+    """Saved, then loaded back exactly; on two hosts (fsdp2-2nodes), every node's shards reach
+    storage and every node reads them back from its own copy (issue 26, item 9)."""
+    if service.name != "fsdp2-2nodes":
+        _whole_suite(service)
     saved = service.client.save_checkpoint(5)
     folder = service.storage.local_copy("checkpoints", 5, service.root / "cache")
     assert saved["uri"].endswith("checkpoints/step=5")
