@@ -95,7 +95,7 @@ CASES = [
     (
         "unknown environment",
         [QUICKSTART, 'envs=[{name="nope"}]'],
-        ["envs[0].name = 'nope': unknown env 'nope': use one of ..."],
+        ["envs[0].name = 'nope': unknown env 'nope' in [[envs]]: use one of ..."],
     ),
     (
         "dataset file missing",

@@ -58,12 +58,23 @@ def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_
 def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path, model_cache):
     """trainer.background_sync with no checkpoint or evaluation in steps 1-3: each step's weights
     are captured and the next step trains while they are broadcast; syncs still land in step
-    order and every rollout respects max_staleness = 1."""
+    order and every rollout respects max_staleness = 1.
+
+    The run computes and serves in bf16, as on GPUs (trainer.mixed_precision, inference.dtype):
+    every sync carries exactly the model's bytes in bf16, and vLLM's log-probs stay within bf16
+    rounding (plus one step of lag) of the trainer's (issue 26: the bf16 simulation)."""
     import duckdb
+    from transformers import AutoModelForCausalLM
 
     config = write_config(tmp_path, model_cache, name="bgsync", steps=4)
     out = run_cli(
-        config, tmp_path, "train.max_staleness=1", "run.eval_every=0", "run.checkpoint_every=4"
+        config,
+        tmp_path,
+        "train.max_staleness=1",
+        "run.eval_every=0",
+        "run.checkpoint_every=4",
+        "trainer.mixed_precision=bf16",
+        "inference.dtype=bfloat16",
     )
     assert "step 4/4" in out
     run_dir = tmp_path / "runs" / "bgsync"
@@ -82,6 +93,18 @@ def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path,
     for step, v_min, v_fin in versions:
         assert step - 2 <= v_min and v_fin <= step - 1
     assert (run_dir / "checkpoints" / "step=4" / "_SUCCESS").exists()
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step=4")
+    state = model.state_dict()
+    bf16_bytes = sum(t.numel() * 2 for t in state.values())
+    synced = duckdb.sql(
+        f"select step, sync_bytes, mismatch_kl from read_parquet('{run_dir}/metrics/*.parquet', "
+        f"union_by_name=true) where step > 0 order by step"
+    ).fetchall()
+    # The model in bf16, plus the wire's 16-byte header and its 64-byte alignment of each tensor
+    # (fp32 would be twice bf16_bytes).
+    most = bf16_bytes + 16 + 63 * len(state)
+    assert len(synced) == 4 and all(bf16_bytes < b <= most for _, b, _ in synced), synced
+    assert all(0 < kl < 1e-2 for _, _, kl in synced), synced
 
 
 def test_a_fractional_staleness_sends_weights_mid_step_and_samples_the_next_step_from_them(
