@@ -322,6 +322,8 @@ def _weights(trainer) -> dict:
     """What a sync announces (metadata) against what it captures (Trainer.sync_weights)."""
     import torch
 
+    from rollflow.infra.weights.group import metadata_bytes
+
     _sync(trainer.device)
     start = time.perf_counter()
     named = trainer.detached(trainer.sync_weights())
@@ -329,11 +331,7 @@ def _weights(trainer) -> dict:
     capture_s = time.perf_counter() - start
     sent = sum(t.numel() * t.element_size() for _, t in named)
     dtypes = sorted({str(t.dtype).replace("torch.", "") for _, t in named})
-    announced = sum(
-        m["numel"]
-        * torch.empty((), dtype=getattr(torch, m["dtype"].replace("torch.", ""))).element_size()
-        for m in _metadata_sizes(trainer)
-    )
+    announced = metadata_bytes(trainer.metadata)
     start = time.perf_counter()
     as_bf16 = [t.to(torch.bfloat16) for _, t in named]
     cast_s = time.perf_counter() - start

@@ -102,6 +102,11 @@ def _nbytes(m: dict[str, Any]) -> int:
     return _numel(m["shape"]) * _dtype(m["dtype"]).itemsize
 
 
+def metadata_bytes(metadata: list[dict[str, Any]]) -> int:
+    """The tensor bytes a sync described by ``metadata`` carries (no header, no alignment)."""
+    return sum(_nbytes(m) for m in metadata)
+
+
 class Piece(NamedTuple):
     """Bytes ``[start, start + length)`` of tensor ``index`` travel at byte ``at`` of a bucket."""
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
+from rollflow.infra.weights.group import metadata_bytes
 from rollflow.trainer.packing import pack, plan_micro_batches
 from rollflow.trainer.trainer import Trainer, TrainerSpec
 
@@ -174,12 +175,6 @@ def _wire_bytes(named) -> int:
     return sum(t.numel() * t.element_size() for _, t in named)
 
 
-def _announced_bytes(metadata) -> int:
-    return sum(
-        torch.Size(m["shape"]).numel() * getattr(torch, m["dtype"]).itemsize for m in metadata
-    )
-
-
 def test_weights_travel_in_the_serving_dtype(tiny_model_dir):
     """A sync sends what vLLM serves (bf16 on GPUs), and its metadata announces those bytes:
     half the fp32 bytes, and a receiver that waits for exactly what arrives (issue 26, item 11)."""
@@ -188,7 +183,7 @@ def test_weights_travel_in_the_serving_dtype(tiny_model_dir):
     named = trainer.sync_weights()
     assert {t.dtype for _, t in named} == {torch.bfloat16}
     assert {m["dtype"] for m in trainer.metadata} == {"bfloat16"}
-    assert _wire_bytes(named) == _announced_bytes(trainer.metadata)
+    assert _wire_bytes(named) == metadata_bytes(trainer.metadata)
     fp32 = dict(trainer.named_weights())  # checkpoints and exports stay in the masters' fp32
     assert all(t.dtype == torch.float32 for t in fp32.values())
     for name, t in named:
@@ -207,7 +202,7 @@ def test_a_backend_holding_bf16_copies_sends_what_it_announces(tiny_model_dir, m
         lambda **kw: {k: v.to(torch.bfloat16) for k, v in full(**kw).items()},
     )
     named = trainer.sync_weights()
-    assert _wire_bytes(named) == _announced_bytes(trainer.metadata)
+    assert _wire_bytes(named) == metadata_bytes(trainer.metadata)
     assert {t.dtype for _, t in named} == {torch.float32}
 
 
