@@ -28,7 +28,7 @@ n = torch.cuda.device_count()
 names = ", ".join(torch.cuda.get_device_name(i) for i in range(n))
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {n} GPU(s): {names}")
 PY
-"$PY" -m pytest -m gpu tests/integration/gpu -v -s -rs --junitxml "$out/gpu.xml" -p no:cacheprovider | tee "$out/log"
+"$PY" -m pytest -n 0 -m gpu tests/integration/gpu -v -s -rs --junitxml "$out/gpu.xml" -p no:cacheprovider | tee "$out/log"
 rc=${PIPESTATUS[0]}
 "$PY" - "$out/gpu.xml" "$out/log" <<'PY'
 import re, sys, xml.etree.ElementTree as ET

@@ -6,7 +6,10 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("PREFECT_HOME", str(ROOT / ".prefect" / "tests"))
+# One Prefect home (its SQLite database) per pytest-xdist worker: two workers never share one.
+os.environ.setdefault(
+    "PREFECT_HOME", str(ROOT / ".prefect" / "tests" / os.environ.get("PYTEST_XDIST_WORKER", "main"))
+)
 os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -24,6 +27,50 @@ def pytest_report_header(config) -> str:
     """The fault campaign's seed, in every run's header (CI sets a new one per run)."""
     seed = os.environ.get("ROLLFLOW_CHAOS_SEED")
     return f"chaos seed: {seed or '6 (default; set ROLLFLOW_CHAOS_SEED to vary or replay)'}"
+
+
+# The suite runs on two pytest-xdist workers (pyproject.toml's addopts: ``--dist loadgroup``) and
+# sends each test file to one worker whole, so that a file's module-scoped services (a server, a
+# trainer, the chaos campaign's run directory) start once. The files that share one of the
+# session's services below also share a worker: the service starts once per suite, not per worker.
+SHARED_SERVICES = ("deployed_run", "vllm_server")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Put every test file that uses one of ``SHARED_SERVICES`` in that service's xdist_group,
+    and order the work units (a file, or a group) by their count of ``slow`` tests, most first:
+    the longest start first and the quick unit files fill the workers' ends. (Within a unit the
+    order stays the file's: the chaos campaign's tests build on each other.)"""
+    group: dict[Path, str] = {}
+    for item in items:
+        for name in SHARED_SERVICES:
+            if name in item.fixturenames:
+                group.setdefault(item.path, name)
+    for item in items:
+        if item.path in group and not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(group[item.path]))
+    unit = [group.get(item.path, str(item.path)) for item in items]
+    slow: dict[str, int] = {}
+    for key, item in zip(unit, items, strict=True):
+        slow[key] = slow.get(key, 0) + (item.get_closest_marker("slow") is not None)
+    first = {key: i for i, key in reversed(list(enumerate(unit)))}
+    order = sorted(range(len(items)), key=lambda i: (-slow[unit[i]], first[unit[i]], i))
+    items[:] = [items[i] for i in order]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+def pytest_xdist_make_scheduler(config, log):
+    """A test goes to the worker of its xdist_group if it has one, else of its file."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid:  # xdist's suffix for a test's xdist_group under --dist loadgroup
+                return nodeid.rsplit("@", 1)[-1]
+            return nodeid.split("::", 1)[0]
+
+    return FileOrGroup(config, log)
 
 
 PROMPT_IDS = [1, 10, 11, 12, 13]  # <bos> + "6789" in the character tokenizer

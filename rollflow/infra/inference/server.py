@@ -110,10 +110,14 @@ class InferenceServer:
             "warning",
         ]
         if _on_cpu():
-            # Eager mode skips torch.compile and graph capture. (vLLM's CPU platform forces
-            # the multiprocess executor, so "--distributed-executor-backend uni" cannot help.)
+            # Eager mode skips torch.compile and graph capture.
             # fp32 unless the run names the serving dtype (InferenceSection.serving_dtype).
             cmd += ["--enforce-eager"]
+            if not _tensor_parallel(self.extra_args):
+                # The worker inside the engine core's process, as vLLM does on a GPU for one
+                # rank: one process (and one interpreter start) fewer, and no shared-memory
+                # queue between engine and worker to spin on (see environment()).
+                cmd += ["--distributed-executor-backend", "uni"]
             if not any(a.split("=")[0] == "--dtype" for a in self.extra_args):
                 cmd += ["--dtype", "float32"]
         if self.max_model_len is not None:
@@ -143,6 +147,10 @@ class InferenceServer:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpu_split()[0])))
             # No spinning between engine steps: the cores are shared (see vllm_plugin.py).
             env.setdefault(SPIN_ENV, "0.02")
+            if not _tensor_parallel(self.extra_args):
+                # vLLM's CPU platform turns "uni" into "mp" unless this is 0; it is read nowhere
+                # else by the API server (its engine core is always a process of its own).
+                env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         _use_jemalloc(env)
         # The worker extension is imported by module path inside vLLM's worker processes.
         root = str(Path(__file__).resolve().parents[3])
@@ -262,3 +270,13 @@ def _use_jemalloc(env: dict[str, str]) -> None:
     lib = find_jemalloc(env)
     if lib and lib not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD")) if p)
+
+
+def _tensor_parallel(args: list[str]) -> bool:
+    """Whether ``args`` ask for more than one tensor-parallel rank."""
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            value = value or (args[i + 1] if i + 1 < len(args) else "1")
+            return int(value) > 1
+    return False

@@ -8,6 +8,10 @@ on 2 cores, vLLM's worker was busy 85% of the time, ~72% of it in that spin; wit
 the worker and the engine core still spun ~0.3 of a core between them (py-spy), because the
 engine waits on the worker for every engine step.
 
+Since the servers rollflow starts on CPU run one rank's worker inside the engine core
+(``--distributed-executor-backend uni``, server.py), no such queue is left between engine and
+worker there; with tensor parallelism (several worker processes) it is.
+
 ``rollflow`` sets ``ROLLFLOW_VLLM_SPIN_S`` for the servers it starts on CPU. The plugin then
 replaces the spin by a wait on the reader's own notification socket with a 1 ms timeout, for
 that window after each read: a message wakes the reader at once, and the CPU is free meanwhile.

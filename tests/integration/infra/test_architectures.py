@@ -10,6 +10,10 @@ Then vLLM samples chat-formatted prompts at the trainer's sampling behaviour; th
 ``exp(d) - 1 - d`` (d = trainer - vLLM) must stay below 1e-3, at temperature 1 and at 0.7 with
 top_p 0.9; there, the stored log-probs must also be those of the tempered, nucleus-cut policy
 (checked against transformers), not the raw temperature-1 ones.
+
+Each architecture runs at one behaviour (one trainer start each): what an architecture can break
+is the sync and the forward (its tensors), the same at any behaviour; what a behaviour can break
+is the log-prob of a tempered, nucleus-cut policy, the same code for every architecture.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ MAX_LEN = 128
 MAX_TOKENS = 16
 KL_BOUND = 1e-3
 BEHAVIOURS = {"t1": (1.0, 1.0), "t07-p09": (0.7, 0.9)}
+BEHAVIOUR_OF = {"llama": "t07-p09", "qwen2": "t1", "qwen3": "t1"}
+assert set(BEHAVIOUR_OF) == set(ARCHS) and set(BEHAVIOUR_OF.values()) == set(BEHAVIOURS)
 PROMPTS = [
     [{"role": "user", "content": "What is 12+30?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort the letters"}],
@@ -143,9 +149,9 @@ def _hf_logprobs(model, prompt_ids, completion_ids, temperature, top_p) -> list[
     return logp_N.tolist()
 
 
-@pytest.mark.parametrize("behaviour_name", list(BEHAVIOURS))
-def test_vllm_and_trainer_agree_after_a_weight_sync(arch_server, behaviour_name):
+def test_vllm_and_trainer_agree_after_a_weight_sync(arch_server):
     arch, root, policy, srv = arch_server
+    behaviour_name = BEHAVIOUR_OF[arch]
     behaviour = BEHAVIOURS[behaviour_name]
     name = f"{arch}-{behaviour_name}"
     trainer = _trainer(root, policy, behaviour, name, token=srv.api_key)

@@ -1,10 +1,11 @@
 import subprocess
 import sys
-import time
 
 import pytest
 
 from rollflow.infra.config import ConfigError, load_config
+
+from run_support import ROOT
 
 QUICKSTART = "configs/quickstart.toml"
 
@@ -125,18 +126,21 @@ def test_bad_files_and_overrides(tmp_path):
 
 
 def test_cli_fails_fast_on_misspelt_key():
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "rollflow.cli", "run", QUICKSTART, "sampling.temprature=0.5"],
-        capture_output=True,
-        text=True,
-        timeout=30,
+    """Fast because nothing heavy is imported before the config is read: the check is what the
+    CLI imported (a time bound on a loaded 2-core machine measured the neighbours)."""
+    heavy = ("torch", "transformers", "vllm", "prefect", "pyarrow", "fsspec")
+    code = (
+        "import sys; from rollflow.cli import main; "
+        f"rc = main(['run', {QUICKSTART!r}, 'sampling.temprature=0.5']); "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules)); sys.exit(rc)"
     )
-    elapsed = time.monotonic() - start
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
     assert proc.returncode == 2
     assert "unknown key 'sampling.temprature'" in proc.stderr
     assert "did you mean 'sampling.temperature'" in proc.stderr
-    assert elapsed < 2.0, f"config error took {elapsed:.2f}s"
+    assert proc.stdout.strip() == "[]", f"imported before the config error: {proc.stdout}"
 
 
 def test_cli_unsets_with_tilde_and_none():

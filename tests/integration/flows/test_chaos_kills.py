@@ -1,0 +1,133 @@
+"""Fault tests of a whole run, part 1: the run SIGKILLed at random moments, its vLLM killed.
+
+One run directory goes through every fault in turn (one model cache, one warm start), each
+launch resuming where the last one stopped (tests/chaos_support.py):
+
+1. the run is SIGKILLed at seeded random points: during service start-up, after a random event
+   of a step plus a random delay (on the run's own Prefect API, which must die with it), and at
+   ``max_staleness = 1`` right after a future step's rollouts were committed (the resume rule
+   must then reuse or regenerate them);
+2. the vLLM server is killed mid-step (frozen first, so that requests are surely in flight): the
+   run notices within 30 s, restarts it, retries its rollouts and goes on (then is SIGKILLed).
+
+After every fault no process of the run is left, and storage holds every committed step once:
+rollouts, batches, metrics and checkpoints, checked with DuckDB. Part 2, with a run directory of
+its own: test_chaos_stops.py.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from chaos_support import Campaign, service_process
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory, model_cache) -> Campaign:
+    # The session's Prefect API for the launches saves its start-up each time; one launch starts its own, as a run without
+    # a configured server does (and it must die with the run).
+    c = Campaign(tmp_path_factory.mktemp("chaos-kills"), model_cache, name="chaos-kills")
+    yield c
+    c.close()
+
+
+def test_sigkill_during_service_start_up(campaign):
+    """Prefect API, vLLM and trainer half started, nothing written yet: nothing may be left."""
+    c = campaign
+    vllm_log = c.run_dir / "logs" / "vllm.log"
+    size = vllm_log.stat().st_size if vllm_log.exists() else -1
+    proc = c.launch()
+    c.wait_for(
+        proc, lambda: vllm_log.exists() and vllm_log.stat().st_size != size, "service start-up"
+    )
+    delay = round(c.rng.uniform(0.0, 8.0), 2)
+    time.sleep(delay)
+    c.kill_run(proc)
+    print(f"kill: {delay}s into service start-up; committed {c.committed()[-1:]}")
+    c.assert_consistent()
+
+
+def test_sigkill_at_a_random_point_of_a_step(campaign):
+    """On the run's own Prefect API, which must die with it too."""
+    c = campaign
+    what = c.kill_at_random_point(len(c.committed()) + 1, "train.max_staleness=0", private_api=True)
+    print(f"kill at max_staleness=0: {what}")
+
+
+def test_sigkill_after_a_future_steps_rollouts_were_committed_then_rerun(campaign):
+    """S = 1 generates a step ahead: killed right after step C+2's rollouts were committed (C:
+    the last checkpoint), the rerun must reuse them (versions within the bound) or regenerate them."""
+    c = campaign
+    step = len(c.committed()) + 2
+    proc = c.launch("train.max_staleness=1")
+    c.wait_for(proc, lambda: c.committed_now("rollouts", step), f"rollouts/step={step} committed")
+    c.kill_run(proc)
+    ahead = [s for s in c.committed("rollouts") if s > len(c.committed())]
+    print(
+        f"kill at S=1 after rollouts/step={step} committed: rollouts of steps {ahead} are ahead of "
+        f"checkpoint {c.committed()[-1:]}"
+    )
+    assert ahead, "the kill was meant to leave committed rollouts of a future step"
+    c.assert_consistent()
+
+    # The rerun applies the resume rule to them, goes past them, and is killed at a random point.
+    what = c.kill_at_random_point(len(c.committed()) + 2, "train.max_staleness=1")
+    reuse = re.search(r"reusing the committed rollouts of steps \[.*\]", c.output())
+    print(f"rerun killed {what}; {reuse.group(0) if reuse else 'no rollouts reused'}")
+
+
+def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
+    c = campaign
+    step = len(c.committed()) + 1
+    proc = c.launch("train.max_staleness=0")
+    # Once step N's weights are out, step N+1's requests go to vLLM at once: freeze it so that
+    # they are surely in flight, then kill it.
+    # Found first: scanning the processes takes long enough for a tiny step's requests to finish.
+    found: list[psutil.Process] = []
+
+    def vllm_started() -> bool:
+        try:
+            found.append(service_process(c.root, "vllm.entrypoints.openai.api_server"))
+        except AssertionError:  # not spawned yet
+            return False
+        return True
+
+    c.wait_for(proc, vllm_started, "the vLLM server's process")
+    vllm = found[-1]
+    c.wait_for(proc, lambda: c.published_now(step), f"weights_published({step})")
+    vllm.send_signal(signal.SIGSTOP)
+    time.sleep(1.0)
+    killed_at = time.time()
+    vllm.send_signal(signal.SIGKILL)
+    print(f"vLLM killed during step {step + 1}")
+    c.wait_for(
+        proc,
+        lambda: any(e["event"] == "inference_restarted" for e in c.events(now=True)),
+        "inference_restarted",
+    )
+    restart = next(e for e in c.events(now=True) if e["event"] == "inference_restarted")
+    print(
+        f"restart: detected {restart['detected_at'] - killed_at:.1f}s after the kill, restarted in "
+        f"{restart['restart_s']:.0f}s, serving version {restart['version']}"
+    )
+    assert restart["detected_at"] - killed_at < 30
+    assert restart["version"] >= step
+    c.wait_for(proc, lambda: c.committed_now("checkpoints", step + 1), f"step {step + 1} committed")
+    after, before = c.metrics(step + 1), c.metrics(step).get("retries_total")
+    assert after["inference_restarts"] == 1
+    # Its requests were retried (a step whose rollouts were reused has no count of its own).
+    assert after["retries_total"] > (0 if before is None or before != before else before)
+    assert "inference: restarted in" in c.output()
+    name, reached, delay = c.random_kill_point(step + 2)
+    c.wait_for(proc, reached, name)
+    time.sleep(delay)
+    c.kill_run(proc)
+    print(f"kill: {delay}s after {name}; committed {c.committed()[-1:]}")
+    c.assert_consistent()

@@ -1,0 +1,38 @@
+"""What a vLLM server rollflow starts on CPU runs as: one rank's worker inside the engine core."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollflow.infra.inference import server as server_module
+from rollflow.infra.inference.server import InferenceServer
+
+
+@pytest.fixture(autouse=True)
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(server_module, "_on_cpu", lambda: True)
+
+
+def _backend(server: InferenceServer) -> tuple[str | None, str | None]:
+    cmd = server.command()
+    flag = "--distributed-executor-backend"
+    backend = cmd[cmd.index(flag) + 1] if flag in cmd else None
+    return backend, server.environment().get("VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+def test_one_rank_runs_its_worker_in_the_engine_core(tiny_model_dir, monkeypatch):
+    # One process fewer than vLLM's CPU default (API server, engine core, worker), and no
+    # shared-memory queue between engine and worker; vLLM's CPU platform keeps "uni" only
+    # where VLLM_ENABLE_V1_MULTIPROCESSING is 0.
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert _backend(InferenceServer(tiny_model_dir)) == ("uni", "0")
+
+
+@pytest.mark.parametrize(
+    "tp_args", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"], ["-tp", "2"]]
+)
+def test_tensor_parallel_ranks_keep_their_worker_processes(tiny_model_dir, monkeypatch, tp_args):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert _backend(InferenceServer(tiny_model_dir, extra_args=tp_args)) == (None, None)
+    one = InferenceServer(tiny_model_dir, extra_args=["--tensor-parallel-size", "1"])
+    assert _backend(one) == ("uni", "0")
