@@ -100,7 +100,7 @@ class Trainer:
             spec.trainer.backend,
             PackedPolicy(hf, temperature, top_p),
             device,
-            zero_stage=spec.trainer.zero_stage or 1,
+            zero_stage=spec.trainer.deepspeed_stage(),
             lr=t.lr,
             weight_decay=t.weight_decay,
             max_grad_norm=t.max_grad_norm,

@@ -70,3 +70,7 @@ class TrainerSection(Section):
     def bf16(self, on_gpu: bool) -> bool:
         """Whether the ranks compute in bf16: the one owner of that choice."""
         return self.mixed_precision == "bf16" or (self.mixed_precision == "auto" and on_gpu)
+
+    def deepspeed_stage(self) -> int:
+        """The ZeRO stage DeepSpeed runs: ``zero_stage``, 1 where unset (the one owner of that)."""
+        return self.zero_stage or 1

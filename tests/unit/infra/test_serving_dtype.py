@@ -24,6 +24,11 @@ def test_mixed_precision_auto_is_bf16_on_gpus_only():
     assert not TrainerSection(mixed_precision="off").bf16(on_gpu=True)
 
 
+def test_deepspeed_runs_zero_1_where_the_stage_is_unset():
+    assert TrainerSection(backend="deepspeed").deepspeed_stage() == 1
+    assert TrainerSection(backend="deepspeed", zero_stage=3).deepspeed_stage() == 3
+
+
 def test_a_recipe_cannot_set_the_dtype_behind_the_trainers_back():
     with pytest.raises(ConfigError, match="set inference.dtype instead"):
         load_config("configs/quickstart.toml", ["inference.extra_args=['--dtype', 'float16']"])
