@@ -69,7 +69,7 @@ class RunServices:
         self.plan = make_plan(cfg, machine or Machine.here(nodes=cfg.trainer.num_nodes))
         self.group = GroupSpec.from_plan(self.plan, cfg.trainer.weight_bucket_mb)
         # What every server serves, and so what the trainer sends (one device for all servers).
-        self.weight_dtype = cfg.inference.serving_dtype(self.plan.servers[0].device == "cuda")
+        self.weight_dtype = self.plan.serving_dtype
         self.weights_lock = threading.Lock()
         self.trainer_proc: TrainerProcess | None = None
         self.supervisors: list[InferenceSupervisor] = []
@@ -128,7 +128,7 @@ class RunServices:
                 lora_adapter=adapter,
                 index=i,
                 env=planned.env,
-                server_args=[*plan.server_args(i), "--dtype", self.weight_dtype],
+                server_args=plan.server_args(i),
                 progress=self.progress,
                 api_key=self.token,  # every vLLM route needs the run's token (inference/auth.py)
                 on_restart=lambda info, i=i: publish(

@@ -160,6 +160,7 @@ class Plan:
     colocated: bool
     tensor_parallel_size: int
     gpu_memory_utilization: float | None
+    serving_dtype: str  # what every server serves and the trainer sends (inference.dtype)
 
     @property
     def servers(self) -> list[PlannedProcess]:
@@ -170,8 +171,9 @@ class Plan:
         return [p for p in self.processes if p.role == "trainer"]
 
     def server_args(self, index: int) -> list[str]:
-        """The `vllm serve` arguments the plan adds for server ``index`` (TP, memory share)."""
-        args = []
+        """The `vllm serve` arguments the plan adds for server ``index`` (dtype, TP, memory
+        share)."""
+        args = ["--dtype", self.serving_dtype]
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.gpu_memory_utilization is not None and self.servers[index].device == "cuda":
@@ -318,6 +320,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         colocated=inf.colocate,
         tensor_parallel_size=tp,
         gpu_memory_utilization=memory,
+        serving_dtype=inf.serving_dtype(on_gpu=inf_device == "cuda"),
     )
 
 

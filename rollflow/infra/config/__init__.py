@@ -11,7 +11,7 @@ Owns: every default of the run's config. Everything is re-exported here, so call
 """
 
 from rollflow.infra.config.base import Section
-from rollflow.infra.config.inference import InferenceSection
+from rollflow.infra.config.inference import InferenceSection, vllm_flag
 from rollflow.infra.config.loading import (
     UNSET_VALUES,
     apply_override,
@@ -39,6 +39,7 @@ __all__ = [
     "ConfigError",
     "EnvSpec",
     "InferenceSection",
+    "vllm_flag",
     "LoraSection",
     "LossConfig",
     "MetricsSection",

@@ -9,6 +9,19 @@ from pydantic import Field, field_validator
 from rollflow.infra.config.base import GpuIndex, Section
 
 
+def vllm_flag(args: list[str], *names: str) -> str | None:
+    """The value ``args`` (a `vllm serve` command line) give the flag ``names``; None if absent,
+    "" if given without one. Both spellings: ``--flag value`` and ``--flag=value``."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            if eq:
+                return value
+            following = args[i + 1] if i + 1 < len(args) else ""
+            return "" if following.startswith("-") else following
+    return None
+
+
 class InferenceSection(Section):
     """The vLLM inference deployment."""
 
@@ -66,13 +79,13 @@ class InferenceSection(Section):
     @field_validator("extra_args")
     @classmethod
     def _owned_args(cls, value: list[str]) -> list[str]:
-        if any(arg.split("=")[0] == "--logprobs-mode" for arg in value):
+        if vllm_flag(value, "--logprobs-mode") is not None:
             raise ValueError(
                 "inference.extra_args may not set --logprobs-mode: rollflow serves "
                 "processed_logprobs (the log-probs of the distribution that sampled, which the "
                 "trainer matches); remove it"
             )
-        if any(arg.split("=")[0] == "--dtype" for arg in value):
+        if vllm_flag(value, "--dtype") is not None:
             raise ValueError(
                 "inference.extra_args may not set --dtype: the trainer sends weights in the "
                 "dtype vLLM serves, so set inference.dtype instead"

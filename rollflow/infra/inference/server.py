@@ -22,7 +22,7 @@ from types import TracebackType
 
 import httpx
 
-from rollflow.infra.config import VLLM_MAX_LORA_RANKS
+from rollflow.infra.config import VLLM_MAX_LORA_RANKS, vllm_flag
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference import auth
 from rollflow.infra.inference.vllm_plugin import SPIN_ENV
@@ -118,7 +118,7 @@ class InferenceServer:
                 # rank: one process (and one interpreter start) fewer, and no shared-memory
                 # queue between engine and worker to spin on (see environment()).
                 cmd += ["--distributed-executor-backend", "uni"]
-            if not any(a.split("=")[0] == "--dtype" for a in self.extra_args):
+            if vllm_flag(self.extra_args, "--dtype") is None:
                 cmd += ["--dtype", "float32"]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
@@ -274,9 +274,4 @@ def _use_jemalloc(env: dict[str, str]) -> None:
 
 def _tensor_parallel(args: list[str]) -> bool:
     """Whether ``args`` ask for more than one tensor-parallel rank."""
-    for i, arg in enumerate(args):
-        name, _, value = arg.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
-            value = value or (args[i + 1] if i + 1 < len(args) else "1")
-            return int(value) > 1
-    return False
+    return int(vllm_flag(args, "--tensor-parallel-size", "-tp") or 1) > 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rollflow.infra.config import vllm_flag
 from rollflow.infra.inference import server as server_module
 from rollflow.infra.inference.server import InferenceServer
 
@@ -36,3 +37,11 @@ def test_tensor_parallel_ranks_keep_their_worker_processes(tiny_model_dir, monke
     assert _backend(InferenceServer(tiny_model_dir, extra_args=tp_args)) == (None, None)
     one = InferenceServer(tiny_model_dir, extra_args=["--tensor-parallel-size", "1"])
     assert _backend(one) == ("uni", "0")
+
+
+def test_a_flag_is_found_in_both_spellings_and_only_as_a_flag():
+    assert vllm_flag(["--dtype", "bfloat16"], "--dtype") == "bfloat16"
+    assert vllm_flag(["--dtype=half", "--x"], "--dtype") == "half"
+    assert vllm_flag(["--enforce-eager", "--dtype"], "--dtype") == ""
+    assert vllm_flag(["--dtype-policy", "x", "bfloat16"], "--dtype") is None
+    assert vllm_flag(["-tp", "2"], "--tensor-parallel-size", "-tp") == "2"

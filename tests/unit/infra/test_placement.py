@@ -77,7 +77,7 @@ def test_gpu_plan_separates_devices_and_numbers_the_weight_group():
     assert plan.trainer_nodes[0].env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     assert plan.trainer_nodes[0].weight_ranks == (0,)
     assert plan.weight_world_size == 5
-    assert plan.server_args(0) == ["--tensor-parallel-size", "2"]
+    assert plan.server_args(0) == ["--dtype", "bfloat16", "--tensor-parallel-size", "2"]
 
 
 def test_colocated_mode_shares_the_gpu_and_caps_vllm_memory():

@@ -54,4 +54,5 @@ def test_the_run_serves_and_sends_one_dtype(tmp_path, gpus, overrides, want):
     cfg = load_config("configs/quickstart.toml", overrides)
     services = RunServices(cfg, "/m", None, tmp_path, machine=Machine(gpus=gpus, cpus=16))
     assert services.weight_dtype == want
+    assert services.plan.server_args(0)[:2] == ["--dtype", want]
     assert trainer_args(cfg, "/m", None, services.weight_dtype).weight_dtype == want
