@@ -37,6 +37,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from rollflow.infra.events import Event  # noqa: E402
 from rollflow.trainer import SERVICE_MODULE  # noqa: E402
 
 from machine import Machine, table  # noqa: E402
@@ -63,7 +64,7 @@ def traced_run(out: str, warmup_step: int, cli_args: list[str]) -> int:
             if events.exists() and any(
                 json.loads(line).get("step") == warmup_step
                 for line in events.read_text().splitlines()
-                if '"step_committed"' in line
+                if f'"{Event.STEP_COMMITTED}"' in line
             ):
                 first.append(tracemalloc.take_snapshot())
                 return
@@ -105,7 +106,7 @@ def follow(proc: subprocess.Popen, events: Path, deadline_s: float) -> list[dict
         lines = events.read_text().splitlines() if events.exists() else []
         for line in lines[seen:]:
             event = json.loads(line)
-            if event["event"] == "step_committed":
+            if event["event"] == Event.STEP_COMMITTED:
                 try:
                     samples.append(
                         {

@@ -34,6 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from memory import TINY, slope  # noqa: E402
 
+from rollflow.infra.events import Event  # noqa: E402
 from rollflow.trainer import SERVICE_MODULE  # noqa: E402
 
 MB = 1e6
@@ -108,7 +109,7 @@ def soak(steps: int, jemalloc: str, log_to: Path) -> list[dict]:
                 lines = events.read_text().splitlines() if events.exists() else []
                 for line in lines[seen:]:
                     event = json.loads(line)
-                    if event["event"] == "step_committed":
+                    if event["event"] == Event.STEP_COMMITTED:
                         samples.append(
                             {"step": event["step"], "time": event["time"], **sample(run)}
                         )

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+from rollflow.infra.events import Event
 from rollflow.infra.storage import RunStorage
 
 
@@ -54,8 +55,8 @@ def fake_quickstart(root: str, num_steps: int) -> None:
             row.update({"eval_reward": 0.8, "eval_reward/sort_letters": 0.8})
         storage.write_metrics(step, row)
         storage.commit("checkpoints", step)
-        storage.append_event("step_committed", step=step)
-    storage.append_event("training_finished", step=num_steps)
+        storage.append_event(Event.STEP_COMMITTED, step=step)
+    storage.append_event(Event.TRAINING_FINISHED, step=num_steps)
 
 
 def wall_s(argv: list[str]) -> float:
