@@ -16,6 +16,7 @@ same gradient (to fp32 rounding) as one process running all of them; ``full_stat
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -48,6 +49,24 @@ def warmup_schedule(warmup_steps: int):
     return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
+@dataclass(frozen=True)
+class OptimSpec:
+    """The optimizer step every backend takes: AdamW with a linear warm-up, gradient clipping,
+    and the compute precision (bf16 with fp32 master weights, or fp32 throughout)."""
+
+    lr: float
+    weight_decay: float
+    max_grad_norm: float
+    warmup_steps: int
+    mixed_precision: bool
+
+    def adamw(self, params: list[nn.Parameter]):
+        """The optimizer and its learning-rate schedule over ``params``."""
+        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_schedule(self.warmup_steps))
+        return optimizer, schedule
+
+
 def _norm(value) -> float:
     if hasattr(value, "full_tensor"):
         value = value.full_tensor()
@@ -65,17 +84,7 @@ class FSDP2Backend:
 
     name = "fsdp2"
 
-    def __init__(
-        self,
-        policy: PackedPolicy,
-        device: torch.device,
-        *,
-        lr: float,
-        weight_decay: float,
-        max_grad_norm: float,
-        warmup_steps: int,
-        mixed_precision: bool,
-    ):
+    def __init__(self, policy: PackedPolicy, device: torch.device, optim: OptimSpec):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -83,7 +92,7 @@ class FSDP2Backend:
         mesh = init_device_mesh(device.type, (world,))
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if mixed_precision
+            if optim.mixed_precision
             else MixedPrecisionPolicy()
         )
         policy.to(device)
@@ -93,11 +102,8 @@ class FSDP2Backend:
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         self.module = policy
-        self.max_grad_norm = max_grad_norm
-        self.optimizer = torch.optim.AdamW(trainable(policy), lr=lr, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_schedule(warmup_steps)
-        )
+        self.max_grad_norm = optim.max_grad_norm
+        self.optimizer, self.scheduler = optim.adamw(trainable(policy))
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -180,16 +186,7 @@ class DeepSpeedBackend:
     name = "deepspeed"
 
     def __init__(
-        self,
-        policy: PackedPolicy,
-        device: torch.device,
-        *,
-        zero_stage: int,
-        lr: float,
-        weight_decay: float,
-        max_grad_norm: float,
-        warmup_steps: int,
-        mixed_precision: bool,
+        self, policy: PackedPolicy, device: torch.device, optim: OptimSpec, *, zero_stage: int
     ):
         import deepspeed
 
@@ -199,16 +196,15 @@ class DeepSpeedBackend:
             "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False,
             # Unset, DeepSpeed clips to 1.0 whatever the run asked for.
-            "gradient_clipping": max_grad_norm,
+            "gradient_clipping": optim.max_grad_norm,
             "zero_optimization": {"stage": zero_stage},
             "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": mixed_precision},
+            "bf16": {"enabled": optim.mixed_precision},
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
         policy.to(device)
-        optimizer = torch.optim.AdamW(trainable(policy), lr=lr, weight_decay=weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_schedule(warmup_steps))
+        optimizer, scheduler = optim.adamw(trainable(policy))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=policy,
             optimizer=optimizer,
@@ -304,27 +300,11 @@ def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def make_backend(
-    name: str,
-    policy: PackedPolicy,
-    device: torch.device,
-    *,
-    zero_stage: int,
-    lr: float,
-    weight_decay: float,
-    max_grad_norm: float,
-    warmup_steps: int,
-    mixed_precision: bool,
+    name: str, policy: PackedPolicy, device: torch.device, optim: OptimSpec, *, zero_stage: int
 ) -> Backend:
-    """The configured backend; ``mixed_precision``: bf16 compute, fp32 master weights."""
-    common = dict(
-        lr=lr,
-        weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm,
-        warmup_steps=warmup_steps,
-        mixed_precision=mixed_precision,
-    )
+    """The configured backend (``zero_stage``: DeepSpeed's ZeRO stage)."""
     if name == "fsdp2":
-        return FSDP2Backend(policy, device, **common)
+        return FSDP2Backend(policy, device, optim)
     if name == "deepspeed":
-        return DeepSpeedBackend(policy, device, zero_stage=zero_stage, **common)
+        return DeepSpeedBackend(policy, device, optim, zero_stage=zero_stage)
     raise ConfigError(f"trainer.backend = {name!r} is unknown: set 'fsdp2' or 'deepspeed'")

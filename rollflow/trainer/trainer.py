@@ -29,7 +29,7 @@ from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, T
 from rollflow.infra.errors import ConfigError
 from rollflow.infra.weights.group import weight_metadata
 from rollflow.trainer import lora
-from rollflow.trainer.backends import Backend, make_backend
+from rollflow.trainer.backends import Backend, OptimSpec, make_backend
 from rollflow.trainer.losses import LossInputs, compute_loss
 from rollflow.trainer.metrics import PerEnvMoments, effective_sample_size
 from rollflow.trainer.packing import PackedBatch
@@ -100,12 +100,14 @@ class Trainer:
             spec.trainer.backend,
             PackedPolicy(hf, temperature, top_p),
             device,
+            OptimSpec(
+                lr=t.lr,
+                weight_decay=t.weight_decay,
+                max_grad_norm=t.max_grad_norm,
+                warmup_steps=t.lr_warmup_steps,
+                mixed_precision=spec.trainer.bf16(on_gpu=device.type == "cuda"),
+            ),
             zero_stage=spec.trainer.deepspeed_stage(),
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm,
-            warmup_steps=t.lr_warmup_steps,
-            mixed_precision=spec.trainer.bf16(on_gpu=device.type == "cuda"),
         )
         self.reference = None
         if spec.reference_model_path is not None:
