@@ -14,6 +14,7 @@ import pytest
 
 from rollflow.infra.inference import auth
 from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.inference.workers import WeightWorkers
 
 from conftest import PROMPT_IDS
 
@@ -78,7 +79,7 @@ ROUTES = [
     ("POST", "/pause?mode=keep", None),
     ("POST", "/resume", None),
     ("POST", "/reset_prefix_cache", None),
-    ("POST", "/collective_rpc", {"method": "close_weight_group"}),
+    ("POST", "/collective_rpc", {"method": WeightWorkers.close_weight_group.__name__}),
     ("POST", "/v1/completions", {"model": "policy", "prompt": PROMPT_IDS, "max_tokens": 1}),
     ("POST", "/invocations", {"model": "policy", "prompt": PROMPT_IDS, "max_tokens": 1}),
     ("POST", "/tokenize", {"model": "policy", "prompt": "12"}),
