@@ -2,10 +2,10 @@
 and again, its launches, kill points and storage checks.
 
 The campaign is two files, each with a run directory of its own, so that the two halves run on
-two workers side by side (pytest-xdist, ``--dist loadfile``): test_chaos_kills.py (SIGKILLs of the
-whole run, its vLLM killed) and test_chaos_stops.py (Ctrl-C and SIGTERM, its trainer killed, then
-the rerun that completes the run). The seed (``ROLLFLOW_CHAOS_SEED``) and every kill point are
-printed; each file also passes one test at a time, from an empty run.
+the suite's two workers side by side (tests/conftest.py): test_chaos_run.py (the run SIGKILLed,
+stopped by Ctrl-C and SIGTERM, its vLLM killed) and test_chaos_trainer.py (its trainer killed,
+then the rerun that completes the run). The seed (``ROLLFLOW_CHAOS_SEED``) and every kill point
+are printed; each file also passes one test at a time, from an empty run.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Campaign:
         if self.proc is not None and self.proc.poll() is None:  # an earlier test failed mid-launch
             self.kill_run(self.proc)
         self.launches += 1
-        self.launched_at = time.time()
+        self.launched_at, self.overrides = time.time(), overrides
         self.log = self.root / f"launch-{self.launches}.log"
         env = {**env_for(self.root, api=not private_api), **(env or {})}
         with open(self.log, "wb") as out:
@@ -76,6 +76,37 @@ class Campaign:
         self.kill_run(proc)
         self.assert_consistent()
         return f"{delay}s after {name}; committed {before[-1:]} -> {self.committed()[-1:]}"
+
+    def stop_at_random_point(self, proc: subprocess.Popen, step: int, signum: int) -> str:
+        """Send ``signum`` (SIGINT: Ctrl-C, or SIGTERM) to the launch ``proc`` at a seeded random
+        moment of ``step``: the run stops within 30 s with exit code 128 + signum, leaves no
+        process, and prints one line (no traceback, no error) saying what is committed and the
+        command that resumes it (the launch's own, overrides included)."""
+        name, reached, delay = self.random_kill_point(step)
+        self.wait_for(proc, reached, name)
+        time.sleep(delay)
+        proc.send_signal(signum)
+        sent = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+        self.assert_no_orphans()
+        self.assert_consistent()
+        out = self.output()
+        assert took < 30, out[-3000:]
+        assert proc.returncode == 128 + signum, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        assert not [line for line in out.splitlines() if line.startswith("error")], out[-3000:]
+        how = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        stopped = [line for line in out.splitlines() if line.startswith("stopped")]
+        steps = self.committed()
+        done = (
+            f"committed through step {steps[-1]} of {STEPS} in {self.run_dir}"
+            if steps
+            else f"no step committed yet in {self.run_dir}"
+        )
+        resume = " ".join(["rollflow run", str(self.config), *self.overrides])
+        assert stopped == [f"stopped by {how}: {done}; resume with: {resume}"], out[-3000:]
+        return f"{signal.Signals(signum).name} {delay}s after {name}; exit in {took:.1f}s"
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:  # a test failed mid-launch

@@ -3,7 +3,7 @@ the server is down, and reach the new server only once its supervisor opens the 
 
 The server is the fake OpenAI server, stopped and started again on the same port; the
 supervisor's part (close, restart, re-sync, open) is played by a thread with known timings.
-The real restart (vLLM killed, restarted, re-synced) is in tests/integration/flows/test_chaos_kills.py.
+The real restart (vLLM killed, restarted, re-synced) is in tests/integration/flows/test_chaos_run.py.
 """
 
 from __future__ import annotations

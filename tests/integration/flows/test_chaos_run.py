@@ -1,4 +1,5 @@
-"""Fault tests of a whole run, part 1: the run SIGKILLed at random moments, its vLLM killed.
+"""Fault tests of a whole run, part 1: the run SIGKILLed at random moments, stopped by Ctrl-C and
+SIGTERM, its vLLM killed.
 
 One run directory goes through every fault in turn (one model cache, one warm start), each
 launch resuming where the last one stopped (tests/chaos_support.py):
@@ -7,12 +8,15 @@ launch resuming where the last one stopped (tests/chaos_support.py):
    of a step plus a random delay (on the run's own Prefect API, which must die with it), and at
    ``max_staleness = 1`` right after a future step's rollouts were committed (the resume rule
    must then reuse or regenerate them);
-2. the vLLM server is killed mid-step (frozen first, so that requests are surely in flight): the
-   run notices within 30 s, restarts it, retries its rollouts and goes on (then is SIGKILLed).
+2. Ctrl-C (SIGINT), on that rerun, and SIGTERM, on the next launch, at a seeded random point of
+   a step: the run stops within 30 s and prints one line (no traceback) saying what is committed
+   and the command that resumes it;
+3. the vLLM server is killed mid-step (frozen first, so that requests are surely in flight): the
+   run notices within 30 s, restarts it, retries its rollouts and goes on (until the SIGTERM).
 
 After every fault no process of the run is left, and storage holds every committed step once:
 rollouts, batches, metrics and checkpoints, checked with DuckDB. Part 2, with a run directory of
-its own: test_chaos_stops.py.
+its own: test_chaos_trainer.py.
 """
 
 from __future__ import annotations
@@ -24,16 +28,16 @@ import time
 import psutil
 import pytest
 
-from chaos_support import Campaign, service_process
+from chaos_support import SEED, Campaign, service_process
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory, model_cache) -> Campaign:
-    # The session's Prefect API for the launches saves its start-up each time; one launch starts its own, as a run without
-    # a configured server does (and it must die with the run).
-    c = Campaign(tmp_path_factory.mktemp("chaos-kills"), model_cache, name="chaos-kills")
+    # The session's Prefect API for the launches saves its start-up each time; one launch starts
+    # its own, as a run without a configured server does (and it must die with the run).
+    c = Campaign(tmp_path_factory.mktemp("chaos-run"), model_cache, name="chaos-run")
     yield c
     c.close()
 
@@ -61,9 +65,10 @@ def test_sigkill_at_a_random_point_of_a_step(campaign):
     print(f"kill at max_staleness=0: {what}")
 
 
-def test_sigkill_after_a_future_steps_rollouts_were_committed_then_rerun(campaign):
+def test_sigkill_after_a_future_steps_rollouts_were_committed_then_ctrl_c(campaign):
     """S = 1 generates a step ahead: killed right after step C+2's rollouts were committed (C:
-    the last checkpoint), the rerun must reuse them (versions within the bound) or regenerate them."""
+    the last checkpoint), the rerun must reuse them (versions within the bound) or regenerate them;
+    then Ctrl-C at a random point of a later step stops it with one line."""
     c = campaign
     step = len(c.committed()) + 2
     proc = c.launch("train.max_staleness=1")
@@ -77,13 +82,16 @@ def test_sigkill_after_a_future_steps_rollouts_were_committed_then_rerun(campaig
     assert ahead, "the kill was meant to leave committed rollouts of a future step"
     c.assert_consistent()
 
-    # The rerun applies the resume rule to them, goes past them, and is killed at a random point.
-    what = c.kill_at_random_point(len(c.committed()) + 2, "train.max_staleness=1")
+    # The rerun applies the resume rule to them, goes past them, and is stopped by Ctrl-C.
+    proc = c.launch("train.max_staleness=1")
+    what = c.stop_at_random_point(proc, len(c.committed()) + 2, signal.SIGINT)
     reuse = re.search(r"reusing the committed rollouts of steps \[.*\]", c.output())
-    print(f"rerun killed {what}; {reuse.group(0) if reuse else 'no rollouts reused'}")
+    print(
+        f"seed {SEED}: rerun stopped by {what}; {reuse.group(0) if reuse else 'no rollouts reused'}"
+    )
 
 
-def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
+def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on_until_sigterm(campaign):
     c = campaign
     step = len(c.committed()) + 1
     proc = c.launch("train.max_staleness=0")
@@ -125,9 +133,4 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
     # Its requests were retried (a step whose rollouts were reused has no count of its own).
     assert after["retries_total"] > (0 if before is None or before != before else before)
     assert "inference: restarted in" in c.output()
-    name, reached, delay = c.random_kill_point(step + 2)
-    c.wait_for(proc, reached, name)
-    time.sleep(delay)
-    c.kill_run(proc)
-    print(f"kill: {delay}s after {name}; committed {c.committed()[-1:]}")
-    c.assert_consistent()
+    print(f"seed {SEED}: then {c.stop_at_random_point(proc, step + 2, signal.SIGTERM)}")
