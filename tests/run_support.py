@@ -141,15 +141,28 @@ def assert_every_step_once(run_dir: Path, steps: int) -> None:
 
 
 def assert_documented_layout(
-    run_dir: Path, out: str, tmp_path: Path, rerun_args: list[str]
+    run_dir: Path,
+    out: str,
+    tmp_path: Path,
+    rerun_args: list[str],
+    *,
+    storage: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """A finished 4-step synchronous run of ``SMALL`` (eval every 2 steps) wrote the documented
     layout; `rollflow status` tables it; rerunning it (``rerun_args`` after ``rollflow run``)
-    does nothing and says so."""
-    import json
+    does nothing and says so.
 
+    ``run_dir`` is the run's folder, or a local copy of it where the run's ``storage`` is object
+    storage (its events are then read there: an object store holds them in segments); ``env``
+    is the environment of `rollflow status` and of the rerun (default ``env_for(tmp_path)``)."""
     import duckdb
     import pandas as pd
+
+    from rollflow.infra.storage import RunStorage
+
+    env = env or env_for(tmp_path)
+    storage = storage or str(run_dir.parent)
 
     assert "step 4/4" in out and "held-out reward" in out
     assert_every_step_once(run_dir, 4)
@@ -183,9 +196,7 @@ def assert_documented_layout(
         f"select advantage from read_parquet('{run_dir}/batches/*/*.parquet')"
     ).df()
     assert batches["advantage"].notna().all()
-    events = [
-        json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()
-    ]
+    events = [e["event"] for e in RunStorage(storage, run_dir.name).read_events()]
     assert events.count("step_committed") == 4 and events[-1] == "training_finished"
     metrics = duckdb.sql(
         f"select * from read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true)"
@@ -200,11 +211,12 @@ def assert_documented_layout(
             "status",
             run_dir.name,
             "--storage",
-            str(run_dir.parent),
+            storage,
         ],
         capture_output=True,
         text=True,
         timeout=30,
+        env=env,
     )
     assert status.returncode == 0, status.stderr
     assert status.stdout.splitlines()[5].split()[0] == "4"  # header, steps 0..4
@@ -215,7 +227,7 @@ def assert_documented_layout(
         capture_output=True,
         text=True,
         timeout=420,
-        env=env_for(tmp_path),
+        env=env,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -76,6 +76,21 @@ class RunServices:
         self.trainer: TrainerClient | None = None
         self.group_formed = False
 
+    def _model_for_other_nodes(self) -> tuple[str, int]:
+        """Where the trainer's other nodes, on other hosts, find the policy in the run's storage:
+        the checkpoint being resumed, else the policy itself, put there once."""
+        if self.checkpoint_step:
+            return ("checkpoints", self.checkpoint_step)
+        cfg = self.cfg
+        storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
+        if 0 not in storage.committed_steps("policy"):
+            self.progress(
+                f"trainer: putting the policy in {storage.step_uri('policy', 0)} for the other "
+                f"{cfg.trainer.num_nodes - 1} node(s)"
+            )
+            storage.upload_dir(self.policy_dir, "policy", 0)
+        return ("policy", 0)
+
     @property
     def inference_urls(self) -> list[str]:
         return [s.url for s in self.supervisors]
@@ -96,8 +111,11 @@ class RunServices:
     def start(self) -> RunServices:
         cfg, plan = self.cfg, self.plan
         start = time.perf_counter()
+        args = trainer_args(cfg, self.policy_dir, self.checkpoint_step, self.weight_dtype)
+        if cfg.trainer.num_nodes > 1:
+            args = args.model_copy(update={"model_in_storage": self._model_for_other_nodes()})
         self.trainer_proc = TrainerProcess(
-            trainer_args(cfg, self.policy_dir, self.checkpoint_step, self.weight_dtype),
+            args,
             token=self.token,
             log_dir=self.log_dir,
             beside_inference=True,
@@ -112,6 +130,8 @@ class RunServices:
                 self.trainer_proc.args_file,
                 cfg.trainer.master_port,
                 node.env,  # DeepSpeed names that node's GPUs with --include
+                # The arguments themselves: the node may be another host, without our files.
+                service_args=self.trainer_proc.args.model_dump_json(),
             )
             env = "".join(f"{k}={v} " for k, v in sorted(node.env.items()))
             self.progress(

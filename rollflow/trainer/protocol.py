@@ -47,6 +47,11 @@ class ServiceArgs(_Body):
     checkpoint_step: int | None = Field(
         None, description="model_path is that checkpoint: load its trainer state"
     )
+    model_in_storage: tuple[Literal["policy", "checkpoints"], int] | None = Field(
+        None,
+        description="Where a node without model_path's folder (another host) finds it in the "
+        "run's storage: (kind, step); it loads a local copy",
+    )
     storage_root: str
     storage_options: dict[str, Any] = {}
     run: str

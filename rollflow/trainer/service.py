@@ -37,6 +37,7 @@ from rollflow.infra import network
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
 from rollflow.infra.storage import RunStorage
 from rollflow.trainer.api import TrainerAPI, build_app
+from rollflow.trainer.checkpoints import LOCAL_CHECKPOINTS
 from rollflow.trainer.control import ControlGroup, PeerWatch, rank_identity
 from rollflow.trainer.dispatch import Dispatcher
 from rollflow.trainer.ops import HEARTBEAT, RankOps
@@ -137,14 +138,36 @@ def _reference_path(args: ServiceArgs) -> str | None:
     return args.model_path
 
 
+def _model_on_this_node(args: ServiceArgs) -> ServiceArgs:
+    """Node 0 loads ``model_path``, its own folder; a node on another host, where that folder is
+    not, loads a local copy of it from the run's storage (``model_in_storage``), as it does
+    checkpoints. (A hub id is no folder: every node loads it from the hub.)"""
+    if args.model_in_storage is None or Path(args.model_path).exists():
+        return args
+    kind, step = args.model_in_storage
+    storage = RunStorage(args.storage_root, args.run, args.storage_options)
+    log.info(
+        "model %s is not on this host: copying %s/step=%d from %s",
+        args.model_path,
+        kind,
+        step,
+        storage.uri,
+    )
+    local = storage.local_copy(kind, step, LOCAL_CHECKPOINTS)
+    return args.model_copy(update={"model_path": str(local)})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="rollflow trainer service (one rank)")
-    parser.add_argument("args_file", help="ServiceArgs as a JSON file")
+    parser.add_argument(
+        "args", help="ServiceArgs: a JSON file, or the JSON itself (another node's command line)"
+    )
     parser.add_argument(
         "--local_rank", type=int, default=None, help="set by the deepspeed launcher"
     )
     ns = parser.parse_args(argv)
-    args = ServiceArgs.model_validate_json(Path(ns.args_file).read_text())
+    text = ns.args if ns.args.lstrip().startswith("{") else Path(ns.args).read_text()
+    args = ServiceArgs.model_validate_json(text)
     rank = int(os.environ.get("RANK", 0))
     token = os.environ.get("ROLLFLOW_TOKEN")
     if not token and rank == 0:  # rank 0 serves the API; the others take commands from it
@@ -153,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s"
     )
+    args = _model_on_this_node(args)
     device = _init_distributed(args)
     control = ControlGroup(args.trainer.request_timeout_s)
     ranks = control.all_gather(rank_identity())

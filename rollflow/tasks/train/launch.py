@@ -155,16 +155,19 @@ def node_argv(
     args_file: str | Path,
     master_port: int,
     device_env: dict[str, str] | None = None,
+    service_args: str | None = None,
 ) -> list[str]:
     """The launcher command of trainer node ``node_rank`` for a run's ``[trainer]`` section;
-    ``device_env`` is the plan's environment for that node (its ``CUDA_VISIBLE_DEVICES``)."""
+    ``device_env`` is the plan's environment for that node (its ``CUDA_VISIBLE_DEVICES``).
+    The ranks read their ``ServiceArgs`` from ``args_file``, or take ``service_args`` (the JSON
+    itself) where given: another host has none of node 0's files."""
     hostfile = None
     if trainer.backend == "deepspeed" and trainer.num_nodes > 1:
         hostfile = Path(args_file).with_name("trainer-hostfile")
     return launcher_argv(
         trainer.backend,
         trainer.num_ranks,
-        args_file,
+        service_args if service_args is not None else args_file,
         master_port,
         num_nodes=trainer.num_nodes,
         node_rank=node_rank,

@@ -29,6 +29,7 @@ from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
 
 from conftest import PROMPT_IDS, greedy_reference
+from host_support import object_storage, two_hosts
 from run_support import ROOT, assert_documented_layout, env_for, write_config
 from trainer_support import make_rows, write_batch
 
@@ -103,50 +104,76 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
 
 
 def test_a_run_on_a_two_node_trainer_completes_and_writes_the_documented_layout(
-    tmp_path, model_cache
+    tmp_path, model_cache, monkeypatch
 ):
     """``rollflow run`` with trainer.num_nodes = 2 starts node 0 and prints node 1's command; run
-    as printed (here, on the same host), node 1 joins and the run completes, each step once.
-    The run is also the suite's check of the documented layout, `rollflow status` and the rerun
-    of a finished run (``run_support.assert_documented_layout``)."""
-    config = write_config(tmp_path, model_cache, name="twonode", steps=4)
-    overrides = [
-        "trainer.num_nodes=2",
-        "trainer.num_ranks=1",
-        f"trainer.master_port={free_port()}",
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env_for(tmp_path),
-        cwd=ROOT,
-    )
-    node1, output = None, []
-    try:
-        for line in proc.stdout:
-            output.append(line)
-            found = re.search(r"for node 1 of 2; on it, run: (.*)$", line)
-            if found and node1 is None:
-                node1 = subprocess.Popen(
-                    shlex.split(found.group(1)),
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    env=env_for(tmp_path),
-                    cwd=ROOT,
-                )
-        assert proc.wait(timeout=600) == 0, "".join(output)[-4000:]
-        assert node1 is not None, "node 1's command was not printed"
-        assert node1.wait(timeout=60) == 0  # its ranks ended with the run
-    finally:
-        for p in (proc, node1):
-            if p is not None and p.poll() is None:
-                p.kill()
-    assert "1 rank(s) × 2 nodes" in "".join(output)
-    assert_documented_layout(
-        tmp_path / "runs" / "twonode", "".join(output), tmp_path, [str(config), *overrides]
-    )
+    as printed on another host (tests/host_support.py: its own network, /tmp and HOME, none of
+    host 0's files), node 1 gets its arguments from the command and the policy from the run's
+    storage (S3 on host 0's address, the only thing the hosts share), joins, and the run
+    completes, each step once. The run is also the suite's check of the documented layout,
+    `rollflow status` and the rerun of a finished run (``run_support.assert_documented_layout``)."""
+    import fsspec
+
+    with two_hosts() as (host0, host1), object_storage(host0) as endpoint:
+        storage = f"s3://rollflow/{tmp_path.name}"
+        config = write_config(tmp_path, model_cache, name="twonode", steps=4, storage=storage)
+        overrides = [
+            "trainer.num_nodes=2",
+            "trainer.num_ranks=1",
+            f"trainer.master_addr={host0.address}",
+            f"trainer.master_port={free_port(host0.address)}",
+            f'run.storage_options={{endpoint_url="{endpoint}"}}',
+        ]
+        # The session's Prefect API is on the machine's loopback, not host 0's: the run starts
+        # its own, as a run without a configured server does.
+        env = env_for(tmp_path, api=False)
+        proc = subprocess.Popen(
+            host0.wrap([sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        node1, output = None, []
+        node1_log = host1.root / "node-1.log"
+        try:
+            for line in proc.stdout:
+                output.append(line)
+                found = re.search(r"for node 1 of 2; on it, run: (.*)$", line)
+                if found and node1 is None:
+                    with open(node1_log, "wb") as log:
+                        node1 = subprocess.Popen(
+                            host1.wrap(shlex.split(found.group(1))),
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                            cwd=ROOT,
+                        )
+            assert proc.wait(timeout=600) == 0, "".join(output)[-4000:]
+            assert node1 is not None, "node 1's command was not printed"
+            assert node1.wait(timeout=60) == 0, node1_log.read_text()[-3000:]  # ended with the run
+        finally:
+            for p in (proc, node1):
+                if p is not None and p.poll() is None:
+                    p.kill()
+        out = "".join(output)
+        assert "1 rank(s) × 2 nodes" in out
+        # Node 1 had no copy of the policy: it loaded the one the run put in its storage.
+        assert "putting the policy in" in out
+        assert "is not on this host: copying policy/step=0" in node1_log.read_text()
+        fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
+        run_dir = tmp_path / "copy" / "twonode"
+        fs.get(f"rollflow/{tmp_path.name}/twonode/", str(run_dir), recursive=True)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # `rollflow status --storage s3://...`
+        assert_documented_layout(
+            run_dir,
+            out,
+            tmp_path,
+            [str(config), *overrides],
+            storage=storage,
+            env={**env, "AWS_ENDPOINT_URL": endpoint},
+        )
 
 
 def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, tmp_path):
