@@ -87,3 +87,29 @@ def test_deepspeed_under_a_work_pools_gpus_gets_the_physical_ones(tmp_path):
     )
     proc = TrainerProcess(args, token="t", log_dir=tmp_path, device_env=plan.trainer_nodes[0].env)
     assert deepspeed_devices(proc.process.argv) == {"localhost": [5]}
+
+
+def test_another_nodes_command_carries_its_arguments_not_a_path_on_node_0(tmp_path):
+    from rollflow.trainer.protocol import ServiceArgs
+    from rollflow.trainer.service import _model_on_this_node
+
+    trainer = TrainerSection(num_ranks=1, num_nodes=2, master_addr="n0")
+    args = ServiceArgs(
+        model_path=str(tmp_path / "gone"),
+        storage_root=str(tmp_path / "runs"),
+        run="r",
+        trainer=trainer,
+        model_in_storage=("policy", 0),
+    )
+    node1 = node_argv(
+        trainer, 1, tmp_path / "trainer-args.json", 29500, service_args=args.model_dump_json()
+    )
+    assert ServiceArgs.model_validate_json(node1[-1]) == args
+    assert str(tmp_path / "trainer-args.json") not in node1
+    # There, the policy folder is not: the ranks load the copy the run put in its storage.
+    policy = tmp_path / "runs" / "r" / "policy" / "step=0"
+    policy.mkdir(parents=True)
+    (policy / "_SUCCESS").write_text("commit")
+    assert _model_on_this_node(args).model_path == str(policy)
+    here = args.model_copy(update={"model_path": str(tmp_path)})  # node 0: its own folder
+    assert _model_on_this_node(here) is here
