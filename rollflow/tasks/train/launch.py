@@ -12,6 +12,7 @@ after ``stop`` no process of the tree is left.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -25,7 +26,13 @@ from rollflow.tasks.train.client import TrainerClient
 from rollflow.trainer import SERVICE_MODULE
 from rollflow.trainer.protocol import ServiceArgs
 
-TORCH_EXTENSIONS_DIR = Path("~/.cache/rollflow/torch_extensions").expanduser()
+# DeepSpeed's JIT-compiled ops (on CPU: its shared-memory all-reduce, ~2-6 min to build). One
+# folder per Python environment: torch rebuilds an op whose build flags changed, and the flags
+# hold the environment's paths, so two checkouts sharing one folder rebuilt it on every switch.
+TORCH_EXTENSIONS_DIR = (
+    Path("~/.cache/rollflow/torch_extensions").expanduser()
+    / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+)
 
 
 def launcher_argv(
