@@ -85,8 +85,7 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
             outputs.append(expected)
 
         before = greedy(urls[0])
-        for step in (1, 2):
-            train_and_sync(step)
+        train_and_sync(1)
         assert outputs[0] != before, "training did not change the greedy completion"
 
         # Kill server 1: the supervisor restarts it and the group forms anew with both servers.
@@ -99,7 +98,7 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
             time.sleep(1)
         assert services.supervisors[0].restarts == 0
         assert greedy(urls[0]) == outputs[-1] and greedy(urls[1]) == outputs[-1]
-        train_and_sync(3)  # and the re-formed group syncs both
+        train_and_sync(2)  # and the re-formed group syncs both
     assert all(not s.server.is_alive() for s in services.supervisors)
 
 

@@ -24,7 +24,8 @@ from conftest import PROMPT_IDS, VLLM_MAX_LEN, restore_weights
 from trainer_support import make_rows, write_batch
 
 peft = pytest.importorskip("peft")
-pytestmark = pytest.mark.slow
+# The merged case takes the session's vllm_server by name (getfixturevalue): joins its group.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_server")]
 
 STEPS, MAX_TOKENS = 3, 16
 LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
