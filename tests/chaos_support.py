@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -199,6 +199,10 @@ class Campaign:
             delay,
         )
 
+    def parts(self, kind: str, steps: list[int]) -> list[str]:
+        """The Parquet files of ``kind`` for ``steps``."""
+        return [str(self.run_dir / kind / f"step={s}" / "part-0.parquet") for s in steps]
+
     def assert_consistent(self, final: bool = False) -> None:
         """Every committed step is in storage exactly once, whole, and its parts agree."""
         import duckdb
@@ -214,10 +218,7 @@ class Campaign:
         assert len(committed) == len(set(committed)), f"a step committed twice: {committed}"
         rollout_steps = self.committed("rollouts")
         if rollout_steps:
-            files = [
-                str(self.run_dir / "rollouts" / f"step={s}" / "part-0.parquet")
-                for s in rollout_steps
-            ]
+            files = self.parts("rollouts", rollout_steps)
             per_step = duckdb.sql(
                 f"select step, count(*), count(distinct (group_index, sample_index)), "
                 f"min(version_started) >= step - 2 and max(version_started) <= step - 1 "
@@ -228,13 +229,10 @@ class Campaign:
             )
         batch_steps = self.committed("batches")
         if batch_steps:  # every trained row is a committed rollout of its step, token for token
-            files = [
-                str(self.run_dir / "batches" / f"step={s}" / "part-0.parquet") for s in batch_steps
-            ]
-            rollouts = [
-                str(self.run_dir / "rollouts" / f"step={s}" / "part-0.parquet")
-                for s in rollout_steps
-            ]
+            files, rollouts = (
+                self.parts("batches", batch_steps),
+                self.parts("rollouts", rollout_steps),
+            )
             orphans = duckdb.sql(
                 f"select b.step, b.group_index from read_parquet({files}) b anti join read_parquet({rollouts}) r "
                 f"on b.step = r.step and b.group_index = r.group_index and b.sample_index = r.sample_index "
@@ -250,6 +248,13 @@ class Campaign:
             )
             assert metrics == list(range(0, STEPS + 1))
             assert self.events()[-1]["event"] == "training_finished"
+
+
+def open_campaign(tmp_path_factory, model_cache: Path, name: str) -> Iterator[Campaign]:
+    """A test file's campaign: its own run directory (a module-scoped fixture's body)."""
+    c = Campaign(tmp_path_factory.mktemp(name), model_cache, name=name)
+    yield c
+    c.close()
 
 
 def service_process(marker: Path, module: str) -> psutil.Process:

@@ -24,22 +24,21 @@ from __future__ import annotations
 import re
 import signal
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
 
-from chaos_support import SEED, Campaign, service_process
+from chaos_support import SEED, Campaign, open_campaign, service_process
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def campaign(tmp_path_factory, model_cache) -> Campaign:
+def campaign(tmp_path_factory, model_cache) -> Iterator[Campaign]:
     # The session's Prefect API for the launches saves its start-up each time; one launch starts
     # its own, as a run without a configured server does (and it must die with the run).
-    c = Campaign(tmp_path_factory.mktemp("chaos-run"), model_cache, name="chaos-run")
-    yield c
-    c.close()
+    yield from open_campaign(tmp_path_factory, model_cache, "chaos-run")
 
 
 def test_sigkill_during_service_start_up(campaign):

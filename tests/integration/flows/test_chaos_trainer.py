@@ -18,23 +18,29 @@ from __future__ import annotations
 import re
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from rollflow.trainer import SERVICE_MODULE
 
-from chaos_support import START_TIMEOUT_S, STEPS, Campaign, flow_run_logs, service_process
+from chaos_support import (
+    START_TIMEOUT_S,
+    STEPS,
+    Campaign,
+    flow_run_logs,
+    open_campaign,
+    service_process,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def campaign(tmp_path_factory, model_cache) -> Campaign:
+def campaign(tmp_path_factory, model_cache) -> Iterator[Campaign]:
     # The session's Prefect API for the launches saves its start-up each time; the trainer-killed
     # launch starts its own, as a run without a configured server does.
-    c = Campaign(tmp_path_factory.mktemp("chaos-trainer"), model_cache, name="chaos-trainer")
-    yield c
-    c.close()
+    yield from open_campaign(tmp_path_factory, model_cache, "chaos-trainer")
 
 
 @pytest.mark.parametrize("point", ["checkpoint_upload", "weight_broadcast"])
