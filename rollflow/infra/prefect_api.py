@@ -24,6 +24,7 @@ from prefect.settings import (
     temporary_settings,
 )
 
+from rollflow.infra import http
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.service import ManagedProcess, free_port
 
@@ -95,7 +96,9 @@ def require_prefect_server(timeout_s: float = 5.0) -> str:
     key = settings.api.key.get_secret_value() if settings.api.key else None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        response = httpx.get(f"{url.rstrip('/')}/health", headers=headers, timeout=timeout_s)
+        response = http.client().get(
+            f"{url.rstrip('/')}/health", headers=headers, timeout=timeout_s
+        )
         problem = (
             None if response.status_code == 200 else f"/health answered HTTP {response.status_code}"
         )
@@ -161,7 +164,7 @@ def local_prefect_api(timeout_s: float = 120.0) -> Iterator[str | None]:
     server.start()
     try:
         server.wait_healthy(
-            lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout_s
+            lambda: http.client().get(f"{url}/health", timeout=2).status_code == 200, timeout_s
         )
         client = {k: v for k, v in PRIVATE_API_CLIENT_SETTINGS.items() if not _user_set(k)}
         with temporary_settings(updates={PREFECT_API_URL: url, **client}):

@@ -45,3 +45,44 @@ def test_a_flag_is_found_in_both_spellings_and_only_as_a_flag():
     assert vllm_flag(["--enforce-eager", "--dtype"], "--dtype") == ""
     assert vllm_flag(["--dtype-policy", "x", "bfloat16"], "--dtype") is None
     assert vllm_flag(["-tp", "2"], "--tensor-parallel-size", "-tp") == "2"
+
+
+def test_waiting_for_health_builds_no_tls_context_per_poll(tiny_model_dir, monkeypatch):
+    """The start-up poll (4 a second for the whole start) goes through the process's shared
+    client: httpx.get built a TLS context, loading the CA bundle, on every call (~70 ms of CPU)."""
+    import ssl
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503 if polls.append(1) or len(polls) < 10 else 200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    polls: list[int] = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    contexts: list[int] = []
+    made = ssl.SSLContext.load_verify_locations
+    monkeypatch.setattr(
+        ssl.SSLContext,
+        "load_verify_locations",
+        lambda self, *a, **k: contexts.append(1) or made(self, *a, **k),
+    )
+
+    class Started:  # the spawned process, as far as the wait goes: alive, polled until healthy
+        def wait_healthy(self, probe, timeout_s):
+            while not probe():
+                pass
+
+    server = InferenceServer(tiny_model_dir, port=httpd.server_address[1])
+    server._proc = Started()
+    try:
+        server.wait_ready()
+    finally:
+        httpd.shutdown()
+    assert len(polls) == 10
+    assert len(contexts) <= 1, f"{len(contexts)} TLS contexts for {len(polls)} polls"
