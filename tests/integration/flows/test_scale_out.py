@@ -164,7 +164,9 @@ def test_a_run_on_a_two_node_trainer_completes_and_writes_the_documented_layout(
         fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
         run_dir = tmp_path / "copy" / "twonode"
         fs.get(f"rollflow/{tmp_path.name}/twonode/", str(run_dir), recursive=True)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # `rollflow status --storage s3://...`
+        # The layout check reads the run's events on S3 in this process (`rollflow status` and
+        # the rerun get the endpoint through ``env``).
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
         assert_documented_layout(
             run_dir,
             out,
