@@ -24,7 +24,7 @@ from rollflow.infra import http
 from rollflow.infra.config import VLLM_MAX_LORA_RANKS, vllm_flag
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference import auth
-from rollflow.infra.inference.vllm_plugin import SPIN_ENV
+from rollflow.infra.inference.vllm_plugin import FORK_ENGINE_ENV, SPIN_ENV
 from rollflow.infra.service import ManagedProcess, cpu_split, free_port
 from rollflow.infra.weights import adapter
 
@@ -150,6 +150,8 @@ class InferenceServer:
                 # vLLM's CPU platform turns "uni" into "mp" unless this is 0; it is read nowhere
                 # else by the API server (its engine core is always a process of its own).
                 env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+                # The engine core forked from the API server, not spawned (vllm_plugin.py).
+                env.setdefault(FORK_ENGINE_ENV, "1")
         _use_jemalloc(env)
         # The worker extension is imported by module path inside vLLM's worker processes.
         root = str(Path(__file__).resolve().parents[3])

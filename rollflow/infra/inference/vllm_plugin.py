@@ -1,4 +1,7 @@
-"""A vLLM general plugin, loaded by every vLLM process: idle waits without spinning, on request.
+"""A vLLM general plugin, loaded by every vLLM process: idle waits without spinning, and an engine
+core forked rather than spawned, each on request.
+
+**Idle waits.**
 
 vLLM's processes hand work to each other through shared-memory queues whose readers spin
 (``sched_yield`` in a loop) for 1 s after every message before they sleep on a socket. On a GPU
@@ -22,6 +25,18 @@ a zmq PUB message with a send high-water mark of 1, and zmq drops one sent withi
 previous (the socket has not yet processed its peer's "read" credit). vLLM counts on the reader
 still spinning then. With no window a dropped wake-up cost a 5 s recheck (measured: every
 ``/pause`` took 5.03 s); within the window the reader looks at the queue again after 1 ms.
+
+**A forked engine core.** ``vllm serve`` runs its engine core in a process of its own. vLLM's
+CPU platform starts it with ``spawn``: a fresh interpreter that imports vLLM again, ~11 s of CPU
+and of wall clock per server start on this machine (of ~26 s), paid by every start. The reason
+for ``spawn`` is the processes that start after a model ran (worker processes, for tensor
+parallelism): a fork after OpenMP's thread pool exists hangs the child. The engine core of a
+one-rank server is started by the API server, which has run no model and no OpenMP parallel
+region by then, so a fork is safe, and it is what vLLM itself does on a GPU host used as a
+library. With ``ROLLFLOW_VLLM_FORK_ENGINE=1`` (set by rollflow for its one-rank CPU servers) the
+plugin sets the start method back to ``fork`` after the CPU platform chose ``spawn``, for a
+world size of 1 only: the engine core shares the API server's imports, and a start takes ~6 s
+less. A server with worker processes keeps ``spawn``.
 """
 
 from __future__ import annotations
@@ -30,11 +45,35 @@ import os
 import time
 
 SPIN_ENV = "ROLLFLOW_VLLM_SPIN_S"
+FORK_ENGINE_ENV = "ROLLFLOW_VLLM_FORK_ENGINE"
 POLL_MS = 1  # how soon a reader in its window looks at the queue again without a wake-up
 
 
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (called once per process, maybe more)."""
+    if os.environ.get(FORK_ENGINE_ENV) == "1":
+        _fork_the_engine_core()
+    _idle_waits()
+
+
+def _fork_the_engine_core() -> None:
+    from vllm.platforms import cpu
+
+    platform = cpu.CpuPlatform
+    if getattr(platform.check_and_update_config, "_rollflow_fork", False):
+        return
+    update = platform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        update(cls, vllm_config)
+        if vllm_config.parallel_config.world_size == 1:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    check_and_update_config._rollflow_fork = True
+    platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _idle_waits() -> None:
     window = os.environ.get(SPIN_ENV)
     if window is None:
         return

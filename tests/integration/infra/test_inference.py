@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -205,6 +206,20 @@ def test_worker_sleeps_between_requests_and_wakes_for_each(server):
     assert slowest < 1.0, f"a call took {slowest:.2f}s: a wake-up was lost"
     # Spinning, the worker is busy ~100% of the wall clock here; generating 8 x 4 tokens is a few %.
     assert busy < 0.5, f"vLLM's engine was busy {busy:.0%} of the time between requests"
+
+
+@pytest.mark.slow
+def test_the_engine_core_is_forked_from_the_api_server_not_spawned(server):
+    """On CPU with one rank, vLLM's engine core is forked from its API server (vllm_plugin.py):
+    it does not import vLLM a second time (~11 s of CPU per start). A forked process keeps its
+    parent's auxiliary vector (written by the kernel at exec, with the addresses of that exec's
+    randomised stack); a spawned one is exec'd anew and gets a vector of its own."""
+    procs = [psutil.Process(pid) for pid in server.pids()]
+    (engine,) = [p for p in procs if p.name().startswith("VLLM::EngineCore")]
+    api = engine.parent()
+    assert api.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], api.cmdline()
+    auxv = [Path(f"/proc/{p.pid}/auxv").read_bytes() for p in (api, engine)]
+    assert auxv[0] == auxv[1], "the engine core was exec'd (spawned), not forked"
 
 
 @pytest.mark.slow

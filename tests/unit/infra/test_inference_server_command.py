@@ -7,6 +7,7 @@ import pytest
 from rollflow.infra.config import vllm_flag
 from rollflow.infra.inference import server as server_module
 from rollflow.infra.inference.server import InferenceServer
+from rollflow.infra.inference.vllm_plugin import FORK_ENGINE_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -14,19 +15,22 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(server_module, "_on_cpu", lambda: True)
 
 
-def _backend(server: InferenceServer) -> tuple[str | None, str | None]:
+def _backend(server: InferenceServer) -> tuple[str | None, str | None, str | None]:
+    """The executor backend, vLLM's multiprocessing switch, and whether the engine core forks."""
     cmd = server.command()
     flag = "--distributed-executor-backend"
     backend = cmd[cmd.index(flag) + 1] if flag in cmd else None
-    return backend, server.environment().get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    env = server.environment()
+    return backend, env.get("VLLM_ENABLE_V1_MULTIPROCESSING"), env.get(FORK_ENGINE_ENV)
 
 
 def test_one_rank_runs_its_worker_in_the_engine_core(tiny_model_dir, monkeypatch):
     # One process fewer than vLLM's CPU default (API server, engine core, worker), and no
     # shared-memory queue between engine and worker; vLLM's CPU platform keeps "uni" only
-    # where VLLM_ENABLE_V1_MULTIPROCESSING is 0.
+    # where VLLM_ENABLE_V1_MULTIPROCESSING is 0. Its engine core is forked from the API server
+    # (vllm_plugin.py; that it is, is checked on a real server in test_inference.py).
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    assert _backend(InferenceServer(tiny_model_dir)) == ("uni", "0")
+    assert _backend(InferenceServer(tiny_model_dir)) == ("uni", "0", "1")
 
 
 @pytest.mark.parametrize(
@@ -34,9 +38,9 @@ def test_one_rank_runs_its_worker_in_the_engine_core(tiny_model_dir, monkeypatch
 )
 def test_tensor_parallel_ranks_keep_their_worker_processes(tiny_model_dir, monkeypatch, tp_args):
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    assert _backend(InferenceServer(tiny_model_dir, extra_args=tp_args)) == (None, None)
+    assert _backend(InferenceServer(tiny_model_dir, extra_args=tp_args)) == (None, None, None)
     one = InferenceServer(tiny_model_dir, extra_args=["--tensor-parallel-size", "1"])
-    assert _backend(one) == ("uni", "0")
+    assert _backend(one) == ("uni", "0", "1")
 
 
 def test_a_flag_is_found_in_both_spellings_and_only_as_a_flag():
