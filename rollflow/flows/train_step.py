@@ -69,7 +69,13 @@ def train_step(ctx: RunContext, step: int) -> dict:
         if lag:
             trained, synced = train_syncing_mid_step(ctx, step, batch, lag, order, host)
         else:
-            trained = train(run, step, batch.group_indices, quote(batch.sample_keys))
+            trained = train(
+                run,
+                step,
+                batch.group_indices,
+                quote(batch.sample_keys),
+                num_loss_tokens=batch.num_loss_tokens,
+            )
     syncs_at_end = syncs and not lag
     holds_trainer = evaluates or checkpoints  # they must see this step's weights
     if not holds_trainer and (not syncs_at_end or cfg.trainer.background_sync):
@@ -114,7 +120,14 @@ def train_syncing_mid_step(
     as version ``step - behind / n`` while the rest trains (see the module docstring)."""
     deadline_s = take_timeout_s(ctx.config)
     run, capture = quote(ctx), MidStepCapture(lag)
-    future = train.submit(run, step, batch.group_indices, quote(batch.sample_keys), quote(capture))
+    future = train.submit(
+        run,
+        step,
+        batch.group_indices,
+        quote(batch.sample_keys),
+        quote(capture),
+        num_loss_tokens=batch.num_loss_tokens,
+    )
     deadline = time.monotonic() + deadline_s
     while not capture.done.wait(0.02):
         if future.wrapped_future.done():

@@ -106,8 +106,11 @@ class ForwardBackward(BatchRef):
     )
     loss: LossConfig = Field(default_factory=LossConfig)
     old_logprobs: Literal["inference", "trainer"] = "inference"
-    num_loss_tokens: int | None = Field(
-        None, gt=0, description="Denominator of the whole optimizer step"
+    num_loss_tokens: float | None = Field(
+        None,
+        gt=0,
+        description="Denominator of the whole optimizer step's token mean (default: its loss "
+        "tokens on all ranks; train.token_mean = 'batch': the step's over its mini-batches)",
     )
 
 

@@ -63,10 +63,12 @@ class TrainSection(Section):
         description="Dynamic sampling's budget: groups replaced per step at most (default: "
         "train_batch_size, i.e. at most twice the sampling).",
     )
-    truncated: Literal["keep", "drop", "penalize"] = Field(
+    truncated: Literal["keep", "drop", "mask", "penalize"] = Field(
         "keep",
         description="Samples cut short (a turn hit max_tokens, an episode its limits): trained as "
-        "they are, dropped (DAPO overlong filtering) or penalised (DAPO soft overlong punishment).",
+        "they are, dropped (DAPO overlong filtering), masked (kept in their group's baseline, left "
+        "out of the loss: TRL's mask_truncated_completions) or penalised (DAPO soft overlong "
+        "punishment).",
     )
     overlong_max_tokens: int | None = Field(
         None,
@@ -106,6 +108,13 @@ class TrainSection(Section):
         "samples in a seeded random order (TRL's steps_per_generation), so that each optimizer "
         "step sees samples of every group. Either way a mini-batch holds mini_batch_size groups' "
         "worth of samples.",
+    )
+    token_mean: Literal["mini_batch", "batch"] = Field(
+        "mini_batch",
+        description="What an optimizer step's summed token loss is divided by: the loss tokens of "
+        "its own mini-batch, or those of the step's whole batch over its number of mini-batches, "
+        "the same for every optimizer step of the step (TRL's loss_type='dapo', which divides by "
+        "the generation batch's tokens). The two agree with one mini-batch per step.",
     )
     lr_warmup_steps: int = Field(
         0, ge=0, description="Linear learning-rate warm-up, in optimizer steps."

@@ -17,6 +17,7 @@ from functools import partial
 import pyarrow as pa
 
 from rollflow.infra.errors import ConfigError, InputError
+from rollflow.infra.schema import loss_mask
 
 AdvantageFn = Callable[[Sequence[float]], list[float]]
 
@@ -28,6 +29,8 @@ class Overlong:
 
     - ``keep``: trained as they are;
     - ``drop``: overlong filtering: left out of the batch, and out of their group's baseline;
+    - ``mask``: left out of the batch, but in their group's baseline (TRL's
+      ``mask_truncated_completions``: their loss mask is zero, their reward still counts);
     - ``penalize``: soft overlong punishment added to the reward: 0 up to ``max_tokens -
       buffer_tokens`` model tokens, then falling linearly to ``-penalty`` at ``max_tokens``;
       a truncated sample always gets the whole ``-penalty``.
@@ -163,7 +166,7 @@ class BatchStats:
     num_samples_kept: int = 0
     num_failed_samples: int = 0
     num_zero_advantage_groups: int = 0
-    num_truncated: int = 0  # samples marked truncated (dropped with Overlong "drop")
+    num_truncated: int = 0  # samples marked truncated (dropped with Overlong "drop" or "mask")
     failure_reasons: Counter = field(default_factory=Counter)
 
 
@@ -178,7 +181,7 @@ def build_batch(
 
     A failed sample (error or no reward) is dropped; its group keeps the survivors, unless its
     environment scores whole groups, in which case the whole group is dropped. Truncated samples
-    are kept, dropped or penalised as ``overlong`` says (the batch's ``reward`` then holds the
+    are kept, dropped, masked or penalised as ``overlong`` says (the batch's ``reward`` then holds the
     penalised reward; the rollouts keep the environment's).
     """
     rows = rollouts.to_pylist()
@@ -211,11 +214,23 @@ def build_batch(
                 f"advantage function returned {len(advantages)} values for a group of "
                 f"{len(survivors)}; train.advantage's function must return one per reward"
             )
-        if filter_zero_advantage and all(abs(a) < 1e-9 for a in advantages):
+        trained = [
+            (r, a)
+            for r, a in zip(survivors, advantages, strict=True)
+            if not (overlong.mode == "mask" and r.get("truncated"))
+        ]
+        if not trained:  # every survivor truncated and masked: nothing to train
+            continue
+        if filter_zero_advantage and all(abs(a) < 1e-9 for _, a in trained):
             stats.num_zero_advantage_groups += 1
             continue
         stats.num_groups_kept += 1
-        for r, a in zip(survivors, advantages, strict=True):
-            kept.append({**r, "advantage": float(a)})
+        kept.extend({**r, "advantage": float(a)} for r, a in trained)
     stats.num_samples_kept = len(kept)
     return pa.Table.from_pylist(kept, schema=rollouts.schema), stats
+
+
+def num_loss_tokens(batch: pa.Table) -> int:
+    """The loss tokens of a training batch: the model's tokens of every row (``loss_mask``)."""
+    columns = [c for c in ("completion_ids", "completion_mask") if c in batch.column_names]
+    return sum(sum(loss_mask(row)) for row in batch.select(columns).to_pylist())

@@ -9,7 +9,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.context import RunContext
-from rollflow.tasks.advantage.advantages import Overlong, advantage_fn, build_batch
+from rollflow.tasks.advantage.advantages import (
+    Overlong,
+    advantage_fn,
+    build_batch,
+    num_loss_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +31,7 @@ class Batch:
     num_zero_advantage_groups: int | None = None
     failure_reasons: dict[str, int] = field(default_factory=dict)
     num_truncated: int | None = None  # samples cut short (train.truncated says what became of them)
+    num_loss_tokens: int = 0  # the model's tokens of the kept rows (train.token_mean = "batch")
 
     @property
     def num_groups_kept(self) -> int:
@@ -49,6 +55,7 @@ def advantage(
             sorted(set(batch.column("group_index").to_pylist())),
             batch.num_rows,
             sample_keys=_sample_keys(batch),
+            num_loss_tokens=num_loss_tokens(batch),
         )
     storage.remove_step("batches", step)
     rollouts = storage.read_step_table("rollouts", step)
@@ -80,6 +87,7 @@ def advantage(
         stats.num_zero_advantage_groups,
         dict(stats.failure_reasons),
         stats.num_truncated,
+        num_loss_tokens(batch),
     )
 
 

@@ -84,7 +84,7 @@ class TrainerClient:
         samples: list[tuple[int, int]] | None = None,
         loss: LossConfig,
         old_logprobs: str = "inference",
-        num_loss_tokens: int | None = None,
+        num_loss_tokens: float | None = None,
     ) -> dict[str, Any]:
         """Accumulate the gradients of ``loss`` over batch ``step`` (restricted to the groups,
         and to the ``samples`` keys when given)."""

@@ -76,6 +76,20 @@ def sample_minibatches(
     ]
 
 
+def step_denominator(num_loss_tokens: int, num_parts: int, train: TrainSection) -> float | None:
+    """The denominator of every optimizer step's token mean under ``train.token_mean = "batch"``:
+    the step's loss tokens over its mini-batches per epoch (TRL's ``loss_type="dapo"``: the
+    generation batch's tokens over its optimizer steps). None under ``"mini_batch"``: the trainer
+    service divides by each mini-batch's own loss tokens."""
+    if train.token_mean == "mini_batch" or num_parts == 0:
+        return None
+    if num_loss_tokens <= 0:
+        raise ValueError(
+            f"train.token_mean = 'batch' needs the step's loss tokens, got {num_loss_tokens}"
+        )
+    return num_loss_tokens / num_parts
+
+
 def split_seed(run_seed: int, step: int) -> int:
     """The seed of step ``step``'s sample split: a resumed step trains the same mini-batches."""
     return run_seed * 1_000_003 + step
@@ -88,12 +102,14 @@ def train(
     group_indices: list[int],
     sample_keys: list[tuple[int, int]] = (),
     capture: MidStepCapture | None = None,
+    num_loss_tokens: int = 0,
 ) -> dict[str, float]:
     """For each epoch, for each mini-batch of the step's batch: forward_backward then optim_step.
 
     Mini-batches are whole groups, or (``train.mini_batch_split = "samples"``) slices of the
     step's ``sample_keys`` in a seeded random order. With ``capture``, the weights are kept for
-    vLLM ``capture.lag`` optimizer steps before the end."""
+    vLLM ``capture.lag`` optimizer steps before the end. ``num_loss_tokens``: the batch's loss
+    tokens, the token mean's denominator under ``train.token_mean = "batch"``."""
     t = ctx.config.train
     trainer = trainer_client(ctx)
     start = time.perf_counter()
@@ -108,6 +124,7 @@ def train(
         parts = [{"groups": groups, "samples": None} for groups in minibatches(group_indices, t)]
     if t.old_logprobs == "trainer" and parts:
         metrics["forward_s"] = trainer.forward(step, sorted(group_indices))["forward_s"]
+    denominator = step_denominator(num_loss_tokens, len(parts), t)
     results = []
     total = t.num_epochs * len(parts)
     capture_at = max(0, total - capture.lag) if capture is not None else None
@@ -121,6 +138,7 @@ def train(
                 samples=part["samples"],
                 loss=t.loss,
                 old_logprobs=t.old_logprobs,
+                num_loss_tokens=denominator,
             )
             fb.update(trainer.optim_step())
             results.append(fb)

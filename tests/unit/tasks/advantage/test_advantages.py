@@ -146,7 +146,7 @@ def _truncation_rows():
     return rows_to_table(table)
 
 
-def test_truncated_samples_kept_dropped_or_penalised():
+def test_truncated_samples_kept_dropped_masked_or_penalised():
     from rollflow.tasks.advantage.advantages import Overlong
 
     kept, stats = build_batch(_truncation_rows(), grpo_advantages)
@@ -155,9 +155,21 @@ def test_truncated_samples_kept_dropped_or_penalised():
     # Out of the batch and out of the baseline: the group's mean is over the other two.
     assert dropped.column("sample_index").to_pylist() == [0, 2]
     assert dropped.column("advantage").to_pylist() == [0.5, -0.5]
+    # Masked (TRL's mask_truncated_completions): out of the batch, in the baseline (mean 2/3).
+    masked, _ = build_batch(_truncation_rows(), grpo_advantages, overlong=Overlong("mask"))
+    assert masked.column("sample_index").to_pylist() == [0, 2]
+    assert masked.column("advantage").to_pylist() == pytest.approx([1 / 3, -2 / 3])
     # DAPO's soft punishment with L_max = 4, buffer 2: 2 model tokens -> 0, 4 -> the whole
     # penalty (environment tokens do not count), truncated -> the whole penalty.
     rule = Overlong("penalize", max_tokens=4, buffer_tokens=2, penalty=0.5)
     penalised, _ = build_batch(_truncation_rows(), grpo_advantages, overlong=rule)
     assert penalised.column("reward").to_pylist() == [1.0, 0.5, -0.5]
     assert rule.reward_penalty({"completion_ids": [1, 2, 3], "truncated": False}) == -0.25
+
+
+def test_a_batchs_loss_tokens_are_its_model_tokens():
+    from rollflow.tasks.advantage.advantages import num_loss_tokens
+
+    # 2 + 2 + 4 (6 tokens, 2 of them the environment's).
+    assert num_loss_tokens(_truncation_rows()) == 8
+    assert num_loss_tokens(_truncation_rows().drop_columns(["completion_mask"])) == 10

@@ -73,9 +73,11 @@ class RecordingTrainer:
 
     def __init__(self):
         self.calls: list[str] = []
+        self.denominators: list[float | None] = []
 
-    def forward_backward(self, step, groups, **_):
+    def forward_backward(self, step, groups, **kwargs):
         self.calls.append(f"fb{groups}")
+        self.denominators.append(kwargs.get("num_loss_tokens"))
         return {"forward_backward_s": 0.0, "num_loss_tokens": 1, "num_tokens": 1}
 
     def optim_step(self):
@@ -115,3 +117,26 @@ def test_the_weights_are_kept_for_vllm_lag_optimizer_steps_before_the_steps_end(
     assert got == calls.replace("capture", "capture v5")
     assert capture.done.is_set() and capture.behind == behind and capture.capture_s == 0.001
     assert metrics["num_optim_steps"] == min(len(groups), 4)
+
+
+@pytest.mark.parametrize(
+    ("token_mean", "groups", "denominators"),
+    [
+        # Each mini-batch's own loss tokens, which the service counts.
+        ("mini_batch", [0, 1, 2, 3, 4, 5, 6, 7], [None] * 4),
+        # TRL's dapo: the batch's 90 loss tokens over its 4 mini-batches, in every one.
+        ("batch", [0, 1, 2, 3, 4, 5, 6, 7], [22.5] * 4),
+        ("batch", [0, 5], [45.0] * 2),  # filters left 2 groups: 2 mini-batches
+    ],
+)
+def test_token_mean_sets_every_optimizer_steps_denominator(
+    monkeypatch, token_mean, groups, denominators
+):
+    from rollflow.tasks.train import task as train_task
+
+    recorder = RecordingTrainer()
+    monkeypatch.setattr(train_task, "trainer_client", lambda ctx: recorder)
+    train = TrainSection(train_batch_size=8, mini_batch_size=2, token_mean=token_mean)
+    ctx = SimpleNamespace(config=SimpleNamespace(train=train))
+    train_task.train.fn(ctx, 5, groups, (), num_loss_tokens=90)
+    assert recorder.denominators == denominators
