@@ -14,8 +14,13 @@ weight decay 0, gradient clipping 1.0), sampling temperature 1.0 and completion 
 same number of optimizer steps per generation batch (``--minibatches K``, (a) 4, (b) 1: TRL's
 ``steps_per_generation``, rollflow's ``train_batch_size = K · mini_batch_size``; each optimizer
 step takes the workload's prompts per step), the same loss shape (PPO-clip ε = 0.2 on token ratios, no
-KL term, reward − group mean as advantage, loss summed over tokens / all tokens of the batch:
-TRL's ``loss_type="dapo"``, ``scale_rewards="none"``, ``beta=0``).
+KL term, reward − group mean as advantage: TRL's ``loss_type="dapo"``, ``scale_rewards="none"``,
+``beta=0``). The rollflow side runs rollflow's defaults, whose gradient is not TRL's: each optimizer
+step's token mean is over its own tokens, groups with equal rewards are dropped, the ratio is taken
+against vLLM's log-probs (docs/concepts/trl-compatibility.md measures each). TRL's exact loss is
+``train.token_mean=batch train.filter_zero_advantage=false train.old_logprobs=trainer``
+(tests/unit/trainer/test_trl_parity.py), with ``train.mini_batch_split=samples`` for TRL's kind of
+split.
 
 - TRL: ``GRPOTrainer`` with its own HF ``generate`` (no vLLM), in a child process, on CPU.
 - rollflow: ``rollflow run`` (vLLM CPU, trainer service, Prefect flows) with ``model.path`` set
@@ -33,8 +38,9 @@ few minutes on 2026-11-25 while the venv was resynced, which is why the first ru
 Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a), (c) 3,
 (b) 1) and the ratios of the median times and of the median optimizer steps are printed: one
 run's crossing of the threshold is noisy. Extra ``key=value`` overrides go to both sides' config;
-those TRL has no counterpart for (``train.mini_batch_split``, ``train.old_logprobs``) change
-rollflow only, e.g. ``--only rollflow train.mini_batch_split=samples``.
+those TRL has no counterpart for (``train.mini_batch_split``, ``train.old_logprobs``,
+``train.token_mean``, ``train.filter_zero_advantage``) change rollflow only, e.g.
+``--only rollflow train.mini_batch_split=samples``.
 
 Held-out reward: the env's reward (exact match for (a), the fraction of positions right for (b))
 of greedy completions on the same 256 held-out prompts (rollflow's ``evaluate`` set), every ``--eval-every`` steps on both sides; TRL evaluates with HF generate in
