@@ -120,6 +120,7 @@ class RunServices:
             log_dir=self.log_dir,
             beside_inference=True,
             device_env=plan.trainer_nodes[0].env,
+            cpus=plan.trainer_nodes[0].cpus,
         )
         self.trainer = self.trainer_proc.client
         self.trainer_proc.start()  # loads while vLLM starts
@@ -148,6 +149,7 @@ class RunServices:
                 lora_adapter=adapter,
                 index=i,
                 env=planned.env,
+                cpus=planned.cpus,
                 server_args=plan.server_args(i),
                 progress=self.progress,
                 api_key=self.token,  # every vLLM route needs the run's token (inference/auth.py)

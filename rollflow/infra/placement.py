@@ -55,6 +55,9 @@ class Machine:
     gpus: int = 0
     nodes: int = 1
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    # The cores this process may run on (its affinity): the ones inference.cpus and trainer.cpus
+    # may name.
+    cores: tuple[int, ...] = field(default_factory=lambda: _allowed_cores())
     # The CUDA_VISIBLE_DEVICES this process was given (a GPU work pool sets it for the flow run);
     # None: every GPU of the node. The plan's indices count within it (``physical_gpus``).
     visible: str | None = None
@@ -142,6 +145,8 @@ class PlannedProcess:
     weight_ranks: tuple[int, ...]  # its ranks in the weight group; () for trainer nodes > 0
     env: dict[str, str]
     started_by: Literal["rollflow", "you"] = "rollflow"
+    cpus: tuple[int, ...] = ()  # the cores it is pinned to (inference.cpus, trainer.cpus); ()
+    # where nothing pins it
 
     @property
     def first_weight_rank(self) -> int:
@@ -190,7 +195,7 @@ class Plan:
                 (
                     p.name,
                     str(p.node),
-                    p.device,
+                    p.device + (f" (cores {','.join(map(str, p.cpus))})" if p.cpus else ""),
                     p.env.get("CUDA_VISIBLE_DEVICES", "-"),
                     ranks,
                     p.started_by,
@@ -272,9 +277,13 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
     wire = choose_backend(tr_device, inf_device, tr.weight_backend, shared_gpu=shared)
     processes: list[PlannedProcess] = []
     rank = 1
+    server_cores = _pinned_cores(cfg, machine, inf_device, tr_device)
     for i, gpus in enumerate(inference_gpus):
         ranks = tuple(range(rank, rank + tp))
         rank += tp
+        env = _device_env(inf_device, gpus, tp, machine.cpus, machine.visible)
+        if server_cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = _threads_bind(server_cores[i], tp)
         processes.append(
             PlannedProcess(
                 name=f"vllm-{i}",
@@ -283,7 +292,8 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 device=inf_device,
                 gpus=gpus,
                 weight_ranks=ranks,
-                env=_device_env(inf_device, gpus, tp, machine.cpus, machine.visible),
+                env=env,
+                cpus=server_cores[i] if server_cores else (),
             )
         )
     for node in range(tr.num_nodes):
@@ -305,6 +315,8 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                     visible=machine.visible if node == 0 else None,
                 ),
                 started_by="rollflow" if node == 0 else "you",
+                # another node is another host, whose cores this plan does not know
+                cpus=tuple(tr.cpus) if tr.cpus and tr_device == "cpu" and node == 0 else (),
             )
         )
     memory = inf.gpu_memory_utilization
@@ -325,6 +337,56 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _allowed_cores() -> tuple[int, ...]:
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
+
+
+def _pinned_cores(
+    cfg: RunConfig, machine: Machine, inf_device: Device, tr_device: Device
+) -> list[tuple[int, ...]]:
+    """Each server's cores from ``inference.cpus`` (an even share, at least one per
+    tensor-parallel worker), after checking both keys' cores; [] where vLLM is not pinned."""
+    inf, tr = cfg.inference, cfg.trainer
+    for key, cores, device in (
+        ("inference.cpus", inf.cpus, inf_device),
+        ("trainer.cpus", tr.cpus, tr_device),
+    ):
+        if cores is None:
+            continue
+        if device != "cpu":
+            raise PlanError(
+                f"{key} pins processes to CPU cores, but they run on GPUs here: leave {key} "
+                "unset (GPUs are placed with inference.devices / trainer.devices)"
+            )
+        if not cores or len(set(cores)) != len(cores):
+            raise PlanError(f"{key} = {cores}: list each core once, at least one")
+        missing = sorted(set(cores) - set(machine.cores))
+        if missing:
+            raise PlanError(
+                f"{key} names core(s) {missing}, but this process may run on "
+                f"{list(machine.cores)} only: name cores among those"
+            )
+    if inf.cpus is None:
+        return []
+    per_server = len(inf.cpus) // inf.num_servers
+    if per_server < inf.tensor_parallel_size:
+        raise PlanError(
+            f"inference.cpus lists {len(inf.cpus)} core(s) for inference.num_servers × "
+            f"tensor_parallel_size = {inf.num_servers} × {inf.tensor_parallel_size} workers: "
+            "list at least one core per worker"
+        )
+    cores = list(inf.cpus)
+    return [tuple(cores[i * per_server : (i + 1) * per_server]) for i in range(inf.num_servers)]
+
+
+def _threads_bind(cores: tuple[int, ...], tp: int) -> str:
+    """vLLM's CPU thread binding for one server on ``cores``: its workers' shares, "|"-separated."""
+    share = len(cores) // tp
+    return "|".join(",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(tp))
 
 
 def _device(section: str, value: str, devices, machine: Machine) -> Device:

@@ -109,7 +109,8 @@ class ManagedProcess:
 
     ``niceness`` lowers the scheduling priority of the service and everything it starts (added
     to this process's own): on a host whose cores the services share, work that is off the
-    critical path yields the cores to the work that is on it.
+    critical path yields the cores to the work that is on it. ``cpus`` pins the service and
+    everything it starts to those cores (the plan's ``inference.cpus`` / ``trainer.cpus``).
     """
 
     def __init__(
@@ -119,10 +120,12 @@ class ManagedProcess:
         log_path: str | Path,
         env: dict[str, str] | None = None,
         niceness: int = 0,
+        cpus: tuple[int, ...] = (),
     ):
         self.name, self.argv, self.log_path = name, list(argv), Path(log_path)
         self.env = {**os.environ, **(env or {})}
         self.niceness = niceness
+        self.cpus = tuple(cpus)
         self.proc: subprocess.Popen | None = None
 
     def _in_child(self) -> None:
@@ -131,6 +134,8 @@ class ManagedProcess:
         if self.niceness:
             with contextlib.suppress(OSError):
                 os.nice(self.niceness)
+        if self.cpus:  # checked by the plan: cores this process may use
+            os.sched_setaffinity(0, self.cpus)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

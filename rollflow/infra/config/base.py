@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # A GPU index as CUDA numbers them on one node.
 GpuIndex = Annotated[int, Field(ge=0)]
+# A CPU core as the kernel numbers them (os.sched_getaffinity, taskset).
+CpuIndex = Annotated[int, Field(ge=0)]
 
 
 class Section(BaseModel):

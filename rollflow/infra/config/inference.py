@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from rollflow.infra.config.base import GpuIndex, Section
+from rollflow.infra.config.base import CpuIndex, GpuIndex, Section
 
 
 def vllm_flag(args: list[str], *names: str) -> str | None:
@@ -51,6 +51,12 @@ class InferenceSection(Section):
         None,
         description="GPU indices for the servers, tensor_parallel_size consecutive ones per "
         "server (None: the first GPUs of the node).",
+    )
+    cpus: list[CpuIndex] | None = Field(
+        None,
+        description="On a host without GPUs, the CPU cores the vLLM servers are pinned to (an "
+        "even share per server; their OpenMP threads bound to them), e.g. [0, 1]; None: not "
+        "pinned, the threads bound to the first half of the cores.",
     )
     colocate: bool = Field(
         False,

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rollflow.infra.config.base import GpuIndex, Section
+from rollflow.infra.config.base import CpuIndex, GpuIndex, Section
 
 
 class TrainerSection(Section):
@@ -41,6 +41,12 @@ class TrainerSection(Section):
     devices: list[GpuIndex] | None = Field(
         None,
         description="GPU indices of the trainer's ranks on each node (None: the GPUs vLLM leaves).",
+    )
+    cpus: list[CpuIndex] | None = Field(
+        None,
+        description="On a host without GPUs, the CPU cores the trainer's ranks on node 0 are "
+        "pinned to (their threads share them), e.g. [2, 3]; None: not pinned, the threads sized "
+        "to the cores vLLM leaves.",
     )
     weight_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto",

@@ -56,8 +56,10 @@ class InferenceServer:
         kv_cache_space_gib: int = 1,
         api_key: str | None = None,
         lora_adapter: str | Path | None = None,
+        cpus: tuple[int, ...] = (),
     ) -> None:
         self.model_path = str(model_path)
+        self.cpus = tuple(cpus)  # the cores the server is pinned to (the plan's); () not pinned
         self.host = host
         self.port = port or free_port(host)
         self.served_model_name = served_model_name
@@ -176,7 +178,7 @@ class InferenceServer:
                 tempfile.mkdtemp(prefix="rollflow-lora-"), self.lora_adapter
             )
         self._proc = ManagedProcess(
-            "vLLM server", self.command(), self.log_path, self.environment()
+            "vLLM server", self.command(), self.log_path, self.environment(), cpus=self.cpus
         )
         self._proc.start()
 

@@ -81,6 +81,7 @@ class InferenceSupervisor:
         progress=print,
         api_key: str | None = None,
         lora_adapter: str | Path | None = None,
+        cpus: tuple[int, ...] = (),
     ):
         self.cfg, self.index = cfg, index
         self.link: WeightLink | None = None
@@ -97,6 +98,7 @@ class InferenceSupervisor:
             log_path=log_dir / ("vllm.log" if index == 0 else f"vllm-{index}.log"),
             api_key=api_key,
             lora_adapter=lora_adapter,
+            cpus=cpus,
         )
         self.name = "the vLLM server" if cfg.inference.num_servers == 1 else f"vLLM server {index}"
         self.gate: ServingGate | None = None

@@ -188,7 +188,8 @@ class TrainerProcess:
     """One trainer node's launcher and ranks; node 0's is reachable through ``client``.
 
     ``device_env`` is the plan's environment for this node (``CUDA_VISIBLE_DEVICES``);
-    ``node_rank`` > 0 starts another node of a multi-node trainer (its ranks serve no API).
+    ``node_rank`` > 0 starts another node of a multi-node trainer (its ranks serve no API);
+    ``cpus``: the cores the plan pins the launcher and its ranks to (``trainer.cpus``).
     """
 
     def __init__(
@@ -200,6 +201,7 @@ class TrainerProcess:
         beside_inference: bool = False,
         device_env: dict[str, str] | None = None,
         node_rank: int = 0,
+        cpus: tuple[int, ...] = (),
     ):
         self.log_dir = Path(log_dir)
         tr = args.trainer
@@ -216,19 +218,20 @@ class TrainerProcess:
         if device == "auto":
             device = "cuda" if _has_cuda() else "cpu"
         master_port = tr.master_port if tr.num_nodes > 1 else free_port()
-        env = launcher_env(
-            tr.num_ranks,
-            token,
-            device,
-            # Beside vLLM on a host without a GPU, the ranks keep to the trainer's share of the cores.
-            len(cpu_split()[1]) if beside_inference and device == "cpu" else None,
-        )
+        if cpus:  # pinned by the plan (trainer.cpus): the ranks' threads share those cores
+            num_cpus = len(cpus)
+        elif beside_inference and device == "cpu":  # the trainer's share of the cores
+            num_cpus = len(cpu_split()[1])
+        else:
+            num_cpus = None
+        env = launcher_env(tr.num_ranks, token, device, num_cpus)
         env.update(device_env or {})
         self.process = ManagedProcess(
             "trainer" + suffix,
             node_argv(tr, node_rank, args_file, master_port, device_env),
             log_path,
             env=env,
+            cpus=cpus,
         )
         self.args_file = args_file
         self.device_env = dict(device_env or {})

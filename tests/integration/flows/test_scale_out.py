@@ -10,6 +10,7 @@ restarts it, the group forms anew with both, and both serve the trainer's weight
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shlex
 import signal
@@ -46,7 +47,12 @@ def greedy(url: str) -> list[int]:
 
 
 def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_model_dirs, tmp_path):
+    """Also the check of inference.cpus / trainer.cpus on real services: each server pinned to
+    a core of its own (its engine core with it), the trainer's ranks to theirs."""
     model = vllm_model_dirs[0]
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip(f"two servers on cores of their own need 2 cores, this process has {cores}")
     cfg = load_config(
         None,
         [
@@ -59,6 +65,8 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
             "trainer.num_ranks=2",
             "trainer.weight_bucket_mb=0.0625",  # 64 KiB: every sync spans many buckets
             "train.lr=0.05",  # large steps, so that greedy outputs change
+            f"inference.cpus={cores}",
+            f"trainer.cpus={cores[::-1]}",
         ],
     )
     storage = RunStorage(cfg.run.storage, cfg.run.name)
@@ -67,6 +75,11 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
     with services:
         urls = services.inference_urls
         assert len(urls) == 2 and len(set(urls)) == 2
+        for sup, core in zip(services.supervisors, cores, strict=True):
+            pinned = {tuple(psutil.Process(pid).cpu_affinity()) for pid in sup.server.pids()}
+            assert pinned == {(core,)}, (sup.name, pinned)
+        ranks = [psutil.Process(r["pid"]) for r in services.trainer_proc.ranks]
+        assert len(ranks) == 2 and all(r.cpu_affinity() == cores for r in ranks), ranks
         t = services.trainer
         outputs = []
 
@@ -97,6 +110,8 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
             services.check_alive()
             time.sleep(1)
         assert services.supervisors[0].restarts == 0
+        restarted = services.supervisors[1].server.pids()
+        assert {tuple(psutil.Process(pid).cpu_affinity()) for pid in restarted} == {(cores[1],)}
         assert greedy(urls[0]) == outputs[-1] and greedy(urls[1]) == outputs[-1]
         train_and_sync(2)  # and the re-formed group syncs both
     assert all(not s.server.is_alive() for s in services.supervisors)

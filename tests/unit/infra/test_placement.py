@@ -66,6 +66,33 @@ def test_cpu_plan_of_the_quickstart():
     assert all(p.env == {} for p in plan.processes)
 
 
+def test_cpu_cores_pin_each_service_and_bind_vllms_threads():
+    """inference.cpus / trainer.cpus: each server gets an even share (its workers' threads bound
+    to it, "|" between workers), the trainer's launcher on node 0 its own; unset: nothing
+    pinned, as before."""
+    machine = Machine(gpus=0, cores=(0, 1, 2, 3, 4, 5))
+    plan = make_plan(cfg("inference.cpus=[0]", "trainer.cpus=[1]"), machine)
+    (server,), (trainer,) = plan.servers, plan.trainer_nodes
+    assert server.cpus == (0,) and server.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert trainer.cpus == (1,) and trainer.env == {}
+    assert "cpu (cores 0)" in plan.render() and "cpu (cores 1)" in plan.render()
+    plan = make_plan(
+        cfg(
+            "inference.cpus=[0, 1, 2, 3]",
+            "inference.num_servers=2",
+            "inference.tensor_parallel_size=2",
+            "trainer.cpus=[4, 5]",
+        ),
+        machine,
+    )
+    assert [(p.cpus, p.env["VLLM_CPU_OMP_THREADS_BIND"]) for p in plan.servers] == [
+        ((0, 1), "0|1"),
+        ((2, 3), "2|3"),
+    ]
+    assert plan.trainer_nodes[0].cpus == (4, 5)
+    assert all(p.cpus == () for p in make_plan(cfg(), machine).processes)
+
+
 def test_gpu_plan_separates_devices_and_numbers_the_weight_group():
     plan = make_plan(
         cfg("inference.num_servers=2", "inference.tensor_parallel_size=2", "trainer.num_ranks=4"),
@@ -169,6 +196,15 @@ def test_rollflow_plan_command(capsys):
         (["trainer.devices=[1]"], 0, "trainer.devices = [1] asks for GPUs"),
         (["trainer.weight_backend='nccl'"], 0, "needs the trainer and vLLM on GPUs"),
         (["inference.devices=[0, 1]"], 4, "inference.devices lists 2 GPU(s)"),
+        (["inference.cpus=[999]"], 0, "inference.cpus names core(s) [999]"),
+        (["trainer.cpus=[0, 0]"], 0, "trainer.cpus = [0, 0]: list each core once"),
+        (["trainer.cpus=[]"], 0, "trainer.cpus = []: list each core once, at least one"),
+        (
+            ["inference.cpus=[0]", "inference.tensor_parallel_size=2"],
+            0,
+            "inference.cpus lists 1 core(s) for inference.num_servers × tensor_parallel_size",
+        ),
+        (["inference.cpus=[0]"], 2, "inference.cpus pins processes to CPU cores"),
     ],
 )
 def test_impossible_plans_fail_before_anything_starts(overrides, gpus, message, capsys):
