@@ -8,9 +8,11 @@ sequence alone through the HF model (no packing, no padding), full-vocabulary fp
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from rollflow.infra.config import LossConfig
@@ -18,6 +20,16 @@ from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
 from rollflow.trainer.losses import LossInputs, compute_loss
 from rollflow.trainer.packing import Sequence
+
+
+def one_process_group(tmp_path_factory) -> Iterator[None]:
+    """A gloo group of one rank for this process, for a module's trainer-side code (use it as a
+    module fixture's body: ``yield from one_process_group(tmp_path_factory)``)."""
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("dist") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def make_rows(

@@ -5,25 +5,29 @@ Multi-rank runs of the same checks, through the real launchers, are in test_trai
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
 from rollflow.infra.weights.group import metadata_bytes
 from rollflow.trainer.packing import pack, plan_micro_batches
 from rollflow.trainer.trainer import Trainer, TrainerSpec
 
-from trainer_support import adamw_step, load, make_rows, max_abs, max_abs_diff, reference, sequences
+from trainer_support import (
+    adamw_step,
+    load,
+    make_rows,
+    max_abs,
+    max_abs_diff,
+    one_process_group,
+    reference,
+    sequences,
+)
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank(tmp_path_factory):
-    if not dist.is_initialized():
-        store = tmp_path_factory.mktemp("dist") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    yield from one_process_group(tmp_path_factory)
 
 
 def _trainer(model_dir, reference_model_path=None, **train) -> Trainer:

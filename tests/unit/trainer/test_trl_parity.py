@@ -32,7 +32,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip(
     "trl", reason="TRL is not installed: pip install trl==1.16.0 (the dev extra) to compare"
@@ -55,7 +54,7 @@ from rollflow.trainer.control import ControlGroup  # noqa: E402
 from rollflow.trainer.protocol import BatchRef, ForwardBackward  # noqa: E402
 from rollflow.trainer.trainer import Trainer, TrainerSpec  # noqa: E402
 
-from trainer_support import load, max_abs_diff  # noqa: E402
+from trainer_support import load, max_abs_diff, one_process_group  # noqa: E402
 
 G, K, T = 4, 2, 8  # samples per group, optimizer steps per generation batch, max completion tokens
 NUM_GROUPS = 4
@@ -284,11 +283,7 @@ def _unpadded(ids: list[int]) -> tuple[int, ...]:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank(tmp_path_factory):
-    if not dist.is_initialized():
-        store = tmp_path_factory.mktemp("dist") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    yield from one_process_group(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
