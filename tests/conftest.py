@@ -91,7 +91,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
-    """One cache of warm-started tiny models for every end-to-end run of the session."""
+    """One cache of warm-started tiny models for every end-to-end run of the session, shared by
+    its workers (a model is built into a folder of its own and renamed into place: two workers
+    building it at once both get a whole one)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # basetemp is <session's>/popen-gwN
+        shared = tmp_path_factory.getbasetemp().parent / "models"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("models")
 
 
