@@ -19,7 +19,7 @@ def test_a_train_task_that_fails_before_the_mid_step_capture_fails_the_step_with
     monkeypatch,
 ):
     @task(name="train")
-    def dead_trainer(ctx, step, group_indices, sample_keys=(), capture=None):
+    def dead_trainer(ctx, step, group_indices, sample_keys=(), capture=None, num_loss_tokens=0):
         time.sleep(0.2)
         raise ConnectionError("trainer at 127.0.0.1:1 is gone")
 
@@ -32,7 +32,7 @@ def test_a_train_task_that_fails_before_the_mid_step_capture_fails_the_step_with
         "configs/quickstart.toml", ["train.mini_batch_size=32", "train.max_staleness=0.25"]
     )
     ctx = SimpleNamespace(config=cfg)
-    batch = SimpleNamespace(group_indices=[0, 1], sample_keys=[])
+    batch = SimpleNamespace(group_indices=[0, 1], sample_keys=[], num_loss_tokens=0)
 
     @flow(persist_result=False)
     def one_step():

@@ -180,14 +180,14 @@ def test_a_lora_run_on_s3_checkpoints_resumes_and_exports_its_adapter(
         out = run_cli(config, tmp_path, options, *lora, *train, "run.num_steps=2")
         assert "resuming after committed step 1" in out and "step 2/2" in out
         # vllm.log holds both launches; each logs the adapter it serves as the policy.
-        served = [
-            line for line in (logs / "vllm.log").read_text().splitlines() if "lora_modules" in line
-        ]
+        vllm_log = (logs / "vllm.log").read_text()
+        served = [line for line in vllm_log.splitlines() if "lora_modules" in line]
     finally:
         shutil.rmtree(logs, ignore_errors=True)
         for copy in Path("~/.cache/rollflow/checkpoints").expanduser().glob(f"{name}-*"):
             shutil.rmtree(copy, ignore_errors=True)
-    assert len(served) == 2 and "adapter-v0" in served[0], served
+    # (once, in a whole suite, neither launch's line was there: the log's head, to see why)
+    assert len(served) == 2 and "adapter-v0" in served[0], (served, vllm_log[:3000])
     assert f"{name}-checkpoints-step=1-" in served[1] and "/adapter" in served[1], served
     fs = fsspec.filesystem("s3", endpoint_url=s3_endpoint)
     root = f"rollflow/{tmp_path.name}/{name}"
