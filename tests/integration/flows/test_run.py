@@ -186,7 +186,8 @@ def test_a_lora_run_on_s3_checkpoints_resumes_and_exports_its_adapter(
         shutil.rmtree(logs, ignore_errors=True)
         for copy in Path("~/.cache/rollflow/checkpoints").expanduser().glob(f"{name}-*"):
             shutil.rmtree(copy, ignore_errors=True)
-    # (once, in a whole suite, neither launch's line was there: the log's head, to see why)
+    # (the log's head on failure: a worker whose environment had VLLM_LOGGING_LEVEL=ERROR, as
+    # importing TRL once left it, started servers that logged no such line)
     assert len(served) == 2 and "adapter-v0" in served[0], (served, vllm_log[:3000])
     assert f"{name}-checkpoints-step=1-" in served[1] and "/adapter" in served[1], served
     fs = fsspec.filesystem("s3", endpoint_url=s3_endpoint)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import os
 import random
 import warnings
 from dataclasses import dataclass
@@ -33,9 +35,13 @@ from unittest import mock
 import pytest
 import torch
 
-pytest.importorskip(
-    "trl", reason="TRL is not installed: pip install trl==1.16.0 (the dev extra) to compare"
-)
+# Looked up, not imported, at collection (every pytest-xdist worker collects every file): importing
+# TRL changes the process's environment (import_trl_without_vllm).
+if importlib.util.find_spec("trl") is None:
+    pytest.skip(
+        "TRL is not installed: pip install trl==1.16.0 (the dev extra) to compare",
+        allow_module_level=True,
+    )
 
 from rollflow.infra.config import LossConfig, SamplingSection, TrainSection  # noqa: E402
 from rollflow.infra.models.tiny import EOS_ID, PAD_ID, build_char_tokenizer, save_hf_dir  # noqa: E402
@@ -87,21 +93,40 @@ COMPATIBLE = dict(
 def import_trl_without_vllm():
     """GRPOConfig and GRPOTrainer, or the test skipped with the import's error. On first use, not
     at collection (every pytest-xdist worker collects every file). TRL imports vLLM at import time
-    when it is installed (~10 s, for its vLLM client only): it is told vLLM is absent meanwhile."""
-    import_utils = importlib.import_module("trl.import_utils")
-    real = import_utils.is_vllm_available
-    import_utils.is_vllm_available = lambda min_version=None: False
+    when it is installed (~10 s, for its vLLM client only): it is told vLLM is absent meanwhile.
+
+    TRL's import also sets ``VLLM_LOGGING_LEVEL=ERROR`` in the process's environment: every vLLM
+    server a later test of the same worker started logged errors only (a check of vLLM's log
+    then failed). The environment is put back as it was."""
+    environment = dict(os.environ)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # The modules themselves: trl's lazy top level turns an ImportError into a RuntimeError.
-            from trl.trainer.grpo_config import GRPOConfig
-            from trl.trainer.grpo_trainer import GRPOTrainer
-    except ImportError as err:
-        pytest.skip(f"TRL's GRPOTrainer does not import: {err}")
+        import_utils = importlib.import_module("trl.import_utils")
+        real = import_utils.is_vllm_available
+        import_utils.is_vllm_available = lambda min_version=None: False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                # The modules themselves: trl's lazy top level turns an ImportError into a
+                # RuntimeError.
+                from trl.trainer.grpo_config import GRPOConfig
+                from trl.trainer.grpo_trainer import GRPOTrainer
+        except ImportError as err:
+            pytest.skip(f"TRL's GRPOTrainer does not import: {err}")
+        finally:
+            import_utils.is_vllm_available = real
     finally:
-        import_utils.is_vllm_available = real
+        for key in set(os.environ) - set(environment):
+            del os.environ[key]
+        os.environ.update(environment)
     return GRPOConfig, GRPOTrainer
+
+
+def test_importing_trl_leaves_the_workers_environment_as_it_was():
+    """The suite's workers start vLLM servers after this file's tests; they inherit the worker's
+    environment (see import_trl_without_vllm)."""
+    before = dict(os.environ)
+    import_trl_without_vllm()
+    assert dict(os.environ) == before
 
 
 # ----------------------------------------------------------------------------- the batch
