@@ -55,6 +55,17 @@ MakeContext = Callable[[InferencePool, SamplingStats], RolloutContext]
 Advantages = Callable[[list[float]], list[float]]
 
 
+def inference_pool(cfg: RunConfig, urls: list[str]) -> InferencePool:
+    """The producer's client of the run's servers: room for every group in flight on one server
+    (a single-turn group is one request; the client's default of 256 connections held the rest of
+    1024 groups back in the client, bench/producer_throughput.py)."""
+    return InferencePool.of(
+        urls,
+        timeout_s=cfg.inference.request_timeout_s,
+        max_connections=max(256, cfg.train.in_flight_groups()),
+    )
+
+
 class ProducerHost:
     """Runs a ``RolloutProducer`` on a private loop thread; its methods are thread-safe.
 
@@ -91,7 +102,7 @@ class ProducerHost:
         self.sampling_stats = SamplingStats()  # retries of aborted or disconnected requests
 
         async def build() -> tuple[InferencePool, RolloutProducer]:
-            client = InferencePool.of(inference_urls, timeout_s=cfg.inference.request_timeout_s)
+            client = inference_pool(cfg, inference_urls)
             t = cfg.train
             rollout_ctx = make_ctx(client, self.sampling_stats)
             producer = RolloutProducer(

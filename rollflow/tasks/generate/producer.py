@@ -108,6 +108,8 @@ class RolloutProducer:
         # Group i goes to step first_step + i // B, which trains on version first_step + i // B - 1.
         self.first_step = version + 1 if first_step is None else first_step
         self._ready: deque[FinishedGroup] = deque()
+        # (step, n): the first n ready groups are within the bound for that step (already checked).
+        self._checked: tuple[int, int] = (-1, 0)
         self._tasks: set[asyncio.Task] = set()
         self._service_tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
@@ -177,6 +179,7 @@ class RolloutProducer:
         finally:
             self._pending_steps.discard(step)
         groups = [self._ready.popleft() for _ in range(self.train_batch_size)]
+        self._checked = (-1, 0)
         self.num_emitted += len(groups)
         ages = [step - 1 - g.version_started for g in groups]
         self._step_metrics[step] = {
@@ -197,13 +200,21 @@ class RolloutProducer:
         return groups
 
     def _drop_stale(self, step: int) -> None:
+        """Drop the ready groups too old for ``step``. The take calls it on every finished group:
+        only the groups that arrived since its last call for the same step are checked (a full
+        rescan made a step of B groups cost O(B²) checks)."""
+
         def ok(g: FinishedGroup) -> bool:
             return staleness.allowed(g.version_started, step, self.max_staleness)
 
-        stale = [g for g in self._ready if not ok(g)]
+        checked_step, checked = self._checked
+        start = checked if checked_step == step else 0
+        stale = [g for g in itertools.islice(self._ready, start, None) if not ok(g)]
+        if stale:
+            self._ready = deque(g for g in self._ready if ok(g))
+        self._checked = (step, len(self._ready))
         if not stale:
             return
-        self._ready = deque(g for g in self._ready if ok(g))
         self.num_stale_dropped += len(stale)
         log.warning(
             "step %d: dropped %d finished groups started from versions %s, older than the "

@@ -448,3 +448,30 @@ def test_a_fractional_bound_admits_the_next_step_from_the_mid_step_weights_only(
         assert {g.version_started for g in batches[step]} == {step - 1.25}
         assert p.step_metrics(step)["staleness_max"] == pytest.approx(0.25)
     assert p.num_stale_dropped == 0
+
+
+def test_a_take_checks_each_finished_group_against_the_bound_once(monkeypatch):
+    """The take wakes on every finished group; it checked every ready group each time (O(B²)
+    staleness checks a step: 8,866 for B = 200 here), now only those that arrived since."""
+    from rollflow.infra import staleness
+
+    B, checks = 200, []
+    real = staleness.allowed
+    monkeypatch.setattr(staleness, "allowed", lambda *a: checks.append(a) or real(*a), raising=True)
+
+    async def one_at_a_time(prompt: Prompt, version: int):
+        await asyncio.sleep(int(prompt.prompt_id) * 0.0005)  # group i finishes i-th, alone
+        return [Sample([1], [2], [-0.1], "x", "stop", reward=1.0)]
+
+    async def main():
+        p = RolloutProducer(
+            one_at_a_time, numbered_prompts(), train_batch_size=B, max_staleness=0, max_in_flight=B
+        )
+        async with p:
+            groups = await p.take(1, timeout_s=10)
+            assert_accounting(p)
+            return groups
+
+    groups = asyncio.run(main())
+    assert [g.prompt.prompt_id for g in groups] == [str(i) for i in range(B)]
+    assert B <= len(checks) <= 2 * B, len(checks)
