@@ -4,6 +4,9 @@
     .venv/bin/python bench/vs_trl.py --workload b          # ~10M params, ≥ 24-token completions
     .venv/bin/python bench/vs_trl.py --workload c          # (a)'s settings on the add env
     .venv/bin/python bench/vs_trl.py --compare base=c.json samples=s.json  # saved runs, per step
+    .venv/bin/python bench/vs_trl.py --compare a=a.json --threshold 0.8  # steps to 0.8 from curves
+    .venv/bin/python bench/vs_trl.py --workload r      # (a)'s settings on reverse_letters (unseen)
+    .venv/bin/python bench/vs_trl.py --workload m      # (a)'s settings on mod_add (unseen)
     .venv/bin/python bench/vs_trl.py --workload a --only trl   # one side (e.g. to tune)
     .venv/bin/python bench/vs_trl.py --workload a --minibatches 1  # one optimizer step per generation
 
@@ -107,6 +110,42 @@ WORKLOADS = {
         "max_steps": 3000,
         "minibatches": 4,
         "seeds": 3,
+        "staleness": 0,
+    },
+    # Two tasks written for issue 28 and tuned on by nobody: rollflow's defaults were chosen before
+    # they existed. (a)'s settings; the thresholds sit between the warm start and the plateau.
+    "r": {
+        "what": "unseen string transformation: quickstart model (~0.4M), reverse 3-5 letters, ≤ 8 tokens",
+        "overrides": [
+            "envs=[{name='reverse_letters', args={letters='abcdefgh', min_len=3, max_len=5}}]",
+            "sampling.group_size=8",
+            "train.train_batch_size=8",
+            "train.mini_batch_size=8",
+            "sampling.max_tokens=8",
+            "train.lr=2e-4",
+        ],
+        "threshold": 0.8,
+        "eval_every": 10,
+        "max_steps": 3000,
+        "minibatches": 4,
+        "seeds": 5,
+        "staleness": 0,
+    },
+    "m": {
+        "what": "unseen modular arithmetic: quickstart model (~0.4M), a+b mod m, a, b ≤ 20, m 3-9",
+        "overrides": [
+            "envs=[{name='mod_add', args={max_value=20, min_mod=3, max_mod=9}}]",
+            "sampling.group_size=8",
+            "train.train_batch_size=8",
+            "train.mini_batch_size=8",
+            "sampling.max_tokens=8",
+            "train.lr=2e-4",
+        ],
+        "threshold": 0.7,
+        "eval_every": 10,
+        "max_steps": 3000,
+        "minibatches": 4,
+        "seeds": 5,
         "staleness": 0,
     },
     # Whole 24-28-letter answers are out of reach of a 10M model trained for minutes on 2 cores
@@ -434,15 +473,20 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
 # ------------------------------------------------------------------------------ main
 
 
-def compare(files: list[str]) -> None:
+def compare(files: list[str], threshold: float | None = None) -> None:
     """Learning per optimizer step across saved runs: the crossing of a threshold is one noisy
     evaluation (held-out swings ±0.05 between evaluations), so the mean held-out over the
-    evaluations every run reached is printed beside it."""
+    evaluations every run reached is printed beside it. ``threshold``: the steps to it are read
+    from each curve (runs made with ``--threshold 2`` run their whole length: equal curves)."""
     runs = []
     for item in files:
         label, _, path = item.partition("=")
         for r in json.loads(Path(path).read_text())["results"]:
             runs.append({**r, "label": f"{r['side']} ({label})"})
+            if threshold is not None and r["curve"]:
+                crossed = [step for step, _, x in r["curve"] if x >= threshold]
+                runs[-1]["reached"] = bool(crossed)
+                runs[-1]["steps"] = crossed[0] if crossed else r["curve"][-1][0]
     horizon = {  # per seed: the last evaluation every run of the seed reached
         seed: min(r["curve"][-1][0] for r in runs if r["seed"] == seed and r["curve"])
         for seed in {r["seed"] for r in runs}
@@ -554,7 +598,7 @@ def main() -> None:
         print(json.dumps(trl_child(json.loads(args.trl_child))))
         return
     if args.compare:
-        compare(args.compare)
+        compare(args.compare, args.threshold)
         return
 
     trl_paths = [args.trl_path] if args.trl_path else None  # None: the interpreter's own path

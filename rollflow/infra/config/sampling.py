@@ -13,7 +13,8 @@ class EnvSpec(Section):
     """One environment of the mix."""
 
     name: str = Field(
-        description="Built-in name (`add`, `sort_letters`) or `package.module:Class`."
+        description="Built-in name (`sort_letters`, `add`, `reverse_letters`, `mod_add`, …: "
+        "docs/environments.md) or `package.module:Class`."
     )
     weight: float = Field(
         1.0, gt=0, description="Share of the training prompts drawn from this env."

@@ -288,10 +288,51 @@ class SortLettersEnv(_ExactMatchEnv):
         return f"sort {word}=", "".join(sorted(word))
 
 
+class ReverseLettersEnv(_ExactMatchEnv):
+    """Word reversal, a string transformation: ``"rev dcab="`` → ``"bacd"``."""
+
+    name = "reverse_letters"
+
+    def __init__(self, letters: str = "abcdefgh", min_len: int = 3, max_len: int = 5):
+        if not 1 <= min_len <= max_len:
+            raise ConfigError(
+                f"env reverse_letters: need 1 <= args.min_len <= args.max_len, got {min_len}, "
+                f"{max_len}"
+            )
+        self.letters, self.min_len, self.max_len = letters, min_len, max_len
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        word = "".join(
+            rng.choice(self.letters) for _ in range(rng.randint(self.min_len, self.max_len))
+        )
+        return f"rev {word}=", word[::-1]
+
+
+class ModAddEnv(_ExactMatchEnv):
+    """Modular addition: ``"17+9 mod 7="`` → ``"5"``, moduli from ``min_mod`` to ``max_mod``."""
+
+    name = "mod_add"
+
+    def __init__(self, max_value: int = 20, min_mod: int = 3, max_mod: int = 9):
+        if max_value < 1 or not 2 <= min_mod <= max_mod:
+            raise ConfigError(
+                "env mod_add: need args.max_value >= 1 and 2 <= args.min_mod <= args.max_mod, "
+                f"got {max_value}, {min_mod}, {max_mod}"
+            )
+        self.max_value, self.min_mod, self.max_mod = max_value, min_mod, max_mod
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
+        m = rng.randint(self.min_mod, self.max_mod)
+        return f"{a}+{b} mod {m}=", str((a + b) % m)
+
+
 # Built-in environments by name: import paths, so that an env's dependencies load only when used.
 BUILTIN_ENVS: dict[str, str] = {
     "add": "rollflow.tasks.generate.environments:AddEnv",
     "sort_letters": "rollflow.tasks.generate.environments:SortLettersEnv",
+    "reverse_letters": "rollflow.tasks.generate.environments:ReverseLettersEnv",
+    "mod_add": "rollflow.tasks.generate.environments:ModAddEnv",
     "dataset": "rollflow.tasks.generate.dataset_envs:DatasetEnv",
     "math": "rollflow.tasks.generate.dataset_envs:MathEnv",
     "calculator": "rollflow.tasks.generate.tool_env:ToolEnv",

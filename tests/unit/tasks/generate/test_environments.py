@@ -8,7 +8,9 @@ import pytest
 
 from rollflow.tasks.generate.environments import (
     AddEnv,
+    ModAddEnv,
     Prompt,
+    ReverseLettersEnv,
     RolloutContext,
     SingleTurnEnv,
     SortLettersEnv,
@@ -17,7 +19,7 @@ from rollflow.tasks.generate.environments import (
 from rollflow.tasks.generate.rollouts import select_prompts
 
 
-@pytest.mark.parametrize("env", [AddEnv(), SortLettersEnv()])
+@pytest.mark.parametrize("env", [AddEnv(), SortLettersEnv(), ReverseLettersEnv(), ModAddEnv()])
 def test_train_and_eval_splits_are_disjoint_and_rewards_exact(env):
     rng = random.Random(0)
     train = {p.text for p in env.prompts("train", 500, rng)}
@@ -36,6 +38,21 @@ def test_sort_letters_partial_credit_counts_right_positions_over_the_longer_stri
     assert env.reward(p, "abcdabcd") == 0.5  # too long: the extra positions are wrong
     assert env.reward(p, "") == 0.0
     assert SortLettersEnv().reward(p, "abdd") == 0.0  # exact match by default
+
+
+def test_reverse_letters_and_mod_add_answers():
+    rng = random.Random(3)
+    for p in ReverseLettersEnv(min_len=2, max_len=7).prompts("train", 50, rng):
+        word = p.text.removeprefix("rev ").removesuffix("=")
+        assert p.answer == word[::-1] and 2 <= len(word) <= 7
+    for p in ModAddEnv(max_value=30, min_mod=4, max_mod=6).prompts("train", 50, rng):
+        a, rest = p.text.removesuffix("=").split("+")
+        b, m = rest.split(" mod ")
+        assert p.answer == str((int(a) + int(b)) % int(m)) and 4 <= int(m) <= 6
+    with pytest.raises(ValueError, match="min_mod"):
+        load_env("mod_add", {"min_mod": 1})
+    with pytest.raises(ValueError, match="min_len"):
+        load_env("reverse_letters", {"min_len": 4, "max_len": 3})
 
 
 def test_prompts_are_reproducible_from_the_seed():
