@@ -132,9 +132,9 @@ WORKLOADS = {
         "staleness": 0,
     },
     "m": {
-        "what": "unseen modular arithmetic: quickstart model (~0.4M), a+b mod m, a, b ≤ 20, m 3-9",
+        "what": "unseen modular arithmetic: quickstart model (~0.4M), a+b mod 10, a, b ≤ 99",
         "overrides": [
-            "envs=[{name='mod_add', args={max_value=20, min_mod=3, max_mod=9}}]",
+            "envs=[{name='mod_add', args={max_value=99, min_mod=10, max_mod=10}}]",
             "sampling.group_size=8",
             "train.train_batch_size=8",
             "train.mini_batch_size=8",
@@ -142,6 +142,24 @@ WORKLOADS = {
             "train.lr=2e-4",
         ],
         "threshold": 0.7,
+        "eval_every": 10,
+        "max_steps": 3000,
+        "minibatches": 4,
+        "seeds": 5,
+        "staleness": 0,
+    },
+    "s": {
+        "what": "unseen Caesar shift: quickstart model (~0.4M), 3-5 of 8 letters shifted by 1-3",
+        "overrides": [
+            "envs=[{name='shift_letters', args={letters='abcdefgh', min_len=3, max_len=5, "
+            "max_shift=3}}]",
+            "sampling.group_size=8",
+            "train.train_batch_size=8",
+            "train.mini_batch_size=8",
+            "sampling.max_tokens=8",
+            "train.lr=2e-4",
+        ],
+        "threshold": 0.8,
         "eval_every": 10,
         "max_steps": 3000,
         "minibatches": 4,

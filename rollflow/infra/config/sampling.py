@@ -13,7 +13,7 @@ class EnvSpec(Section):
     """One environment of the mix."""
 
     name: str = Field(
-        description="Built-in name (`sort_letters`, `add`, `reverse_letters`, `mod_add`, …: "
+        description="Built-in name (`sort_letters`, `add`, `reverse_letters`, `shift_letters`, …: "
         "docs/environments.md) or `package.module:Class`."
     )
     weight: float = Field(

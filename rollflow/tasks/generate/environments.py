@@ -308,6 +308,33 @@ class ReverseLettersEnv(_ExactMatchEnv):
         return f"rev {word}=", word[::-1]
 
 
+class ShiftLettersEnv(_ExactMatchEnv):
+    """A Caesar shift, arithmetic modulo the alphabet: ``"shift 2 hab="`` → ``"bcd"`` over
+    ``letters = "abcdefgh"`` (each letter moved ``k`` places, wrapping), ``k`` from 1 to
+    ``max_shift``."""
+
+    name = "shift_letters"
+
+    def __init__(
+        self, letters: str = "abcdefgh", min_len: int = 3, max_len: int = 5, max_shift: int = 3
+    ):
+        if not 1 <= min_len <= max_len or not 1 <= max_shift < len(letters):
+            raise ConfigError(
+                "env shift_letters: need 1 <= args.min_len <= args.max_len and "
+                f"1 <= args.max_shift < len(args.letters), got {min_len}, {max_len}, {max_shift}"
+            )
+        self.letters, self.min_len, self.max_len = letters, min_len, max_len
+        self.max_shift = max_shift
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        word = "".join(
+            rng.choice(self.letters) for _ in range(rng.randint(self.min_len, self.max_len))
+        )
+        k, n = rng.randint(1, self.max_shift), len(self.letters)
+        shifted = "".join(self.letters[(self.letters.index(c) + k) % n] for c in word)
+        return f"shift {k} {word}=", shifted
+
+
 class ModAddEnv(_ExactMatchEnv):
     """Modular addition: ``"17+9 mod 7="`` → ``"5"``, moduli from ``min_mod`` to ``max_mod``."""
 
@@ -333,6 +360,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "sort_letters": "rollflow.tasks.generate.environments:SortLettersEnv",
     "reverse_letters": "rollflow.tasks.generate.environments:ReverseLettersEnv",
     "mod_add": "rollflow.tasks.generate.environments:ModAddEnv",
+    "shift_letters": "rollflow.tasks.generate.environments:ShiftLettersEnv",
     "dataset": "rollflow.tasks.generate.dataset_envs:DatasetEnv",
     "math": "rollflow.tasks.generate.dataset_envs:MathEnv",
     "calculator": "rollflow.tasks.generate.tool_env:ToolEnv",

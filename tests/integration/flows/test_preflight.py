@@ -202,7 +202,8 @@ def test_envs_and_sinks_and_every_failure_at_once(tmp_path, monkeypatch):
         "choose a writable folder",
         "envs[0].name = 'no_such_env': unknown env 'no_such_env' in [[envs]]: use one of "
         "['add', 'calculator', 'dataset', 'guess_number', 'math', 'mod_add', 'reasoning_gym', "
-        "'reverse_letters', 'sort_letters', 'verifiers'] or 'package.module:Class'",
+        "'reverse_letters', 'shift_letters', 'sort_letters', 'verifiers'] or "
+        "'package.module:Class'",
         "metrics.sinks = ['wandb']: the wandb package is not installed: pip install "
         "'rollflow[wandb]' (or: pip install wandb), or remove 'wandb' from metrics.sinks",
     ]

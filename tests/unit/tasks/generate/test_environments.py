@@ -12,6 +12,7 @@ from rollflow.tasks.generate.environments import (
     Prompt,
     ReverseLettersEnv,
     RolloutContext,
+    ShiftLettersEnv,
     SingleTurnEnv,
     SortLettersEnv,
     load_env,
@@ -19,7 +20,9 @@ from rollflow.tasks.generate.environments import (
 from rollflow.tasks.generate.rollouts import select_prompts
 
 
-@pytest.mark.parametrize("env", [AddEnv(), SortLettersEnv(), ReverseLettersEnv(), ModAddEnv()])
+@pytest.mark.parametrize(
+    "env", [AddEnv(), SortLettersEnv(), ReverseLettersEnv(), ModAddEnv(), ShiftLettersEnv()]
+)
 def test_train_and_eval_splits_are_disjoint_and_rewards_exact(env):
     rng = random.Random(0)
     train = {p.text for p in env.prompts("train", 500, rng)}
@@ -40,7 +43,7 @@ def test_sort_letters_partial_credit_counts_right_positions_over_the_longer_stri
     assert SortLettersEnv().reward(p, "abdd") == 0.0  # exact match by default
 
 
-def test_reverse_letters_and_mod_add_answers():
+def test_reverse_shift_and_mod_add_answers():
     rng = random.Random(3)
     for p in ReverseLettersEnv(min_len=2, max_len=7).prompts("train", 50, rng):
         word = p.text.removeprefix("rev ").removesuffix("=")
@@ -49,6 +52,14 @@ def test_reverse_letters_and_mod_add_answers():
         a, rest = p.text.removesuffix("=").split("+")
         b, m = rest.split(" mod ")
         assert p.answer == str((int(a) + int(b)) % int(m)) and 4 <= int(m) <= 6
+    shift = ShiftLettersEnv(letters="abcd", max_shift=3)
+    assert shift.prompts("train", 1, random.Random(0))[0].text.startswith("shift ")
+    assert shift._draw(random.Random(5)) == ("shift 3 ccadb=", "bbdca")  # d + 3 wraps to c
+    for p in shift.prompts("train", 50, rng):
+        _, k, word = p.text.removesuffix("=").split(" ")
+        assert p.answer == "".join("abcd"[("abcd".index(c) + int(k)) % 4] for c in word)
+    with pytest.raises(ValueError, match="max_shift"):
+        load_env("shift_letters", {"letters": "ab", "max_shift": 2})
     with pytest.raises(ValueError, match="min_mod"):
         load_env("mod_add", {"min_mod": 1})
     with pytest.raises(ValueError, match="min_len"):
