@@ -37,6 +37,12 @@ class Metric:
     INFERENCE_RESTARTS = "inference_restarts"
     RESAMPLED = "resampled"
     RESAMPLED_TOTAL = "resampled_total"
+    # quarantine of failing environments (tasks/generate/quarantine.py)
+    ENVS_QUARANTINED = "envs_quarantined"  # envs whose prompts are set aside now
+    ENV_QUARANTINED = "env_quarantined"  # per environment: env_quarantined/<env>, 0 or 1
+    QUARANTINES_TOTAL = "quarantines_total"
+    QUARANTINE_SET_ASIDE_TOTAL = "quarantine_set_aside_total"  # prompts not admitted
+    QUARANTINE_PROBES_TOTAL = "quarantine_probes_total"
     INFERENCE = "inference"  # per server, when several: inference/<i>/...
     # advantage
     NUM_GROUPS_KEPT = "num_groups_kept"

@@ -51,6 +51,22 @@ class SamplingSection(Section):
     num_eval_prompts: int = Field(
         256, ge=1, description="Held-out prompts per environment per evaluation."
     )
+    env_quarantine_after: int = Field(
+        5,
+        ge=0,
+        description="Failed groups of one env in a row (nothing to train on: the env raised, or "
+        "every sample has an error) after which its prompts are set aside and it is probed; 0: "
+        "never.",
+    )
+    env_probe_every_s: float = Field(
+        30.0, gt=0, description="Seconds between probe groups of a quarantined env."
+    )
+    env_quarantine_give_up_s: float = Field(
+        600.0,
+        gt=0,
+        description="The run fails, naming each env's last error, once every env has been "
+        "quarantined this long.",
+    )
 
     def behaviour(self) -> tuple[float, float]:
         """(temperature, top_p) of the distribution training rollouts are sampled from.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -23,6 +24,7 @@ from rollflow.infra.inference.pool import InferencePool
 from rollflow.infra.metric_names import Metric
 from rollflow.tasks.generate.environments import Environment, RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
+from rollflow.tasks.generate.quarantine import EnvQuarantine
 from rollflow.tasks.generate.rollouts import SamplingStats, group_has_signal, group_runner
 
 _HOSTS: dict[str, ProducerHost] = {}
@@ -121,6 +123,13 @@ class ProducerHost:
                 first_step=first_step,
                 has_signal=group_has_signal(advantages) if t.dynamic_sampling else None,
                 max_resampled=t.resample_budget(),
+                quarantine=EnvQuarantine(
+                    after=cfg.sampling.env_quarantine_after,
+                    probe_every_s=cfg.sampling.env_probe_every_s,
+                    clock=time.monotonic,
+                    envs=frozenset(envs),
+                    give_up_s=cfg.sampling.env_quarantine_give_up_s,
+                ),
             )
             # Multi-turn episodes record the version each turn was requested at.
             rollout_ctx.policy_version = lambda: producer.version

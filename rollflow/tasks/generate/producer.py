@@ -18,8 +18,9 @@ from statistics import fmean
 
 from rollflow.infra import staleness
 from rollflow.infra.errors import ProducerFailed, TrainingFinished
-from rollflow.infra.metric_names import Metric
+from rollflow.infra.metric_names import Metric, per_env
 from rollflow.tasks.generate.environments import Environment, Prompt
+from rollflow.tasks.generate.quarantine import EnvQuarantine, disabled, group_failed
 from rollflow.tasks.generate.rollouts import (
     GroupResult,
     RunGroup,
@@ -97,6 +98,7 @@ class RolloutProducer:
         lag_interval_s: float = 0.1,
         has_signal: Callable[[GroupResult], bool] | None = None,
         max_resampled: int = 0,
+        quarantine: EnvQuarantine | None = None,
     ):
         # K within [B, B * (whole steps of S + 1)] is the config's check (RunConfig), not repeated here.
         B, S, K = train_batch_size, max_staleness, max_in_flight
@@ -125,6 +127,8 @@ class RolloutProducer:
         self._blocked_s, self._blocked_since = 0.0, None
         self._exhausted = False
         self._stopped: BaseException | None = None  # TrainingFinished or ProducerFailed
+        self.quarantine = quarantine or disabled(clock)
+        self._set_aside_in_a_row = 0
 
     def start(self) -> None:
         """Start admitting (call from the event loop that will run the producer)."""
@@ -191,6 +195,14 @@ class RolloutProducer:
             "num_failed": sum(g.error is not None for g in groups),
             Metric.RESAMPLED: self.num_resampled - self._resampled_at_take,
             Metric.RESAMPLED_TOTAL: self.num_resampled,
+            Metric.ENVS_QUARANTINED: len(self.quarantine.quarantined()),
+            Metric.QUARANTINES_TOTAL: self.quarantine.num_quarantined,
+            Metric.QUARANTINE_SET_ASIDE_TOTAL: self.quarantine.num_set_aside,
+            Metric.QUARANTINE_PROBES_TOTAL: self.quarantine.num_probes,
+            **{  # 1 while an env's prompts are set aside, per env that finished a group
+                per_env(Metric.ENV_QUARANTINED, env): int(env in self.quarantine.next_probe_s)
+                for env in self.quarantine.failed_in_a_row
+            },
         }
         self._resampled_at_take = self.num_resampled
         self._taken[step] = groups
@@ -272,7 +284,17 @@ class RolloutProducer:
                 has_room = len(self._tasks) < self.max_in_flight
                 if has_room and self.num_admitted < self._bound():
                     self._end_blocked()
-                    self._admit_one()
+                    if self._admit_one():
+                        self._set_aside_in_a_row = 0
+                    else:  # a quarantined env's prompt: set aside, the next one is drawn
+                        self._set_aside_in_a_row += 1
+                        if self._set_aside_in_a_row >= 4 * self.train_batch_size:
+                            # Only quarantined envs in sight: wait for a probe, do not spin.
+                            if (why := self.quarantine.gave_up()) is not None:
+                                self._stop(ProducerFailed(why))
+                                return
+                            await asyncio.sleep(self.quarantine.wait_s())
+                            self._set_aside_in_a_row = 0
                     # One admission per loop iteration: a sync that opens a whole step's worth of
                     # slots would otherwise start B groups (tokenise, build and send B requests)
                     # in one iteration and hold the loop for all of them (bench/event_loop.py).
@@ -288,7 +310,8 @@ class RolloutProducer:
         finally:
             self._end_blocked()
 
-    def _admit_one(self) -> None:
+    def _admit_one(self) -> bool:
+        """Start the next prompt's group; False when its env is quarantined (set aside)."""
         try:
             prompt = self._next_prompt()
         except StopIteration:
@@ -297,12 +320,15 @@ class RolloutProducer:
                 "prompt source exhausted after %d groups: admitting no more", self.num_admitted
             )
             self._notify()
-            return
+            return True
+        if not self.quarantine.admit(prompt.env):
+            return False
         index, version = self.num_admitted, self.version
         self.num_admitted += 1
         task = asyncio.create_task(self._run_one(index, prompt, version), name=f"group-{index}")
         self._tasks.add(task)
         task.add_done_callback(self._cancelled_before_start)
+        return True
 
     def _cancelled_before_start(self, task: asyncio.Task) -> None:
         # A task cancelled before its first step never runs _run_one's bookkeeping.
@@ -330,6 +356,7 @@ class RolloutProducer:
         finally:
             self._tasks.discard(asyncio.current_task())
         self.num_failed += isinstance(result, str)
+        self.quarantine.record(prompt.env, group_failed(result), _first_error(result))
         if self._resample(result):
             self._notify()  # the freed slot lets admission go on
             return
@@ -393,8 +420,16 @@ class RolloutProducer:
             f"take(step={step}) timed out after {timeout_s:g}s: {len(self._ready)}/"
             f"{self.train_batch_size} groups ready, {len(self._tasks)} in flight, "
             f"version {self.version:g}, admitted {self.num_admitted} of bound {self._bound()} "
-            f"({why})" + (f"; steps {ahead} are served first" if ahead else "")
+            f"({why})"
+            + (f"; steps {ahead} are served first" if ahead else "")
+            + self.quarantine.describe()
         )
+
+
+def _first_error(result: GroupResult) -> str | None:
+    if isinstance(result, str):
+        return result
+    return next((s.error for s in result if s.error is not None), None)
 
 
 def _failed(message: str, cause: BaseException) -> ProducerFailed:

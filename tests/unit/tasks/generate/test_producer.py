@@ -475,3 +475,117 @@ def test_a_take_checks_each_finished_group_against_the_bound_once(monkeypatch):
     groups = asyncio.run(main())
     assert [g.prompt.prompt_id for g in groups] == [str(i) for i in range(B)]
     assert B <= len(checks) <= 2 * B, len(checks)
+
+
+def two_env_prompts(drawn: list[str]):
+    """Prompts of env "ok" and env "bad", alternating; ``drawn`` records each one handed out."""
+    for i in itertools.count():
+        env = ("ok", "bad")[i % 2]
+        drawn.append(env)
+        yield Prompt(env, f"{env}:{i}", f"q{i}", "a")
+
+
+def test_a_failing_env_is_quarantined_probed_and_admitted_again_once_it_recovers():
+    from rollflow.tasks.generate.quarantine import EnvQuarantine
+
+    B, broken, drawn, started, now = 4, {"bad": True}, [], [], [0.0]
+
+    async def run_group(prompt: Prompt, version: int):
+        started.append(prompt.env)
+        await asyncio.sleep(0.001)
+        if broken.get(prompt.env):
+            return "rollout: ConnectionError: the env's tool server is down"
+        return [Sample([1], [2], [-0.1], "x", "stop", reward=1.0)]
+
+    async def main():
+        # The quarantine's clock moves 0.1 s a step: a probe is due every other step.
+        q = EnvQuarantine(
+            after=3, probe_every_s=0.2, clock=lambda: now[0], envs=frozenset({"ok", "bad"})
+        )
+        p = RolloutProducer(
+            run_group,
+            two_env_prompts(drawn),
+            train_batch_size=B,
+            max_staleness=0,
+            max_in_flight=B,
+            quarantine=q,
+        )
+        steps = {}
+
+        async def step(n: int) -> None:
+            steps[n] = await p.take(n, timeout_s=5)
+            p.set_version(n)
+            now[0] += 0.1
+
+        async with p:
+            for n in range(1, 11):  # "bad" is down
+                await step(n)
+            down = {**p.step_metrics(10), "probes": q.num_probes, "bad": started.count("bad")}
+            broken["bad"] = False  # the tool server is back: the next probe succeeds
+            for n in range(11, 20):
+                await step(n)
+                if p.step_metrics(n)["envs_quarantined"] == 0:
+                    break
+            recovered_at = n
+            for n in range(recovered_at + 1, recovered_at + 4):
+                await step(n)
+            assert_accounting(p)
+            return p, steps, down, recovered_at
+
+    p, steps, down, recovered_at = asyncio.run(main())
+    # While down: 3 failed groups quarantined it (up to B more were in flight by then); then only
+    # a probe every 0.2 s started.
+    assert down["envs_quarantined"] == 1 and down["env_quarantined/bad"] == 1
+    assert down["env_quarantined/ok"] == 0 and down["quarantines_total"] == 1
+    assert down["quarantine_set_aside_total"] > 0 and down["quarantine_probes_total"] >= 2
+    assert down["bad"] <= 3 + B + down["probes"], down
+    # Steps 3-10 are healthy groups but for the probes: batches do not fill with errors.
+    failed = sum(g.error is not None for n in range(3, 11) for g in steps[n])
+    assert failed <= down["probes"], failed
+    # Recovered within two probe intervals; "bad" is admitted again and its groups train.
+    assert recovered_at <= 14
+    after = [g for n in range(recovered_at + 1, recovered_at + 4) for g in steps[n]]
+    assert any(g.prompt.env == "bad" and g.error is None for g in after)
+    assert p.step_metrics(recovered_at)["env_quarantined/bad"] == 0
+
+
+def test_every_env_quarantined_fails_the_take_naming_the_env_and_its_last_error():
+    from rollflow.tasks.generate.quarantine import EnvQuarantine
+
+    drawn = []
+
+    def one_env():
+        for i in itertools.count():
+            drawn.append(i)
+            yield Prompt("calc", f"calc:{i}", f"q{i}", "a")
+
+    async def run_group(prompt: Prompt, version: int):
+        await asyncio.sleep(0.001)
+        return "rollout: RuntimeError: reward function raised"
+
+    async def main():
+        q = EnvQuarantine(
+            after=2,
+            probe_every_s=0.1,
+            clock=time.monotonic,
+            envs=frozenset({"calc"}),
+            give_up_s=0.5,
+        )
+        p = RolloutProducer(
+            run_group, one_env(), train_batch_size=4, max_staleness=0, max_in_flight=4, quarantine=q
+        )
+        async with p:
+            start = time.monotonic()
+            with pytest.raises(ProducerFailed) as err:
+                for step in range(1, 100):  # step 1 gets the 4 failed groups that quarantined it
+                    await p.take(step, timeout_s=10)
+                    p.set_version(step)
+            return time.monotonic() - start, str(err.value)
+
+    waited_s, message = asyncio.run(main())
+    assert "every environment has failed" in message
+    assert "calc: " in message and "reward function raised" in message
+    assert "sampling.env_quarantine_give_up_s" in message
+    assert waited_s < 5
+    # While waiting for probes it set prompts aside in bounded batches, not in a busy loop.
+    assert len(drawn) < 200, len(drawn)
