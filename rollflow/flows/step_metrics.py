@@ -35,6 +35,10 @@ PRODUCER_KEYS = (
     Metric.INFERENCE_RESTARTS,
     Metric.RESAMPLED,
     Metric.RESAMPLED_TOTAL,
+    Metric.ENVS_QUARANTINED,
+    Metric.QUARANTINES_TOTAL,
+    Metric.QUARANTINE_SET_ASIDE_TOTAL,
+    Metric.QUARANTINE_PROBES_TOTAL,
 )
 
 
@@ -74,6 +78,7 @@ class StepMetrics:
                 for k, v in r.producer.items()
                 if k in PRODUCER_KEYS
                 or k.startswith(f"{Metric.INFERENCE}/")  # per server, when several
+                or k.startswith(f"{Metric.ENV_QUARANTINED}/")  # per environment
             }
         )
 

@@ -33,3 +33,31 @@ def test_timed_phases_and_the_end_use_the_names():
     row = m.record_end(step_s=1.5)
     assert row[Metric.STEP_S] == 1.5 and row[Metric.FLOW_S] >= 0
     assert row[Metric.TRAINER_WAIT_FOR_DATA_S] >= 0 and Metric.ADVANTAGE_PHASE_S in row
+
+
+def test_the_producers_quarantine_numbers_reach_the_row():
+    producer = {
+        Metric.ENVS_QUARANTINED: 1,
+        per_env(Metric.ENV_QUARANTINED, "calc"): 1,
+        per_env(Metric.ENV_QUARANTINED, "add"): 0,
+        Metric.QUARANTINES_TOTAL: 2,
+        Metric.QUARANTINE_SET_ASIDE_TOTAL: 40,
+        Metric.QUARANTINE_PROBES_TOTAL: 3,
+        "num_admitted": 99,  # the producer's own bookkeeping stays out of the row
+    }
+    m = StepMetrics()
+    m.record_rollouts(
+        SimpleNamespace(
+            reward_mean=0.5,
+            reward_by_env={},
+            num_rollouts=8,
+            num_errors=0,
+            reused=False,
+            num_skipped_rows=0,
+            turns={},
+            producer=producer,
+        )
+    )
+    assert by_env(m.row, Metric.ENV_QUARANTINED) == {"calc": 1, "add": 0}
+    assert m.row[Metric.QUARANTINE_SET_ASIDE_TOTAL] == 40 and m.row[Metric.ENVS_QUARANTINED] == 1
+    assert "num_admitted" not in m.row
