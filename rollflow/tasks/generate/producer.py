@@ -80,6 +80,10 @@ class RolloutProducer:
       starts from the current version and the staleness bound holds. At most ``max_resampled``
       groups per step taken so far (plus one step's worth) are dropped; past that a group is
       kept (the advantage stage filters it as before). Drops are counted in ``resampled``.
+    - quarantine (``quarantine.py``): after a run of failed groups of one environment its
+      prompts are set aside at admission (not admitted, so nothing above changes) except a probe
+      every interval; every environment quarantined for long enough stops the producer with
+      ``ProducerFailed``.
     - the end is explicit: only ``finish()`` stops the producer; every waiting or later ``take``
       then raises ``TrainingFinished``. A raise from ``run_group`` stops it with ``ProducerFailed``.
     """
