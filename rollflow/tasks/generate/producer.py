@@ -20,7 +20,7 @@ from rollflow.infra import staleness
 from rollflow.infra.errors import ProducerFailed, TrainingFinished
 from rollflow.infra.metric_names import Metric, per_env
 from rollflow.tasks.generate.environments import Environment, Prompt
-from rollflow.tasks.generate.quarantine import EnvQuarantine, disabled, group_failed
+from rollflow.tasks.generate.quarantine import EnvQuarantine, disabled
 from rollflow.tasks.generate.rollouts import (
     GroupResult,
     RunGroup,
@@ -360,7 +360,7 @@ class RolloutProducer:
         finally:
             self._tasks.discard(asyncio.current_task())
         self.num_failed += isinstance(result, str)
-        self.quarantine.record(prompt.env, group_failed(result), _first_error(result))
+        self.quarantine.record(prompt.env, result)
         if self._resample(result):
             self._notify()  # the freed slot lets admission go on
             return
@@ -428,12 +428,6 @@ class RolloutProducer:
             + (f"; steps {ahead} are served first" if ahead else "")
             + self.quarantine.describe()
         )
-
-
-def _first_error(result: GroupResult) -> str | None:
-    if isinstance(result, str):
-        return result
-    return next((s.error for s in result if s.error is not None), None)
 
 
 def _failed(message: str, cause: BaseException) -> ProducerFailed:

@@ -25,9 +25,12 @@ from rollflow.tasks.generate.rollouts import GroupResult
 log = logging.getLogger(__name__)
 
 
-def group_failed(result: GroupResult) -> bool:
-    """Whether a group left nothing to train on."""
-    return isinstance(result, str) or all(s.error is not None for s in result)
+def group_error(result: GroupResult) -> tuple[bool, str | None]:
+    """Whether a group left nothing to train on, and its first error."""
+    if isinstance(result, str):
+        return True, result
+    errors = [s.error for s in result if s.error is not None]
+    return len(errors) == len(result), errors[0] if errors else None
 
 
 @dataclass
@@ -60,8 +63,9 @@ class EnvQuarantine:
         self.num_set_aside += 1
         return False
 
-    def record(self, env: str, failed: bool, error: str | None = None) -> None:
-        """A finished group of ``env`` (``error``: a failed group's first error)."""
+    def record(self, env: str, result: GroupResult) -> None:
+        """A finished group of ``env``."""
+        failed, error = group_error(result)
         if error:
             self.last_error[env] = error
         probe = env in self.probing
