@@ -62,6 +62,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def wait_port_free(host: str, port: int, timeout_s: float, who: str) -> None:
+    """Return once nothing listens on ``host:port``; after ``timeout_s``, raise ``ServiceError``
+    naming the processes that do.
+
+    vLLM binds its port with ``SO_REUSEPORT``: started on a port that another process still
+    listens on (the server's previous engine core, still exiting; another run's server), it
+    binds anyway, and the kernel splits new connections between the two sockets: some requests
+    then wait on a process that never answers them (seen once: a restarted server's weight group
+    set-up hung for its whole timeout). A bind without that option fails instead.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # SO_REUSEADDR: a closed connection's TIME_WAIT does not hold the port, a listener does.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                return
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            raise ServiceError(
+                f"{who}: port {port} on {host} is still taken after {timeout_s:.0f}s, by "
+                f"{_listeners(port)}; stop that process or choose another port"
+            )
+        time.sleep(0.1)
+
+
+def _listeners(port: int) -> str:
+    """Who listens on ``port``, as 'pid N (command)' (what this user may see of it)."""
+    holders = []
+    with contextlib.suppress(psutil.Error, OSError):
+        for conn in psutil.net_connections("tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                with contextlib.suppress(psutil.Error):
+                    name = " ".join(psutil.Process(conn.pid).cmdline()[:3]) if conn.pid else "?"
+                    holders.append(f"pid {conn.pid} ({name})")
+    return ", ".join(sorted(set(holders))) or "a process this user cannot see"
+
+
 def _ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
     try:
@@ -191,25 +231,57 @@ class ManagedProcess:
         except psutil.NoSuchProcess:
             return []
 
+    def members(self) -> list[psutil.Process]:
+        """Every process of the service still running: the guard's descendants, and every process
+        still in its group. The second matters once the guard is gone (killed, say): its
+        descendants are then re-parented away from it, and only their group still names them."""
+        if self.proc is None:
+            return []
+        found = {}
+        for pid in self.pids():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found[pid] = psutil.Process(pid)
+        for proc in psutil.process_iter():
+            with contextlib.suppress(OSError, psutil.Error):
+                if proc.pid not in found and os.getpgid(proc.pid) == self.proc.pid:
+                    found[proc.pid] = proc
+        return list(found.values())
+
     def stop(self, timeout_s: float = 30) -> None:
-        """SIGTERM the group, then SIGKILL whatever is left after ``timeout_s``."""
+        """SIGTERM the group, then SIGKILL whatever is left after ``timeout_s``; returns once no
+        process of the service runs (a dead guard included: its group may outlive it)."""
         if self.proc is None:
             return
-        procs = []
-        for pid in self.pids():  # descendants that left the group are still ours
-            with contextlib.suppress(psutil.NoSuchProcess):
-                procs.append(psutil.Process(pid))
+        procs = self.members()
         pgid = self.proc.pid
         _signal_group(pgid, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+        alive = _wait_gone(procs, timeout_s)
         if alive or self.proc.poll() is None:
             _signal_group(pgid, signal.SIGKILL)
             for p in alive:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
-            psutil.wait_procs(alive, timeout=5.0)
+            _wait_gone(alive, 5.0)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5.0)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until every process has exited; those still running after ``timeout_s``. A zombie
+    counts as gone: it holds no port or memory, and one re-parented to a PID 1 that does not
+    reap would otherwise be waited for to the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        # Reaps those that are our children (the guard); others are reaped by their parent.
+        psutil.wait_procs(alive, timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+        procs = alive
 
 
 def _signal_group(pgid: int, sig: int) -> None:

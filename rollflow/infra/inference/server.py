@@ -25,10 +25,12 @@ from rollflow.infra.config import VLLM_MAX_LORA_RANKS, vllm_flag
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference import auth
 from rollflow.infra.inference.vllm_plugin import FORK_ENGINE_ENV, SPIN_ENV
-from rollflow.infra.service import ManagedProcess, cpu_split, free_port
+from rollflow.infra.service import ManagedProcess, cpu_split, free_port, wait_port_free
 from rollflow.infra.weights import adapter
 
 WORKER_EXTENSION_CLS = "rollflow.infra.inference.worker_extension.WeightReceiver"
+# How long a start waits for its port to be let go (a previous process of the server exiting).
+PORT_FREE_TIMEOUT_S = 15.0
 
 
 class InferenceServer:
@@ -170,9 +172,14 @@ class InferenceServer:
 
     def spawn(self) -> None:
         """Start the server's process and return at once (``wait_ready`` waits for it), so that
-        several servers load at the same time."""
+        several servers load at the same time; first, wait for its port to be free (see
+        ``wait_port_free``: vLLM would share a port that a process still listens on)."""
         if self.is_alive():
             return
+        try:
+            wait_port_free(self.host, self.port, PORT_FREE_TIMEOUT_S, f"vLLM server at {self.url}")
+        except ServiceError as exc:
+            raise InferenceError(str(exc)) from None
         if self.lora_adapter:
             self.lora_root = adapter.prepare_root(
                 tempfile.mkdtemp(prefix="rollflow-lora-"), self.lora_adapter

@@ -3,6 +3,7 @@ trainer.cpus) runs there, and so does everything it starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -32,3 +33,56 @@ def test_a_pinned_service_and_its_children_run_on_its_cores(tmp_path):
         time.sleep(0.05)
     assert proc.returncode == 0, log.read_text()
     assert log.read_text().split() == [f"[{core}]", f"[{core}]"]
+
+
+# The service listens as vLLM does (SO_REUSEPORT) and forks a child that keeps the socket and
+# ignores SIGTERM (as vLLM's forked engine core, busy in a step, does for a while).
+FORKS = """
+import os, signal, socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_service_whose_guard_was_killed_is_stopped_whole_and_lets_its_port_go(tmp_path):
+    """A SIGKILLed guard leaves its group behind (it cannot trap that signal): stop() found no
+    descendants of the dead guard and returned at once, and a restarted vLLM server then shared
+    its port with the old engine core still listening on it."""
+    import signal
+    import socket
+
+    import psutil
+
+    from rollflow.infra.service import free_port
+
+    port = free_port()
+    log = tmp_path / "svc.log"
+    proc = ManagedProcess("svc", [sys.executable, "-c", FORKS, str(port)], log)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while "ready" not in log.read_text():
+        assert time.monotonic() < deadline and proc.is_alive(), log.read_text()
+        time.sleep(0.05)
+    guard, *service = proc.pids()
+    assert len(service) == 2, service
+    os.kill(guard, signal.SIGKILL)
+    while proc.is_alive():
+        time.sleep(0.05)
+    try:
+        proc.stop(timeout_s=1)
+        left = [
+            p for p in service if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+        ]
+        assert left == [], f"still running after stop(): {left}"
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # nothing listens there any more
+    finally:
+        for pid in service:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

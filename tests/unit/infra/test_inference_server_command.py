@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollflow.infra.config import vllm_flag
+from rollflow.infra.errors import InferenceError
 from rollflow.infra.inference import server as server_module
 from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.inference.vllm_plugin import FORK_ENGINE_ENV
@@ -90,3 +91,25 @@ def test_waiting_for_health_builds_no_tls_context_per_poll(tiny_model_dir, monke
         httpd.shutdown()
     assert len(polls) == 10
     assert len(contexts) <= 1, f"{len(contexts)} TLS contexts for {len(polls)} polls"
+
+
+def test_a_server_is_not_started_on_a_port_another_process_listens_on(tiny_model_dir, monkeypatch):
+    """vLLM binds with SO_REUSEPORT: on a port that a process still listens on (a restarted
+    server's previous engine core, still exiting) it started anyway, and the kernel sent part of
+    the connections to the old socket, where nothing answered them (a weight group set-up hung).
+    The start now waits for the port and names who holds it."""
+    import os
+    import socket
+
+    monkeypatch.setattr(server_module, "PORT_FREE_TIMEOUT_S", 0.3)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as vLLM binds
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        server = InferenceServer(tiny_model_dir, port=held.getsockname()[1])
+        try:
+            with pytest.raises(InferenceError, match=rf"port {server.port} .*pid {os.getpid()} "):
+                server.spawn()
+            assert not server.is_alive()
+        finally:
+            server.stop(timeout_s=5)
