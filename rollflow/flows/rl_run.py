@@ -29,7 +29,7 @@ from rollflow.flows.terminal import PrefectRunLog, log_run_failure, say
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
-from rollflow.infra.errors import ConfigError, ServiceError
+from rollflow.infra.errors import ConfigError, ServiceError, TrainerLost
 from rollflow.infra.events import Event, publish
 from rollflow.infra.metric_names import Metric, by_env, series
 from rollflow.infra.metrics_sinks import MetricSinks
@@ -92,54 +92,122 @@ def _train(config: dict | RunConfig) -> dict:
             cfg, policy_dir, resumed_from or None, log_dir, progress=say, base_model=base_model
         ) as services,
     ):
-        ctx = RunContext(
-            config=cfg,
-            model_path=str(base_model),
-            trainer=services.trainer.endpoint,
-            inference=services.inference_endpoints,
-        )
-        if resumed_from == 0 and not storage.read_metrics():
-            ev = evaluate(ctx)
-            start = StepMetrics()
-            start.record_eval(ev)
-            start_metrics = start.row
-            storage.write_metrics(0, start_metrics)
-            sinks.log(0, start_metrics)
-            say(f"step 0: held-out reward {_fmt_env(ev.reward, ev.reward_by_env)}")
-        reused = reused_steps(ctx, resumed_from)
-        if reused:
-            say(f"reusing the committed rollouts of steps {reused} (within the staleness bound)")
-        host = ProducerHost(
-            cfg,
-            build_envs(cfg),
-            partial(
-                make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature
-            ),
-            services.inference_urls,
-            resumed_from,
-            reused,
-            advantages=advantage_fn(cfg.train),
-        )
-        end = TrainingEnd(services.trainer, host)
-        try:
 
-            def report(step: int, metrics: dict) -> None:
-                say(progress_line(step, cfg.run.num_steps, metrics))
-                sinks.log(step, metrics)
-                progress.update(step)
+        def report(step: int, metrics: dict) -> None:
+            say(progress_line(step, cfg.run.num_steps, metrics))
+            sinks.log(step, metrics)
+            progress.update(step)
 
-            with StepOrder(cfg.run.name, resumed_from) as order:
-                run_steps(ctx, services, host, order, resumed_from, report)
-            # The end is the trainer's to say; the producer has stopped on it already.
-            finished = end.wait(TRAINING_FINISHED_DEADLINE_S)
-        except BaseException as exc:
-            end.close()
-            host.close(exc)
-            raise
-        publish(storage, Event.TRAINING_FINISHED, source="trainer", **finished)
-        host.close()
+        restarts = 0
+        while True:
+            try:
+                _train_steps(
+                    cfg, storage, services, base_model, resumed_from, restarts, sinks, report
+                )
+                break
+            except TrainerLost as lost:
+                resumed_from = _restart_trainer(cfg, storage, services, lost, restarts)
+                restarts += 1
     publish_summary(storage)
     return summarize(storage, say)
+
+
+def _train_steps(
+    cfg: RunConfig,
+    storage: RunStorage,
+    services: RunServices,
+    base_model: Path | str,
+    resumed_from: int,
+    trainer_restarts: int,
+    sinks: MetricSinks,
+    report: Callable[[int, dict], None],
+) -> None:
+    """The steps after ``resumed_from`` on the running services, to the trainer's end."""
+    ctx = RunContext(
+        config=cfg,
+        model_path=str(base_model),
+        trainer=services.trainer.endpoint,
+        inference=services.inference_endpoints,
+        trainer_restarts=trainer_restarts,
+    )
+    if resumed_from == 0 and not storage.read_metrics():
+        ev = evaluate(ctx)
+        start = StepMetrics()
+        start.record_eval(ev)
+        start_metrics = start.row
+        storage.write_metrics(0, start_metrics)
+        sinks.log(0, start_metrics)
+        say(f"step 0: held-out reward {_fmt_env(ev.reward, ev.reward_by_env)}")
+    reused = reused_steps(ctx, resumed_from)
+    if reused:
+        say(f"reusing the committed rollouts of steps {reused} (within the staleness bound)")
+    host = ProducerHost(
+        cfg,
+        build_envs(cfg),
+        partial(make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature),
+        services.inference_urls,
+        resumed_from,
+        reused,
+        advantages=advantage_fn(cfg.train),
+    )
+    end = TrainingEnd(services.trainer, host)
+    try:
+        with StepOrder(cfg.run.name, resumed_from) as order:
+            run_steps(ctx, services, host, order, resumed_from, report)
+        # The end is the trainer's to say; the producer has stopped on it already.
+        finished = end.wait(TRAINING_FINISHED_DEADLINE_S)
+    except BaseException as exc:
+        end.close()
+        host.close(exc)
+        raise
+    publish(storage, Event.TRAINING_FINISHED, source="trainer", **finished)
+    host.close()
+
+
+def _restart_trainer(
+    cfg: RunConfig, storage: RunStorage, services: RunServices, lost: TrainerLost, restarts: int
+) -> int:
+    """Heal a lost trainer: restart it from the last committed checkpoint (vLLM keeps serving);
+    returns the step the run resumes after. Raises ``ServiceError`` when the run may not (its
+    ``trainer.max_restarts`` used, or a trainer on several nodes)."""
+    limit = cfg.trainer.max_restarts
+    if restarts >= limit or cfg.trainer.num_nodes > 1:
+        why = (
+            f"not restarted: {restarts} of trainer.max_restarts = {limit} used"
+            if cfg.trainer.num_nodes == 1
+            else "a trainer on several nodes is not restarted by the run"
+        )
+        raise ServiceError(_run_stops(lost, why)) from lost
+    detected_at = time.time()
+    committed = storage.committed_steps("checkpoints")
+    resumed_from = committed[-1] if committed else 0
+    cause = str(lost).split("; last lines of")[0]
+    say(
+        f"trainer lost: {cause}; restarting it from "
+        f"{f'committed step {resumed_from}' if resumed_from else 'the starting policy'} "
+        f"({restarts + 1}/{limit}); vLLM keeps serving"
+    )
+    start = time.monotonic()
+    policy_dir = (
+        storage.local_copy("checkpoints", resumed_from, LOCAL_CACHE)
+        if resumed_from
+        else services.base_model
+    )
+    version = services.restart_trainer(policy_dir, resumed_from or None)
+    info = {
+        "restart": restarts + 1,
+        "reason": cause,
+        "detected_at": detected_at,
+        "restart_s": time.monotonic() - start,
+        "resumed_from": resumed_from,
+        "version": version,
+    }
+    publish(storage, Event.TRAINER_RESTARTED, **info)
+    say(
+        f"trainer: restarted in {info['restart_s']:.0f}s; resuming after committed step "
+        f"{resumed_from}, vLLM serves its policy (version {version})"
+    )
+    return resumed_from
 
 
 class TrainingEnd:
@@ -224,8 +292,17 @@ def run_steps(
             order.close(exc)  # ends the step flows still waiting, before the pool joins them
             host.close(exc)
             if isinstance(exc, Exception) and (dead := services.dead_service(grace_s=5.0)):
-                raise ServiceError(f"{dead}; the run stops (rerun to resume)") from exc
+                if isinstance(dead, TrainerLost):
+                    raise dead from exc  # the run may restart it (_restart_trainer)
+                raise ServiceError(_run_stops(dead)) from exc
             raise
+
+
+def _run_stops(dead: ServiceError, why: str = "") -> str:
+    """The run's last word on a dead service: its error, why the run stops, then the log tail
+    (the first line is what the terminal and Prefect show)."""
+    head, sep, tail = str(dead).partition("; last lines of")
+    return f"{head}; {why + '; ' if why else ''}the run stops (rerun to resume){sep}{tail}"
 
 
 def prepare_policy(cfg: RunConfig) -> Path | str:

@@ -13,6 +13,7 @@ the calling thread because the kernel kills them when the thread that spawned th
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shlex
 import threading
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 from rollflow.infra.config import RunConfig
-from rollflow.infra.errors import ServiceError
+from rollflow.infra.errors import ServiceError, TrainerLost, WeightSyncError
 from rollflow.infra.events import Event, publish
 from rollflow.infra.http import Endpoint
 from rollflow.infra.inference.supervisor import (
@@ -111,19 +112,7 @@ class RunServices:
     def start(self) -> RunServices:
         cfg, plan = self.cfg, self.plan
         start = time.perf_counter()
-        args = trainer_args(cfg, self.policy_dir, self.checkpoint_step, self.weight_dtype)
-        if cfg.trainer.num_nodes > 1:
-            args = args.model_copy(update={"model_in_storage": self._model_for_other_nodes()})
-        self.trainer_proc = TrainerProcess(
-            args,
-            token=self.token,
-            log_dir=self.log_dir,
-            beside_inference=True,
-            device_env=plan.trainer_nodes[0].env,
-            cpus=plan.trainer_nodes[0].cpus,
-        )
-        self.trainer = self.trainer_proc.client
-        self.trainer_proc.start()  # loads while vLLM starts
+        self._start_trainer()  # loads while vLLM starts
         for node in plan.trainer_nodes[1:]:  # the other trainer nodes are the user's to start
             cmd = node_argv(
                 cfg.trainer,
@@ -184,6 +173,56 @@ class RunServices:
             raise
         return self
 
+    def _start_trainer(self) -> None:
+        """Start node 0 of the trainer from ``policy_dir`` (``checkpoint_step``'s, on resume)."""
+        cfg, node = self.cfg, self.plan.trainer_nodes[0]
+        args = trainer_args(cfg, self.policy_dir, self.checkpoint_step, self.weight_dtype)
+        if cfg.trainer.num_nodes > 1:
+            args = args.model_copy(update={"model_in_storage": self._model_for_other_nodes()})
+        self.trainer_proc = TrainerProcess(
+            args,
+            token=self.token,
+            log_dir=self.log_dir,
+            beside_inference=True,
+            device_env=node.env,
+            cpus=node.cpus,
+        )
+        self.trainer = self.trainer_proc.client
+        self.trainer_proc.start()
+
+    def restart_trainer(self, policy_dir: str | Path, checkpoint_step: int | None) -> int:
+        """Replace a lost trainer: stop what is left of it, start it again from ``policy_dir``
+        (``checkpoint_step``'s checkpoint; None: the run's starting policy), form the weight group
+        anew with every server and send them its weights. vLLM keeps running throughout; what it
+        serves afterwards is the checkpoint's policy (it may have served a later, uncommitted
+        step's). Returns the version the servers serve: the checkpoint's step, 0 at the start.
+
+        The lost trainer's log is kept beside the new one, as ``trainer.lost-N.log``.
+        """
+        if self.cfg.trainer.num_nodes > 1:
+            raise ServiceError(
+                f"a trainer on {self.cfg.trainer.num_nodes} nodes is not restarted by the run "
+                "(its other nodes are started by hand)"
+            )
+        t = self.cfg.trainer
+        with self.weights_lock:  # no server restart re-forms the group meanwhile
+            self.trainer_proc.stop(timeout_s=10.0)
+            log = self.trainer_proc.process.log_path
+            lost = sorted(log.parent.glob(f"{log.stem}.lost-*{log.suffix}"))
+            if log.exists():
+                log.rename(log.with_name(f"{log.stem}.lost-{len(lost) + 1}{log.suffix}"))
+            self.policy_dir, self.checkpoint_step = str(policy_dir), checkpoint_step
+            self._start_trainer()
+            self.trainer_proc.wait_healthy()
+            # A server's workers may still wait in the lost trainer's broadcast (on NCCL, up to
+            # its timeout): leaving the group first waits that out, on every server.
+            with contextlib.suppress(WeightSyncError):
+                weights.leave(self.trainer, self.inference_urls, timeout_s=t.weight_sync_timeout_s)
+            weights.join(self.trainer, self._servers(), self.group, t.weight_sync_timeout_s)
+            version = checkpoint_step or 0
+            weights.publish(self.trainer, self.inference_urls, version, t.weight_sync_timeout_s)
+        return version
+
     def _served_policy(self) -> tuple[str, Path | None]:
         """What vLLM loads at start: the policy's model; or, under ``train.lora.sync =
         "adapter"``, the base model and the adapter to serve as the policy (the checkpoint's on
@@ -216,8 +255,9 @@ class RunServices:
         """Raise ``ServiceError`` naming the trainer (and its dead rank) if it died or does not answer."""
         self.trainer_proc.check_alive(timeout_s=HEALTH_PROBE_TIMEOUT_S)
 
-    def dead_service(self, grace_s: float = 0.0) -> str | None:
-        """After a failure: which service died, as a message naming it (None: all live).
+    def dead_service(self, grace_s: float = 0.0) -> ServiceError | None:
+        """After a failure: the error naming the service that died (``TrainerLost`` for the
+        trainer, dead or not answering), None when all live.
         ``grace_s`` lets a process that is dying now (a call to it just failed) finish exiting: a
         trainer that no longer answers but whose launcher still runs is waited for, so that the
         message can name the rank that died."""
@@ -228,13 +268,15 @@ class RunServices:
                 if self.trainer_proc is not None:
                     self._check_trainer()
             except ServiceError as exc:
-                trainer_error = str(exc)
+                trainer_error = TrainerLost(str(exc))
                 if not self.trainer_proc.process.is_alive():
                     return trainer_error
             for sup in self.supervisors:
                 server = sup.server
                 if not server.is_alive():
-                    return f"{sup.name} died (exit code {server.returncode}); see {server.log_path}"
+                    return ServiceError(
+                        f"{sup.name} died (exit code {server.returncode}); see {server.log_path}"
+                    )
             if time.monotonic() >= deadline:
                 return trainer_error
             time.sleep(0.2)

@@ -111,6 +111,9 @@ class StepMetrics:
         self.row[Metric.EVAL_REWARD] = e.reward
         self.row.update({per_env(Metric.EVAL_REWARD, env): v for env, v in e.reward_by_env.items()})
 
+    def record_trainer_restarts(self, restarts: int) -> None:
+        self.row[Metric.TRAINER_RESTARTS] = restarts
+
     def record_end(self, step_s: float) -> dict[str, Any]:
         """Close the row: the flow's own time, and the step's share of the run's wall clock."""
         self.row[Metric.FLOW_S] = time.perf_counter() - self._start

@@ -96,6 +96,7 @@ def train_step(ctx: RunContext, step: int) -> dict:
     m.record_batch(batch)
     m.record_train(trained)
     m.record_sync(synced)
+    m.record_trainer_restarts(ctx.trainer_restarts)
     if evaluates:
         with m.timed(Metric.EVAL_PHASE_S):
             m.record_eval(evaluate(run))

@@ -20,6 +20,7 @@ class RunContext(BaseModel):
     model_path: str  # the policy's HF directory at start (tokenizer, architecture)
     trainer: Endpoint
     inference: list[Endpoint]  # every vLLM server of the deployment (inference.num_servers)
+    trainer_restarts: int = 0  # how often the run restarted a lost trainer before this context
 
     @property
     def inference_urls(self) -> list[str]:

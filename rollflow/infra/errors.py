@@ -49,6 +49,11 @@ class ServiceError(RollflowError):
         self.status = status
 
 
+class TrainerLost(ServiceError):
+    """The trainer died or stopped answering: the run may restart it from its last committed
+    checkpoint (``trainer.max_restarts``; ``rl_run``)."""
+
+
 class InferenceError(ServiceError):
     """The vLLM server failed to start, or failed a request (``status``: its HTTP status)."""
 

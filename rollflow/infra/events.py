@@ -26,6 +26,7 @@ class Event(StrEnum):
     WEIGHTS_PUBLISHED = "weights_published"
     STEP_COMMITTED = "step_committed"
     INFERENCE_RESTARTED = "inference_restarted"
+    TRAINER_RESTARTED = "trainer_restarted"
     TRAINING_FINISHED = "training_finished"
 
 

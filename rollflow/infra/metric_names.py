@@ -35,6 +35,7 @@ class Metric:
     LOOP_LAG_MAX_S = "loop_lag_max_s"
     RETRIES_TOTAL = "retries_total"
     INFERENCE_RESTARTS = "inference_restarts"
+    TRAINER_RESTARTS = "trainer_restarts"  # the run's restarts of a lost trainer so far
     RESAMPLED = "resampled"
     RESAMPLED_TOTAL = "resampled_total"
     # quarantine of failing environments (tasks/generate/quarantine.py)

@@ -17,6 +17,13 @@ class TrainerSection(Section):
     )
     request_timeout_s: float = Field(600, gt=0, description="Deadline of one trainer call.")
     weight_sync_timeout_s: float = Field(120, gt=0, description="Deadline of one weight broadcast.")
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        description="Restarts of a lost trainer per run, each from the last committed checkpoint "
+        "while vLLM keeps serving (0: a lost trainer fails the run; a trainer on several nodes "
+        "is not restarted).",
+    )
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch.")
     backend: Literal["fsdp2", "deepspeed"] = Field(
         "fsdp2",

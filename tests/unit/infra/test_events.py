@@ -27,5 +27,6 @@ def test_names_are_the_documented_ones():
         "weights_published",
         "step_committed",
         "inference_restarted",
+        "trainer_restarted",
         "training_finished",
     }
