@@ -84,6 +84,7 @@ def test_an_env_whose_server_is_down_is_quarantined_then_admitted_again(
             "{name='reverse_letters'}]",
             f"run.storage='{tmp_path / 'runs'}'",
             "train.train_batch_size=8",
+            "train.mini_batch_size=8",
             "train.max_staleness=0",
             "sampling.group_size=2",
             "sampling.max_tokens=6",
