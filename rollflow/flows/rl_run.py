@@ -181,7 +181,7 @@ def _restart_trainer(
     detected_at = time.time()
     committed = storage.committed_steps("checkpoints")
     resumed_from = committed[-1] if committed else 0
-    cause = str(lost).split("; last lines of")[0]
+    cause, _ = _log_tail_apart(lost)
     say(
         f"trainer lost: {cause}; restarting it from "
         f"{f'committed step {resumed_from}' if resumed_from else 'the starting policy'} "
@@ -298,11 +298,17 @@ def run_steps(
             raise
 
 
+def _log_tail_apart(err: ServiceError) -> tuple[str, str]:
+    """A service's error, and the log tail it ends with ('; last lines of LOG:\n...'), apart."""
+    head, sep, tail = str(err).partition("; last lines of")
+    return head, sep + tail
+
+
 def _run_stops(dead: ServiceError, why: str = "") -> str:
     """The run's last word on a dead service: its error, why the run stops, then the log tail
     (the first line is what the terminal and Prefect show)."""
-    head, sep, tail = str(dead).partition("; last lines of")
-    return f"{head}; {why + '; ' if why else ''}the run stops (rerun to resume){sep}{tail}"
+    head, tail = _log_tail_apart(dead)
+    return f"{head}; {why + '; ' if why else ''}the run stops (rerun to resume){tail}"
 
 
 def prepare_policy(cfg: RunConfig) -> Path | str:

@@ -199,12 +199,7 @@ class RunServices:
 
         The lost trainer's log is kept beside the new one, as ``trainer.lost-N.log``.
         """
-        if self.cfg.trainer.num_nodes > 1:
-            raise ServiceError(
-                f"a trainer on {self.cfg.trainer.num_nodes} nodes is not restarted by the run "
-                "(its other nodes are started by hand)"
-            )
-        t = self.cfg.trainer
+        t = self.cfg.trainer  # one node: the run's caller checks (its other nodes are the user's)
         with self.weights_lock:  # no server restart re-forms the group meanwhile
             self.trainer_proc.stop(timeout_s=10.0)
             log = self.trainer_proc.process.log_path
