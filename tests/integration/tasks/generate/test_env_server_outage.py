@@ -13,9 +13,9 @@ import sys
 import time
 from functools import partial
 
-import httpx
 import pytest
 
+from rollflow.infra import http
 from rollflow.infra.config import load_config
 from rollflow.infra.service import ManagedProcess, free_port
 from rollflow.tasks.generate.environments import SortLettersEnv
@@ -52,7 +52,8 @@ class JudgedSortEnv(SortLettersEnv):
         self.url = url
 
     def reward(self, prompt, completion: str) -> float:
-        answer = httpx.post(
+        # The process's shared client: httpx.post would build a TLS context per call (~70 ms).
+        answer = http.client().post(
             self.url, json={"completion": completion, "answer": prompt.answer}, timeout=5
         )
         answer.raise_for_status()
@@ -130,11 +131,13 @@ def test_an_env_whose_server_is_down_is_quarantined_then_admitted_again(
         errors = [s.error for g in down.get(f"error:{JUDGED}", []) for s in g.result]
         assert all("reward: ConnectError" in e for e in errors), errors[:3]
         assert metrics["quarantines_total"] == 1 and metrics["envs_quarantined"] == 1
-        # While down, the other environment fills the batches; the judged one gets only probes.
-        down, metrics = take()
-        assert len(down.get("reverse_letters", [])) >= 8 - 2, {k: len(v) for k, v in down.items()}
-        assert metrics["quarantine_set_aside_total"] > 0
-        assert JUDGED not in down  # nothing of it is trained on while its server is down
+        # While down, the other environment fills the batches; the judged one gets only probes
+        # (and the groups admitted before the quarantine), which fail: nothing of it is trained.
+        set_aside = metrics["quarantine_set_aside_total"]
+        for _ in range(2):
+            down, metrics = take()
+            assert JUDGED not in down and "reverse_letters" in down, down.keys()
+        assert metrics["quarantine_set_aside_total"] > set_aside
 
         judge = start_judge(port, tmp_path / "judge.log")  # back, at the same address
         for _ in range(10):
