@@ -22,8 +22,8 @@ KL term, reward − group mean as advantage: TRL's ``loss_type="dapo"``, ``scale
 step's token mean is over its own tokens, groups with equal rewards are dropped, the ratio is taken
 against vLLM's log-probs (docs/concepts/trl-compatibility.md measures each). TRL's exact loss is
 ``train.token_mean=batch train.filter_zero_advantage=false train.old_logprobs=trainer``
-(tests/unit/trainer/test_trl_parity.py), with ``train.mini_batch_split=samples`` for TRL's kind of
-split.
+(tests/unit/trainer/test_trl_parity.py); TRL's kind of split, the step's samples shuffled into its
+optimizer steps (``train.mini_batch_split=samples``), is rollflow's default since 2026-11-28.
 
 - TRL: ``GRPOTrainer`` with its own HF ``generate`` (no vLLM), in a child process, on CPU.
 - rollflow: ``rollflow run`` (vLLM CPU, trainer service, Prefect flows) with ``model.path`` set
@@ -43,7 +43,7 @@ Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and samp
 run's crossing of the threshold is noisy. Extra ``key=value`` overrides go to both sides' config;
 those TRL has no counterpart for (``train.mini_batch_split``, ``train.old_logprobs``,
 ``train.token_mean``, ``train.filter_zero_advantage``) change rollflow only, e.g.
-``--only rollflow train.mini_batch_split=samples``.
+``--only rollflow train.mini_batch_split=groups`` (the default before 2026-11-28).
 
 Held-out reward: the env's reward (exact match for (a), the fraction of positions right for (b))
 of greedy completions on the same 256 held-out prompts (rollflow's ``evaluate`` set), every ``--eval-every`` steps on both sides; TRL evaluates with HF generate in

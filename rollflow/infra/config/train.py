@@ -103,11 +103,12 @@ class TrainSection(Section):
         1, ge=1, description="Passes over each step's batch (each mini-batch one optimizer step)."
     )
     mini_batch_split: Literal["groups", "samples"] = Field(
-        "groups",
-        description="How a step's batch becomes its mini-batches: whole groups, in order; or its "
-        "samples in a seeded random order (TRL's steps_per_generation), so that each optimizer "
-        "step sees samples of every group. Either way a mini-batch holds mini_batch_size groups' "
-        "worth of samples.",
+        "samples",
+        description="How a step's batch becomes its mini-batches: its samples in a seeded random "
+        "order (TRL's steps_per_generation), so that each optimizer step sees samples of every "
+        "group; or whole groups, in order (an optimizer step then sees only its own few prompts: "
+        "1.28x TRL's optimizer steps on reverse_letters, docs/concepts/trl-compatibility.md). "
+        "Either way a mini-batch holds mini_batch_size groups' worth of samples.",
     )
     token_mean: Literal["mini_batch", "batch"] = Field(
         "mini_batch",

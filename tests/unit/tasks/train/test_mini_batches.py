@@ -110,7 +110,8 @@ def test_the_weights_are_kept_for_vllm_lag_optimizer_steps_before_the_steps_end(
 
     recorder = RecordingTrainer()
     monkeypatch.setattr(train_task, "trainer_client", lambda ctx: recorder)
-    config = SimpleNamespace(train=TrainSection(train_batch_size=8, mini_batch_size=2))
+    train = TrainSection(train_batch_size=8, mini_batch_size=2, mini_batch_split="groups")
+    config = SimpleNamespace(train=train)
     capture = train_task.MidStepCapture(lag)
     metrics = train_task.train.fn(SimpleNamespace(config=config), 5, groups, (), capture)
     got = " ".join("fb" if c.startswith("fb") else c for c in recorder.calls)
@@ -136,7 +137,9 @@ def test_token_mean_sets_every_optimizer_steps_denominator(
 
     recorder = RecordingTrainer()
     monkeypatch.setattr(train_task, "trainer_client", lambda ctx: recorder)
-    train = TrainSection(train_batch_size=8, mini_batch_size=2, token_mean=token_mean)
+    train = TrainSection(
+        train_batch_size=8, mini_batch_size=2, token_mean=token_mean, mini_batch_split="groups"
+    )
     ctx = SimpleNamespace(config=SimpleNamespace(train=train))
     train_task.train.fn(ctx, 5, groups, (), num_loss_tokens=90)
     assert recorder.denominators == denominators
