@@ -104,7 +104,9 @@ def test_a_trainer_killed_at_a_random_point_is_restarted_and_the_run_completes(c
         f"{healed_s:.1f}s later (restart {event['restart_s']:.1f}s), from step "
         f"{event['resumed_from']}"
     )
-    assert event["restart"] == 1 and event["resumed_from"] == (before[-1] if before else 0)
+    # From the last checkpoint committed before the kill (or one that committed as it landed).
+    assert event["restart"] == 1 and event["resumed_from"] >= (before[-1] if before else 0)
+    assert event["resumed_from"] in [0, *c.committed()]
     assert event["version"] == event["resumed_from"]
     assert re.search(r"trainer.*(died|dead|exited)", event["reason"]), event["reason"]
     if rank is not None:
