@@ -257,15 +257,21 @@ def open_campaign(tmp_path_factory, model_cache: Path, name: str) -> Iterator[Ca
     c.close()
 
 
-def service_process(marker: Path, module: str) -> psutil.Process:
-    """The run's process running ``module`` (not its bash guard); the highest rank if several."""
-    found = [
+def service_processes(marker: Path, module: str) -> list[psutil.Process]:
+    """The run's processes running ``module`` (not its bash guard; vLLM: its API server and the
+    engine core forked from it)."""
+    return [
         p
         for p in processes_marked(str(marker))
         if module in " ".join(p.cmdline())
         and p.cmdline()[0] != "bash"
         and "-c" not in p.cmdline()[:2]
     ]
+
+
+def service_process(marker: Path, module: str) -> psutil.Process:
+    """The run's process running ``module`` (not its bash guard); the highest rank if several."""
+    found = service_processes(marker, module)
     with_rank = [p for p in found if "RANK" in p.environ()]
     assert found, f"no process runs {module}"
     return max(with_rank, key=lambda p: int(p.environ()["RANK"])) if with_rank else found[0]

@@ -70,8 +70,7 @@ def _train(config: dict | RunConfig) -> dict:
     storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
     _record_config(storage, cfg)
     base_model = prepare_policy(cfg)
-    committed = storage.committed_steps("checkpoints")
-    resumed_from = committed[-1] if committed else 0
+    resumed_from = _last_checkpoint(storage)
     if resumed_from >= cfg.run.num_steps:
         say(
             f"run {cfg.run.name}: all {cfg.run.num_steps} steps are already committed in {storage.uri}"
@@ -79,9 +78,7 @@ def _train(config: dict | RunConfig) -> dict:
         return summarize(storage)
     if resumed_from:
         say(f"run {cfg.run.name}: resuming after committed step {resumed_from}")
-        policy_dir = storage.local_copy("checkpoints", resumed_from, LOCAL_CACHE)
-    else:
-        policy_dir = base_model
+    policy_dir = _policy_after(storage, resumed_from, base_model)
     publish(storage, Event.RUN_STARTED, resumed_from=resumed_from)
     progress = RunProgress(cfg.run.name, cfg.run.num_steps, resumed_from)
     log_dir = storage.log_dir()
@@ -110,6 +107,18 @@ def _train(config: dict | RunConfig) -> dict:
                 restarts += 1
     publish_summary(storage)
     return summarize(storage, say)
+
+
+def _last_checkpoint(storage: RunStorage) -> int:
+    """The last committed step, which a run resumes after (0: none yet)."""
+    committed = storage.committed_steps("checkpoints")
+    return committed[-1] if committed else 0
+
+
+def _policy_after(storage: RunStorage, step: int, base_model: Path | str) -> Path | str:
+    """What the trainer starts from to go on after ``step``: that checkpoint's local copy, or
+    the starting policy before any."""
+    return storage.local_copy("checkpoints", step, LOCAL_CACHE) if step else base_model
 
 
 def _train_steps(
@@ -179,8 +188,7 @@ def _restart_trainer(
         )
         raise ServiceError(_run_stops(lost, why)) from lost
     detected_at = time.time()
-    committed = storage.committed_steps("checkpoints")
-    resumed_from = committed[-1] if committed else 0
+    resumed_from = _last_checkpoint(storage)
     cause, _ = _log_tail_apart(lost)
     say(
         f"trainer lost: {cause}; restarting it from "
@@ -188,11 +196,7 @@ def _restart_trainer(
         f"({restarts + 1}/{limit}); vLLM keeps serving"
     )
     start = time.monotonic()
-    policy_dir = (
-        storage.local_copy("checkpoints", resumed_from, LOCAL_CACHE)
-        if resumed_from
-        else services.base_model
-    )
+    policy_dir = _policy_after(storage, resumed_from, services.base_model)
     version = services.restart_trainer(policy_dir, resumed_from or None)
     info = {
         "restart": restarts + 1,

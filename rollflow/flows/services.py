@@ -203,9 +203,9 @@ class RunServices:
         with self.weights_lock:  # no server restart re-forms the group meanwhile
             self.trainer_proc.stop(timeout_s=10.0)
             log = self.trainer_proc.process.log_path
-            lost = sorted(log.parent.glob(f"{log.stem}.lost-*{log.suffix}"))
+            lost = len(list(log.parent.glob(f"{log.stem}.lost-*{log.suffix}")))
             if log.exists():
-                log.rename(log.with_name(f"{log.stem}.lost-{len(lost) + 1}{log.suffix}"))
+                log.rename(log.with_name(f"{log.stem}.lost-{lost + 1}{log.suffix}"))
             self.policy_dir, self.checkpoint_step = str(policy_dir), checkpoint_step
             self._start_trainer()
             self.trainer_proc.wait_healthy()

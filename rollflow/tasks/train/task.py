@@ -107,8 +107,8 @@ def train(
     """For each epoch, for each mini-batch of the step's batch: forward_backward then optim_step.
 
     Mini-batches are slices of the step's ``sample_keys`` in a seeded random order
-    (``train.mini_batch_split = "samples"``, the default), or whole groups (``"groups"``). With ``capture``, the weights are kept for
-    vLLM ``capture.lag`` optimizer steps before the end. ``num_loss_tokens``: the batch's loss
+    (``train.mini_batch_split = "samples"``, the default), or whole groups (``"groups"``). With
+    ``capture``, the weights are kept for vLLM ``capture.lag`` optimizer steps before the end. ``num_loss_tokens``: the batch's loss
     tokens, the token mean's denominator under ``train.token_mean = "batch"``."""
     t = ctx.config.train
     trainer = trainer_client(ctx)

@@ -31,8 +31,8 @@ from chaos_support import (
     flow_run_logs,
     open_campaign,
     service_process,
+    service_processes,
 )
-from deployed_run import processes_marked
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -85,7 +85,7 @@ def test_a_trainer_killed_at_a_random_point_is_restarted_and_the_run_completes(c
     name, reached, delay = c.random_kill_point(len(c.committed()) + 1)
     c.wait_for(proc, reached, name)
     time.sleep(delay)
-    servers = vllm_pids(c.root)  # the API server and its (forked) engine core
+    servers = {p.pid for p in service_processes(c.root, "vllm.entrypoints")}
     victim = service_process(c.root, SERVICE_MODULE)
     rank = victim.environ().get("RANK")  # a multi-rank trainer: kill a rank, expect it named
     before = c.committed()
@@ -98,7 +98,8 @@ def test_a_trainer_killed_at_a_random_point_is_restarted_and_the_run_completes(c
     c.wait_for(proc, lambda: restarted() is not None, "trainer_restarted", timeout_s=240)
     healed_s = time.monotonic() - killed_at
     event = restarted()
-    assert vllm_pids(c.root) == servers, "vLLM was restarted with the trainer"
+    now = {p.pid for p in service_processes(c.root, "vllm.entrypoints")}
+    assert now == servers, "vLLM was restarted with the trainer"
     print(
         f"trainer{f' rank {rank}' if rank else ''} killed {delay}s after {name}: serving again "
         f"{healed_s:.1f}s later (restart {event['restart_s']:.1f}s), from step "
@@ -122,11 +123,3 @@ def test_a_trainer_killed_at_a_random_point_is_restarted_and_the_run_completes(c
     assert f"step {STEPS}/{STEPS}: reward" in logs, logs[-3000:]
     assert "services: vLLM at" in logs and "trainer: restarted in" in logs
     assert "done: held-out reward" in logs
-
-
-def vllm_pids(root) -> set[int]:
-    return {
-        p.pid
-        for p in processes_marked(str(root))
-        if "vllm.entrypoints" in " ".join(p.cmdline()) and p.cmdline()[0] != "bash"
-    }

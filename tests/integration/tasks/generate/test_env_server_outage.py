@@ -7,7 +7,6 @@ probe group succeeds and the environment gets groups again. Rides on the session
 
 from __future__ import annotations
 
-import math
 import socket
 import sys
 import time
@@ -20,6 +19,7 @@ from rollflow.infra.config import load_config
 from rollflow.infra.service import ManagedProcess, free_port
 from rollflow.tasks.generate.environments import SortLettersEnv
 from rollflow.tasks.generate.host import ProducerHost
+from rollflow.tasks.generate.quarantine import group_error
 from rollflow.tasks.generate.task import build_envs, make_rollout_context
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_an_env_whose_server_is_down_is_quarantined_then_admitted_again(
         host.set_version(step)  # as the step's sync would
         by_env: dict[str, list] = {}
         for g in groups:
-            failed = g.error is not None or all(math.isnan(s.reward) for s in g.result)
+            failed, _ = group_error(g.result)  # the quarantine's own rule
             by_env.setdefault(("error:" if failed else "") + g.prompt.env, []).append(g)
         return by_env, metrics
 
