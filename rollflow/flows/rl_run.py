@@ -154,7 +154,7 @@ def _train_steps(
         cfg,
         build_envs(cfg),
         partial(make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature),
-        services.inference_urls,
+        services.fleet,  # followed as it grows and shrinks
         resumed_from,
         reused,
         advantages=advantage_fn(cfg.train),
@@ -272,6 +272,7 @@ def run_steps(
     workers = step_flows_in_flight(cfg)
     steps = iter(range(resumed_from + 1, cfg.run.num_steps + 1))
     running: deque[tuple[int, Future]] = deque()
+    next_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="step") as pool:
         try:
             while True:
@@ -285,10 +286,11 @@ def run_steps(
                 step, future = running.popleft()
                 while True:
                     try:
-                        metrics = future.result(timeout=HEALTH_CHECK_INTERVAL_S)
+                        metrics = future.result(timeout=max(0.0, next_check - time.monotonic()))
                         break
-                    except FuturesTimeout:
+                    except FuturesTimeout:  # due, whether steps take long or finish quickly
                         services.check_alive()
+                        next_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
                 report(step, metrics)
         except BaseException as exc:
             for _, future in running:

@@ -14,6 +14,7 @@ the calling thread because the kernel kills them when the thread that spawned th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import shlex
 import threading
@@ -24,6 +25,7 @@ from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError, TrainerLost, WeightSyncError
 from rollflow.infra.events import Event, publish
 from rollflow.infra.http import Endpoint
+from rollflow.infra.inference.fleet import Fleet, asked_servers, register_fleet, unregister_fleet
 from rollflow.infra.inference.supervisor import (
     HEALTH_PROBE_TIMEOUT_S,
     InferenceSupervisor,
@@ -68,12 +70,17 @@ class RunServices:
         self.token = secrets.token_urlsafe(24)
         # Impossible plans fail here, before any process starts.
         self.plan = make_plan(cfg, machine or Machine.here(nodes=cfg.trainer.num_nodes))
-        self.group = GroupSpec.from_plan(self.plan, cfg.trainer.weight_bucket_mb)
+        self._group = GroupSpec.from_plan(self.plan, cfg.trainer.weight_bucket_mb)
+        self.storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
         # What every server serves, and so what the trainer sends (one device for all servers).
         self.weight_dtype = self.plan.serving_dtype
         self.weights_lock = threading.Lock()
         self.trainer_proc: TrainerProcess | None = None
-        self.supervisors: list[InferenceSupervisor] = []
+        self.supervisors: list[InferenceSupervisor] = []  # the fleet's, in slot order
+        self.fleet = Fleet()
+        self._served: tuple[str, Path | None] = (self.policy_dir, None)  # what vLLM loads
+        self._joining: _Joining | None = None  # a server starting to join the fleet
+        self._asked_error: str | None = None  # a bad control file, said once
         self.trainer: TrainerClient | None = None
         self.group_formed = False
 
@@ -101,11 +108,19 @@ class RunServices:
         return [Endpoint("inference", url, self.token) for url in self.inference_urls]
 
     def _servers(self) -> list[tuple[str, int]]:
-        """(url, first weight-group rank) of every server, as the plan numbers them."""
-        return [
-            (sup.url, planned.first_weight_rank)
-            for sup, planned in zip(self.supervisors, self.plan.servers, strict=True)
-        ]
+        """(url, first weight-group rank) of every server of the fleet: after the trainer's
+        rank 0, each server's workers in slot order."""
+        out, rank = [], 1
+        for sup in self.supervisors:
+            out.append((sup.url, rank))
+            rank += len(self.plan.servers[sup.index].weight_ranks)
+        return out
+
+    @property
+    def group(self) -> GroupSpec:
+        """The weight group of the fleet as it is now: the trainer and every server's workers."""
+        workers = sum(len(self.plan.servers[sup.index].weight_ranks) for sup in self.supervisors)
+        return dataclasses.replace(self._group, world_size=1 + workers)
 
     # ------------------------------------------------------------------- start
 
@@ -128,26 +143,8 @@ class RunServices:
                 f"trainer: waiting up to {cfg.trainer.startup_timeout_s:.0f}s for node {node.node} "
                 f"of {cfg.trainer.num_nodes}; on it, run: {env}{shlex.join(cmd)}"
             )
-        storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
-        served, adapter = self._served_policy()
-        self.supervisors = [
-            InferenceSupervisor(
-                cfg,
-                served,
-                self.log_dir,
-                lora_adapter=adapter,
-                index=i,
-                env=planned.env,
-                cpus=planned.cpus,
-                server_args=plan.server_args(i),
-                progress=self.progress,
-                api_key=self.token,  # every vLLM route needs the run's token (inference/auth.py)
-                on_restart=lambda info, i=i: publish(
-                    storage, Event.INFERENCE_RESTARTED, server=i, **info
-                ),
-            )
-            for i, planned in enumerate(plan.servers)
-        ]
+        self._served = self._served_policy()
+        self.supervisors = [self._supervisor(slot) for slot in range(self._first_size())]
         try:
             for sup in self.supervisors:  # every server loads at once
                 sup.spawn()
@@ -165,13 +162,47 @@ class RunServices:
             weights.join(
                 self.trainer, self._servers(), self.group, cfg.trainer.weight_sync_timeout_s
             )
-            link = WeightLink(rejoin=self._rejoin, lock=self.weights_lock)
             for sup in self.supervisors:
-                sup.open_gate(link)
+                sup.open_gate(self._link())
+                self.fleet.add(sup.index, sup.url)
+            register_fleet(cfg.run.name, self.fleet)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _supervisor(self, slot: int) -> InferenceSupervisor:
+        """The supervisor of the server in plan slot ``slot`` (not started)."""
+        served, adapter = self._served
+        planned = self.plan.servers[slot]
+        return InferenceSupervisor(
+            self.cfg,
+            served,
+            self.log_dir,
+            lora_adapter=adapter,
+            index=slot,
+            env=planned.env,
+            cpus=planned.cpus,
+            server_args=self.plan.server_args(slot),
+            progress=self.progress,
+            api_key=self.token,  # every vLLM route needs the run's token (inference/auth.py)
+            on_restart=lambda info: publish(
+                self.storage, Event.INFERENCE_RESTARTED, server=slot, **info
+            ),
+        )
+
+    def _link(self) -> WeightLink:
+        return WeightLink(rejoin=self._rejoin, lock=self.weights_lock)
+
+    def _first_size(self) -> int:
+        """How many servers the run starts with: the size last asked of the fleet
+        (``rollflow scale``: a rerun keeps it), else ``inference.num_servers``."""
+        try:
+            asked = asked_servers(self.storage)
+        except ValueError as exc:
+            self._say_bad_control(str(exc))
+            asked = None
+        return min(asked or self.cfg.inference.num_servers, self.cfg.inference.fleet_slots())
 
     def _start_trainer(self) -> None:
         """Start node 0 of the trainer from ``policy_dir`` (``checkpoint_step``'s, on resume)."""
@@ -241,10 +272,152 @@ class RunServices:
 
     def check_alive(self) -> None:
         """Raise if the trainer died or stopped answering (a dead trainer fails the run at once);
-        restart any vLLM server that did (raise if it cannot be restarted)."""
+        bring the fleet to the size asked of it (``reconcile``); restart any vLLM server that
+        died (raise if it cannot be restarted)."""
         self._check_trainer()
+        self.reconcile()
         for sup in self.supervisors:
             sup.check()
+
+    # ------------------------------------------------------------------- fleet
+
+    def reconcile(self) -> None:
+        """Grow or shrink the fleet toward the size ``rollflow scale`` asked (the control file
+        in the run's storage), one server at a time. A server starts in the background and
+        joins at a later call once healthy; a leaving one is a dead server first (a preempted
+        one is not restarted when the fleet is to shrink), else the newest. Main thread only:
+        services die with the thread that spawned them."""
+        target = self._asked()
+        if self._joining is not None:
+            if target is not None and target <= len(self.supervisors):
+                self._cancel_join("the fleet was asked to shrink meanwhile")
+            elif self._joining.done():
+                self._finish_join()
+            return
+        if target is None or target == len(self.supervisors):
+            return
+        if target > len(self.supervisors):
+            self._begin_join()
+        else:
+            self._leave(self._leaver())
+
+    def _asked(self) -> int | None:
+        """The fleet size asked, within 1..``inference.fleet_slots()`` (None: nothing asked, or
+        a bad control file, which is said once and otherwise ignored)."""
+        try:
+            asked = asked_servers(self.storage)
+        except ValueError as exc:
+            self._say_bad_control(str(exc))
+            return None
+        self._asked_error = None
+        slots = self.cfg.inference.fleet_slots()
+        if asked is not None and asked > slots:
+            self._say_bad_control(
+                f"{asked} servers were asked but the plan has {slots} slot(s) "
+                f"(inference.max_servers = {self.cfg.inference.max_servers}); growing to {slots}"
+            )
+            return slots
+        return asked
+
+    def _say_bad_control(self, message: str) -> None:
+        if message != self._asked_error:
+            self._asked_error = message
+            self.progress(f"fleet: {message}")
+
+    def _begin_join(self) -> None:
+        taken = {sup.index for sup in self.supervisors}
+        slot = min(set(range(self.cfg.inference.fleet_slots())) - taken)
+        sup = self._supervisor(slot)
+        self.progress(f"fleet: starting {sup.name} ({len(taken) + 1} server(s) asked)")
+        sup.spawn()
+        self._joining = _Joining(sup)
+
+    def _cancel_join(self, why: str) -> None:
+        joining, self._joining = self._joining, None
+        self.progress(f"fleet: {joining.sup.name} stopped before joining: {why}")
+        joining.sup.server.stop(timeout_s=10.0)
+
+    def _finish_join(self) -> None:
+        """The started server is healthy (or failed to start): join it to the weight group with
+        every server, give all of them the trainer's weights, then let sampling in."""
+        joining, self._joining = self._joining, None
+        sup = joining.sup
+        if joining.error is not None:
+            self.progress(
+                f"fleet: {sup.name} did not start, the fleet stays as it is: {joining.error}"
+            )
+            publish(
+                self.storage,
+                Event.FLEET_CHANGED,
+                servers=len(self.supervisors),
+                failed=sup.index,
+                error=str(joining.error),
+            )
+            return
+        with self.weights_lock:  # no sync meanwhile: the group changes
+            self.supervisors = sorted([*self.supervisors, sup], key=lambda s: s.index)
+            try:
+                version = self._rejoin()
+            except Exception as exc:
+                # The group is formed again without it; only if that fails too is the run lost.
+                self.supervisors.remove(sup)
+                sup.server.stop(timeout_s=10.0)
+                try:
+                    self._rejoin()
+                except Exception as again:
+                    raise ServiceError(
+                        f"{sup.name} could not join the weight group ({exc}), and the group "
+                        f"could not be formed again without it: {again}"
+                    ) from again
+                self.progress(f"fleet: {sup.name} could not join the weight group: {exc}")
+                publish(
+                    self.storage,
+                    Event.FLEET_CHANGED,
+                    servers=len(self.supervisors),
+                    failed=sup.index,
+                    error=str(exc),
+                )
+                return
+            sup.open_gate(self._link())
+            self.fleet.add(sup.index, sup.url)
+        info = {
+            "servers": len(self.supervisors),
+            "joined": sup.index,
+            "join_s": joining.elapsed(),
+            "version": version,
+        }
+        publish(self.storage, Event.FLEET_CHANGED, **info)
+        self.progress(
+            f"fleet: {sup.name} joined in {info['join_s']:.0f}s, serving policy version {version}; "
+            f"{info['servers']} server(s)"
+        )
+
+    def _leaver(self) -> InferenceSupervisor:
+        dead = [sup for sup in self.supervisors if not sup.server.is_alive()]
+        return (dead or self.supervisors)[-1]
+
+    def _leave(self, sup: InferenceSupervisor) -> None:
+        """Take ``sup``'s server out: no new request, its requests in flight retried on the
+        others, the weight group formed anew without it."""
+        start = time.monotonic()
+        preempted = not sup.server.is_alive()
+        with self.weights_lock:
+            self.fleet.remove(sup.index)
+            self.supervisors.remove(sup)
+            sup.retire(timeout_s=10.0)
+            version = self._rejoin()
+        info = {
+            "servers": len(self.supervisors),
+            "left": sup.index,
+            "preempted": preempted,
+            "leave_s": time.monotonic() - start,
+            "version": version,
+        }
+        publish(self.storage, Event.FLEET_CHANGED, **info)
+        self.progress(
+            f"fleet: {sup.name} left{' (it had died)' if preempted else ''} in "
+            f"{info['leave_s']:.0f}s; {info['servers']} server(s) serve policy version {version}"
+        )
 
     def _check_trainer(self) -> None:
         """Raise ``ServiceError`` naming the trainer (and its dead rank) if it died or does not answer."""
@@ -281,6 +454,10 @@ class RunServices:
     def stop(self) -> None:
         """Close the weight group on every side, then stop every process, within the deadline."""
         deadline = time.monotonic() + TEARDOWN_DEADLINE_S
+        unregister_fleet(self.cfg.run.name, self.fleet)
+        if self._joining is not None:
+            self._joining, joining = None, self._joining
+            joining.sup.server.stop(timeout_s=10.0)
         for sup in self.supervisors:
             sup.close_gate()
         if self.group_formed:
@@ -299,6 +476,29 @@ class RunServices:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _Joining:
+    """A server started to join the fleet, waited for in the background (only the wait: it was
+    spawned on the main thread)."""
+
+    def __init__(self, sup: InferenceSupervisor):
+        self.sup, self.error = sup, None
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._wait, name=f"join-{sup.index}", daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        try:
+            self.sup.wait_ready()
+        except Exception as exc:  # noqa: BLE001 - said by the run's services
+            self.error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
 
 
 def trainer_args(

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.http import Endpoint
+from rollflow.infra.inference.fleet import Fleet, fleet_of
 from rollflow.infra.storage import RunStorage
 
 
@@ -19,12 +20,17 @@ class RunContext(BaseModel):
     config: RunConfig
     model_path: str  # the policy's HF directory at start (tokenizer, architecture)
     trainer: Endpoint
-    inference: list[Endpoint]  # every vLLM server of the deployment (inference.num_servers)
+    inference: list[Endpoint]  # the vLLM servers when the context was made (one token for all)
     trainer_restarts: int = 0  # how often the run restarted a lost trainer before this context
+
+    def inference_fleet(self) -> Fleet:
+        """The servers that serve now: the run's fleet where its services run in this process
+        (it grows and shrinks, ``infra/inference/fleet.py``), else the ones given."""
+        return fleet_of(self.config.run.name) or Fleet([e.url for e in self.inference])
 
     @property
     def inference_urls(self) -> list[str]:
-        return [e.url for e in self.inference]
+        return self.inference_fleet().urls()
 
     @cached_property
     def storage(self) -> RunStorage:

@@ -2,7 +2,7 @@
 
 Kinds (``Event``, the one list of names; readers compare with its members): ``run_started``,
 ``weights_published(version)``, ``step_committed(step)``, ``inference_restarted(server)``,
-``training_finished`` (published by the trainer service after its last optimizer step). The run
+``trainer_restarted``, ``fleet_changed(servers, joined | left)``, ``training_finished`` (published by the trainer service after its last optimizer step). The run
 flow's process is the only writer of ``events.jsonl``, so the object-store rewrite never races
 another process; Prefect events (``rollflow.<kind>`` on resource ``rollflow.run.<run>``) let
 automations react. A failure to mirror is logged, never fatal: the file is the record.
@@ -27,6 +27,7 @@ class Event(StrEnum):
     STEP_COMMITTED = "step_committed"
     INFERENCE_RESTARTED = "inference_restarted"
     TRAINER_RESTARTED = "trainer_restarted"
+    FLEET_CHANGED = "fleet_changed"  # a vLLM server joined or left the running run
     TRAINING_FINISHED = "training_finished"
 
 

@@ -44,7 +44,8 @@ class Metric:
     QUARANTINES_TOTAL = "quarantines_total"
     QUARANTINE_SET_ASIDE_TOTAL = "quarantine_set_aside_total"  # prompts not admitted
     QUARANTINE_PROBES_TOTAL = "quarantine_probes_total"
-    INFERENCE = "inference"  # per server, when several: inference/<i>/...
+    INFERENCE_SERVERS = "inference_servers"  # servers serving (the fleet) when the step took
+    INFERENCE = "inference"  # per server slot, when several: inference/<i>/...
     # advantage
     NUM_GROUPS_KEPT = "num_groups_kept"
     NUM_SAMPLES_KEPT = "num_samples_kept"

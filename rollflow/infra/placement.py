@@ -222,7 +222,7 @@ class Plan:
 def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
     """Place the run's processes on ``machine``; raise ``PlanError`` naming the fix if impossible."""
     inf, tr = cfg.inference, cfg.trainer
-    tp, n_servers = inf.tensor_parallel_size, inf.num_servers
+    tp, n_servers = inf.tensor_parallel_size, inf.fleet_slots()
     if tr.num_nodes > machine.nodes:
         raise PlanError(
             f"trainer.num_nodes = {tr.num_nodes} but the machine has {machine.nodes} node(s): "
@@ -243,7 +243,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
             gpus = list(range(start, start + wanted))
         if len(gpus) != wanted:
             raise PlanError(
-                f"inference.devices lists {len(gpus)} GPU(s) but inference.num_servers × "
+                f"inference.devices lists {len(gpus)} GPU(s) but {_servers_key(inf)} × "
                 f"tensor_parallel_size = {n_servers} × {tp} = {wanted}: list {wanted}"
             )
         _check_exist("inference.devices", gpus, machine)
@@ -261,7 +261,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
             raise PlanError(
                 f"the trainer needs trainer.num_ranks = {tr.num_ranks} GPU(s) on node 0 but "
                 f"{len(trainer_gpus)} are left after vLLM's {sorted(used)} of {machine.gpus}: "
-                "lower trainer.num_ranks or inference.num_servers / tensor_parallel_size, list "
+                f"lower trainer.num_ranks or {_servers_key(inf)} / tensor_parallel_size, list "
                 "trainer.devices, or set inference.colocate = true to share GPUs"
             )
         _check_exist("trainer.devices", trainer_gpus, machine)
@@ -372,15 +372,21 @@ def _pinned_cores(
             )
     if inf.cpus is None:
         return []
-    per_server = len(inf.cpus) // inf.num_servers
+    slots = inf.fleet_slots()
+    per_server = len(inf.cpus) // slots
     if per_server < inf.tensor_parallel_size:
         raise PlanError(
-            f"inference.cpus lists {len(inf.cpus)} core(s) for inference.num_servers × "
-            f"tensor_parallel_size = {inf.num_servers} × {inf.tensor_parallel_size} workers: "
+            f"inference.cpus lists {len(inf.cpus)} core(s) for {_servers_key(inf)} × "
+            f"tensor_parallel_size = {slots} × {inf.tensor_parallel_size} workers: "
             "list at least one core per worker"
         )
     cores = list(inf.cpus)
-    return [tuple(cores[i * per_server : (i + 1) * per_server]) for i in range(inf.num_servers)]
+    return [tuple(cores[i * per_server : (i + 1) * per_server]) for i in range(slots)]
+
+
+def _servers_key(inf) -> str:
+    """The key that sets how many servers the plan places, for its errors."""
+    return "inference.max_servers" if inf.max_servers else "inference.num_servers"
 
 
 def _threads_bind(cores: tuple[int, ...], tp: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollflow.infra.config.base import CpuIndex, GpuIndex, Section
 
@@ -41,6 +41,12 @@ class InferenceSection(Section):
     num_servers: int = Field(
         1, ge=1, description="vLLM servers (replicas); a group's completions stay on one server."
     )
+    max_servers: int | None = Field(
+        None,
+        ge=1,
+        description="The most servers the fleet may grow to while the run runs (`rollflow "
+        "scale`); the plan places this many and starts num_servers of them (None: num_servers).",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="Tensor-parallel workers per server (GPUs per server on a GPU node)."
     )
@@ -75,6 +81,19 @@ class InferenceSection(Section):
         description="The dtype vLLM serves, and so the dtype weight syncs travel in "
         "(auto: bfloat16 on GPUs, float32 on CPU).",
     )
+
+    def fleet_slots(self) -> int:
+        """How many servers the placement plan places: every one the fleet may grow to."""
+        return self.max_servers or self.num_servers
+
+    @model_validator(mode="after")
+    def _fleet_fits(self) -> InferenceSection:
+        if self.max_servers is not None and self.max_servers < self.num_servers:
+            raise ValueError(
+                f"inference.max_servers = {self.max_servers} is below inference.num_servers = "
+                f"{self.num_servers}: raise max_servers, or leave it unset (= num_servers)"
+            )
+        return self
 
     def serving_dtype(self, on_gpu: bool) -> str:
         """The dtype a server on a GPU (or on CPU) serves: the one owner of that choice."""

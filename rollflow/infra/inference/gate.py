@@ -9,7 +9,8 @@ re-join and re-sync) take turns through ``weights_turn``.
 
 Invariants: no sampling request is sent while the gate is closed; a closed gate ends, within
 the deadline given to ``close``, by ``open`` or by ``fail``, after which every waiter raises
-``InferenceGone`` at once. Gates are per process, registered by the server's base URL.
+``InferenceGone`` at once (or by ``retire``, for a server leaving the fleet: then
+``InferenceUnavailable``, which is retried on another server). Gates are per process, registered by the server's base URL.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from rollflow.infra.errors import InferenceGone
+from rollflow.infra.errors import InferenceGone, InferenceUnavailable
 
 _GATES: dict[str, ServingGate] = {}
 
@@ -37,6 +38,7 @@ class ServingGate:
         self._open = True
         self._deadline = 0.0
         self._failed: str | None = None
+        self._retired: str | None = None
 
     # ------------------------------------------------------------ the supervisor's side
 
@@ -59,6 +61,13 @@ class ServingGate:
             self._failed, self._open = reason, False
             self._cond.notify_all()
 
+    def retire(self, reason: str) -> None:
+        """The server leaves the fleet while the run goes on: every waiter, now and later,
+        raises ``InferenceUnavailable``, which the Sampler retries on another server."""
+        with self._cond:
+            self._retired, self._open = reason, False
+            self._cond.notify_all()
+
     # -------------------------------------------------------------- the clients' side
 
     @property
@@ -68,7 +77,7 @@ class ServingGate:
     @property
     def restarting(self) -> bool:
         """A restart is under way: the server's unhealthiness is expected, not a death."""
-        return not self._open and self._failed is None
+        return not self._open and self._failed is None and self._retired is None
 
     def wait_open(self, timeout_s: float | None = None) -> None:
         """Block until the gate is open; ``InferenceGone`` if it failed, ``TimeoutError`` past the
@@ -129,6 +138,8 @@ class ServingGate:
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
             raise InferenceGone(self._failed)
+        if self._retired is not None:
+            raise InferenceUnavailable(self._retired)
 
 
 def register_gate(url: str, weights_lock: threading.Lock | None = None) -> ServingGate:

@@ -100,7 +100,9 @@ class InferenceSupervisor:
             lora_adapter=lora_adapter,
             cpus=cpus,
         )
-        self.name = "the vLLM server" if cfg.inference.num_servers == 1 else f"vLLM server {index}"
+        self.name = (
+            "the vLLM server" if cfg.inference.fleet_slots() == 1 else f"vLLM server {index}"
+        )
         self.gate: ServingGate | None = None
         self.restarts = 0
         self._unhealthy_probes = 0
@@ -224,6 +226,14 @@ class InferenceSupervisor:
         if self.gate is not None:
             self.gate.fail("the run is stopping its inference server")
             unregister_gate(self.gate)
+
+    def retire(self, timeout_s: float) -> None:
+        """The server leaves the fleet, the run goes on: requests waiting at its gate go to
+        another server; then it is stopped."""
+        if self.gate is not None:
+            self.gate.retire(f"{self.name} left the inference fleet")
+            unregister_gate(self.gate)
+        self.server.stop(timeout_s=timeout_s)
 
     def stop(self, timeout_s: float) -> None:
         """End the gate's waiters and stop the server."""

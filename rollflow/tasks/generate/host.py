@@ -20,6 +20,7 @@ from concurrent.futures import Future
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import TrainingFinished
+from rollflow.infra.inference.fleet import Fleet
 from rollflow.infra.inference.pool import InferencePool
 from rollflow.infra.metric_names import Metric
 from rollflow.tasks.generate.environments import Environment, RolloutContext
@@ -57,12 +58,13 @@ MakeContext = Callable[[InferencePool, SamplingStats], RolloutContext]
 Advantages = Callable[[list[float]], list[float]]
 
 
-def inference_pool(cfg: RunConfig, urls: list[str]) -> InferencePool:
-    """The producer's client of the run's servers: room for every group in flight on one server
-    (a single-turn group is one request; the client's default of 256 connections held the rest of
-    1024 groups back in the client, bench/producer_throughput.py)."""
-    return InferencePool.of(
-        urls,
+def inference_pool(cfg: RunConfig, servers: Fleet | list[str]) -> InferencePool:
+    """The producer's client of the run's servers (its fleet, as it changes): room for every
+    group in flight on one server (a single-turn group is one request; the client's default of
+    256 connections held the rest of 1024 groups back in the client,
+    bench/producer_throughput.py)."""
+    return InferencePool.following(
+        servers if isinstance(servers, Fleet) else Fleet(servers),
         timeout_s=cfg.inference.request_timeout_s,
         max_connections=max(256, cfg.train.in_flight_groups()),
     )
@@ -83,7 +85,7 @@ class ProducerHost:
         cfg: RunConfig,
         envs: dict[str, Environment],
         make_ctx: MakeContext,
-        inference_urls: list[str],
+        inference: Fleet | list[str],
         resumed_from: int,
         reused_steps: list[int] = (),
         advantages: Advantages | None = None,
@@ -104,7 +106,7 @@ class ProducerHost:
         self.sampling_stats = SamplingStats()  # retries of aborted or disconnected requests
 
         async def build() -> tuple[InferencePool, RolloutProducer]:
-            client = inference_pool(cfg, inference_urls)
+            client = inference_pool(cfg, inference)
             t = cfg.train
             rollout_ctx = make_ctx(client, self.sampling_stats)
             producer = RolloutProducer(
@@ -173,7 +175,7 @@ class ProducerHost:
         groups = self._call(self.producer.take(step, timeout_s), timeout_s + 5)
         metrics = self._call(_producer_metrics(self.producer, step), 10)
         metrics[Metric.RETRIES_TOTAL] = self.sampling_stats.retries
-        metrics[Metric.INFERENCE_RESTARTS] = sum(self.client.restarts())
+        metrics[Metric.INFERENCE_RESTARTS] = sum(self.client.restarts().values())
         metrics.update(self.client.metrics())
         self._advance_taken(step)
         return groups, metrics

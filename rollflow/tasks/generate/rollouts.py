@@ -72,7 +72,7 @@ class Sampler:
         stats: SamplingStats,
         deadline_s: float,
     ):
-        self.pool = client if isinstance(client, InferencePool) else InferencePool([client])
+        self.pool = client if isinstance(client, InferencePool) else InferencePool.around(client)
         self.params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         self.retry, self.stats, self.deadline_s = retry, stats, deadline_s
 
@@ -106,11 +106,12 @@ class Sampler:
     async def _down_since(
         self, client: InferenceClient, exc: Exception, since: float | None
     ) -> float | None:
-        """Since when the server has been down with no restart under way (None: it is up, or its
-        supervisor is restarting it, so the request waits at the gate); raises when the failure
+        """Since when the server has been down with no restart under way (None: it is up, its
+        supervisor is restarting it, so the request waits at the gate, or it left the fleet, so
+        the next try goes to another server); raises when the failure
         is final: ``InferenceGone``, or the HTTP 5xx of a healthy server (the group's error)."""
-        if client.restarting or isinstance(exc, RequestAborted):
-            return None
+        if client.restarting or isinstance(exc, RequestAborted) or not self.pool.serves(client):
+            return None  # waits at the gate, or goes to another server
         healthy = await client.health()
         if _server_failed(exc):
             if healthy:

@@ -134,8 +134,8 @@ def _sample(
     """One group per prompt from the inference deployment, on a short-lived client."""
 
     async def run():
-        client = InferencePool.of(
-            ctx.inference_urls,
+        client = InferencePool.following(
+            ctx.inference_fleet(),
             timeout_s=ctx.config.inference.request_timeout_s,
             api_key=ctx.inference[0].token,
         )

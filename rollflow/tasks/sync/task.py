@@ -21,6 +21,7 @@ from rollflow.infra.context import RunContext
 from rollflow.infra.errors import InferenceError, ServiceError, WeightSyncError
 from rollflow.infra.events import Event
 from rollflow.infra.events import publish as publish_event
+from rollflow.infra.inference.fleet import Fleet
 from rollflow.infra.inference.gate import ServingGate, serving_gate
 from rollflow.tasks.sync.weights import WeightSource, publish
 
@@ -44,14 +45,16 @@ class Synced:
 def sync(ctx: RunContext, version: int, source: WeightSource) -> Synced:
     """Publish the trainer's (``source``'s) current weights to the inference deployment as ``version``."""
     timeout_s = ctx.config.trainer.weight_sync_timeout_s
-    urls = ctx.inference_urls
-    # None where no supervisor runs the server; a run's gates share one weight-plane lock.
-    gates = [g for g in map(serving_gate, urls) if g is not None]
+    fleet = ctx.inference_fleet()
     for attempt in range(2):
-        restarts_seen = [g.restarts for g in gates]
+        # None where no supervisor runs the server; a run's gates share one weight-plane lock.
+        gates = [g for g in map(serving_gate, fleet.urls()) if g is not None]
+        seen = _FleetState.of(fleet, gates)
         try:
             with _weights_turn(gates, timeout_s):
-                result = publish(source, urls, version, timeout_s)
+                # Read under the group's lock: the fleet changes only under it, so these are
+                # exactly the group's servers (one that joined meanwhile included).
+                result = publish(source, fleet.urls(), version, timeout_s)
             break
         except (WeightSyncError, InferenceError) as err:
             # A dead or hung trainer is no vLLM restart's to fix: fail at once, naming it.
@@ -59,7 +62,7 @@ def sync(ctx: RunContext, version: int, source: WeightSource) -> Synced:
                 attempt
                 or not gates
                 or _trainer_unreachable(err)
-                or not _restarted(gates, restarts_seen, RESTART_NOTICE_S)
+                or not seen.changed(RESTART_NOTICE_S)
             ):
                 raise
     publish_event(ctx.storage, Event.WEIGHTS_PUBLISHED, version=version)
@@ -85,17 +88,39 @@ def _weights_turn(gates: list[ServingGate], timeout_s: float) -> Iterator[None]:
         yield
 
 
-def _restarted(gates: list[ServingGate], seen: list[int], notice_s: float) -> bool:
-    """Was any server restarted (or is one being restarted) since ``seen``? Waits ``notice_s``
-    for a supervisor to notice, then for every restart to end."""
-    deadline = time.monotonic() + notice_s
-    while not any(g.restarts > s or not g.is_open for g, s in zip(gates, seen, strict=True)):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    for gate in gates:
-        gate.wait_open()
-    return True
+@dataclass(frozen=True)
+class _FleetState:
+    """The servers and their restarts when a sync began, to tell whether a failed sync met a
+    restart or a change of the fleet (a server preempted and taken out), which heal it."""
+
+    fleet: Fleet
+    members: dict[int, str]
+    gates: list[ServingGate]
+    restarts: list[int]
+
+    @classmethod
+    def of(cls, fleet: Fleet, gates: list[ServingGate]) -> _FleetState:
+        return cls(fleet, fleet.members(), gates, [g.restarts for g in gates])
+
+    def changed(self, notice_s: float) -> bool:
+        """Was any server restarted (or is one being restarted), or did the fleet change, since
+        then? Waits ``notice_s`` for the run's services to notice, then for every restart to
+        end."""
+        deadline = time.monotonic() + notice_s
+        while not (
+            self.fleet.members() != self.members
+            or any(
+                g.restarts > s or not g.is_open
+                for g, s in zip(self.gates, self.restarts, strict=True)
+            )
+        ):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        for gate in map(serving_gate, self.fleet.urls()):
+            if gate is not None:
+                gate.wait_open()
+        return True
 
 
 def _trainer_unreachable(err: BaseException) -> bool:

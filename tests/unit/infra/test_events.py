@@ -28,5 +28,6 @@ def test_names_are_the_documented_ones():
         "step_committed",
         "inference_restarted",
         "trainer_restarted",
+        "fleet_changed",
         "training_finished",
     }

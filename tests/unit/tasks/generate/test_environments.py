@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rollflow.infra.inference.pool import InferencePool
 from rollflow.tasks.generate.environments import (
     AddEnv,
     ModAddEnv,
@@ -130,7 +131,8 @@ def test_rollout_context_encodes_exactly_like_the_tokenizer(tiny_model_dir):
     from rollflow.tasks.generate.task import make_rollout_context
 
     cfg = load_config(Path(__file__).parents[4] / "configs/quickstart.toml")
-    ctx = make_rollout_context(cfg, str(tiny_model_dir), None, SamplingStats(), temperature=1.0)
+    unused = InferencePool.of(["http://127.0.0.1:9"])  # nothing is sampled
+    ctx = make_rollout_context(cfg, str(tiny_model_dir), unused, SamplingStats(), temperature=1.0)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     for text in ["sort dcab=", "12+34=", "", "SORT é?"]:
         assert ctx.encode(text) == tok(text).input_ids

@@ -16,6 +16,6 @@ def test_the_producers_client_has_a_connection_for_every_group_in_flight():
     )
     assert cfg.train.in_flight_groups() == 1024
     pool = inference_pool(cfg, ["http://127.0.0.1:9", "http://127.0.0.1:10"])
-    assert [c.max_connections for c in pool.clients] == [1024, 1024]
+    assert [c.max_connections for c in pool.clients.values()] == [1024, 1024]
     small = validate_config({"model": {"path": "unused"}, "envs": [{"name": "add"}]})
     assert inference_pool(small, ["http://127.0.0.1:9"]).clients[0].max_connections == 256
