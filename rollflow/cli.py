@@ -3,6 +3,7 @@
     rollflow run CONFIG [key.path=value ...] [--dry-run]
     rollflow plan CONFIG [key.path=value ...] [--gpus N] [--nodes M]
     rollflow status RUN [--storage ROOT]
+    rollflow scale RUN --servers N [--storage ROOT]
     rollflow deploy [CONFIG ...] [--pool NAME] [--prefect-file prefect.yaml]
     rollflow export RUN --step N [--out DIR] [--storage ROOT] [--merged]
 
@@ -55,6 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument(
         "--storage", default="runs", help="storage root (run.storage), default: runs"
     )
+    scale = sub.add_parser(
+        "scale",
+        help="grow or shrink a running run's vLLM fleet (up to inference.max_servers); the run "
+        "applies it within seconds, a rerun starts with it",
+    )
+    scale.add_argument("run", help="run name (run.name)")
+    scale.add_argument("--servers", type=int, required=True, help="how many vLLM servers")
+    scale.add_argument(
+        "--storage", default="runs", help="storage root (run.storage), default: runs"
+    )
     deploy = sub.add_parser(
         "deploy",
         help="register the deployments of prefect.yaml on the Prefect server "
@@ -99,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "run":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return {"status": cmd_status, "deploy": cmd_deploy, "export": cmd_export}[args.command](
-            args
-        )
+        commands = {
+            "status": cmd_status,
+            "scale": cmd_scale,
+            "deploy": cmd_deploy,
+            "export": cmd_export,
+        }
+        return commands[args.command](args)
     raise AssertionError(args.command)  # pragma: no cover
 
 
@@ -277,6 +292,46 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(
         f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
         f"{', training finished' if finished else ''}; data in {storage.uri}"
+    )
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Ask a run for ``--servers`` vLLM servers (``control/fleet.json`` in its storage)."""
+    from rollflow.infra.config import validate_config
+    from rollflow.infra.errors import ConfigError
+    from rollflow.infra.events import Event, has_event
+    from rollflow.infra.inference.fleet import FLEET_CONTROL, ask_for_servers
+    from rollflow.infra.storage import RunStorage
+
+    def fail(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+    storage = RunStorage(args.storage, args.run)
+    config = storage.read_json("config.json")
+    if config is None:
+        return fail(
+            f"no run {args.run!r} in {storage.uri} (no config.json); is --storage the run's "
+            "run.storage?"
+        )
+    try:
+        slots = validate_config(config).inference.fleet_slots()
+    except ConfigError as exc:
+        return fail(f"{storage.path('config.json')}: {exc}")
+    if not 1 <= args.servers <= slots:
+        return fail(
+            f"--servers {args.servers}: run {args.run!r} has room for 1 to {slots} server(s) "
+            f"(inference.max_servers); a run placed for more must be started with a higher "
+            "inference.max_servers"
+        )
+    if has_event(storage, Event.TRAINING_FINISHED):
+        return fail(f"run {args.run!r} has finished training: there is no fleet to scale")
+    ask_for_servers(storage, args.servers, by="rollflow scale")
+    print(
+        f"asked run {args.run!r} for {args.servers} vLLM server(s) ({storage.path(FLEET_CONTROL)}); "
+        "a running run applies it within seconds (its log says when, events.jsonl records "
+        "fleet_changed), a rerun starts with it"
     )
     return 0
 

@@ -383,6 +383,7 @@ class RunServices:
         info = {
             "servers": len(self.supervisors),
             "joined": sup.index,
+            "url": sup.url,
             "join_s": joining.elapsed(),
             "version": version,
         }

@@ -1,10 +1,11 @@
-"""Scale-out on CPU with the GPU path's code: two vLLM servers, a 2-rank trainer, one weight group.
+"""Scale-out on CPU with the GPU path's code: a fleet of vLLM servers that grows and shrinks, a
+2-rank trainer, one weight group.
 
 The run's own ``RunServices`` places everything by the placement plan; the weights change by
-real training steps (``forward_backward`` + ``optim_step`` on committed batches) and reach both
-servers through one broadcast. After every sync both servers' greedy completions must equal
-transformers' on the trainer's exported weights. Then one server is killed: its supervisor
-restarts it, the group forms anew with both, and both serve the trainer's weights again.
+real training steps (``forward_backward`` + ``optim_step`` on committed batches) and reach every
+server through one broadcast. After every sync each server's greedy completions must equal
+transformers' on the trainer's exported weights: after a server joins, after one is killed and
+restarted (the group forms anew with both), after one is preempted and leaves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from rollflow.flows.services import RunServices
 from rollflow.infra.config import LossConfig, load_config
 from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.inference.fleet import ask_for_servers
 from rollflow.infra.placement import Machine
 from rollflow.infra.service import free_port
 from rollflow.infra.storage import RunStorage
@@ -46,9 +48,16 @@ def greedy(url: str) -> list[int]:
     return asyncio.run(go())
 
 
-def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_model_dirs, tmp_path):
-    """Also the check of inference.cpus / trainer.cpus on real services: each server pinned to
-    a core of its own (its engine core with it), the trainer's ranks to theirs."""
+def test_a_fleet_grown_to_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(
+    vllm_model_dirs, tmp_path
+):
+    """The fleet grows and shrinks as a run's health loop makes it (``check_alive``, asked by
+    ``rollflow scale``'s control file): one server, then two (the joined one serves the trainer's
+    current weights at once), one of them killed and restarted, then one again when server 1 is
+    preempted (killed as it is asked to go: taken out, not restarted). After every sync each
+    server's greedy completions equal transformers' on the trainer's exported weights.
+    Also the check of inference.cpus / trainer.cpus on real services: each server pinned to a
+    core of its own (its engine core with it), the trainer's ranks to theirs."""
     model = vllm_model_dirs[0]
     cores = sorted(os.sched_getaffinity(0))[:2]
     if len(cores) < 2:
@@ -60,7 +69,8 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
             "envs=[{name='sort_letters'}]",
             f"run.storage='{tmp_path / 'runs'}'",
             "run.name='scale'",
-            "inference.num_servers=2",
+            "inference.num_servers=1",
+            "inference.max_servers=2",
             "inference.max_restarts=1",
             "trainer.num_ranks=2",
             "trainer.weight_bucket_mb=0.0625",  # 64 KiB: every sync spans many buckets
@@ -71,37 +81,60 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
     )
     storage = RunStorage(cfg.run.storage, cfg.run.name)
     services = RunServices(cfg, model, None, tmp_path / "logs", machine=Machine(gpus=0))
-    assert services.group.world_size == 3 and services.plan.wire.backend == "gloo"
-    with services:
+    assert services.plan.weight_world_size == 3 and services.plan.wire.backend == "gloo"
+    outputs = []
+
+    def pinned(sup) -> set[tuple[int, ...]]:
+        return {tuple(psutil.Process(pid).cpu_affinity()) for pid in sup.server.pids()}
+
+    def fleet_becomes(servers: int) -> None:
+        deadline = time.monotonic() + 300
+        while len(services.supervisors) != servers or services._joining is not None:
+            assert time.monotonic() < deadline, f"the fleet did not reach {servers} in 300 s"
+            services.check_alive()  # what the run's step loop calls every 5 s
+            time.sleep(1)
+        assert services.fleet.urls() == services.inference_urls
+        assert services.group.world_size == 1 + servers
+
+    def train_and_sync(step: int) -> None:
         urls = services.inference_urls
-        assert len(urls) == 2 and len(set(urls)) == 2
-        for sup, core in zip(services.supervisors, cores, strict=True):
-            pinned = {tuple(psutil.Process(pid).cpu_affinity()) for pid in sup.server.pids()}
-            assert pinned == {(core,)}, (sup.name, pinned)
+        write_batch(storage, step, make_rows(16, seed=step, step=step, max_prompt=6))
+        t.forward_backward(step, loss=LossConfig())
+        t.optim_step()
+        t.end_step(step)
+        stats = weights.publish(t, urls, step, cfg.trainer.weight_sync_timeout_s)
+        assert stats["version"] == step
+        expected = exported_greedy(step)
+        got = [greedy(url) for url in urls]
+        assert got == [expected] * len(urls), f"step {step}: {got} != {expected}"
+        outputs.append(expected)
+
+    def exported_greedy(step: int) -> list[int]:
+        exported = tmp_path / f"export-{step}"
+        t.export_hf(str(exported))
+        return greedy_reference(exported, PROMPT_IDS, 16)[1]
+
+    with services:
+        t = services.trainer
+        assert len(services.inference_urls) == 1 and services.group.world_size == 2
+        assert pinned(services.supervisors[0]) == {(cores[0],)}
         ranks = [psutil.Process(r["pid"]) for r in services.trainer_proc.ranks]
         assert len(ranks) == 2 and all(r.cpu_affinity() == cores for r in ranks), ranks
-        t = services.trainer
-        outputs = []
-
-        def train_and_sync(step: int) -> None:
-            write_batch(storage, step, make_rows(16, seed=step, step=step, max_prompt=6))
-            t.forward_backward(step, loss=LossConfig())
-            t.optim_step()
-            t.end_step(step)
-            stats = weights.publish(t, urls, step, cfg.trainer.weight_sync_timeout_s)
-            assert stats["version"] == step
-            exported = tmp_path / f"export-{step}"
-            t.export_hf(str(exported))
-            _, expected = greedy_reference(exported, PROMPT_IDS, 16)
-            got = [greedy(url) for url in urls]
-            assert got == [expected, expected], f"step {step}: {got} != {expected}"
-            outputs.append(expected)
-
-        before = greedy(urls[0])
+        before = greedy(services.inference_urls[0])
         train_and_sync(1)
         assert outputs[0] != before, "training did not change the greedy completion"
 
-        # Kill server 1: the supervisor restarts it and the group forms anew with both servers.
+        # Grow: server 1 starts in the background, joins the group, serves step 1's weights.
+        ask_for_servers(storage, 2, by="test")
+        fleet_becomes(2)
+        urls = services.inference_urls
+        assert len(set(urls)) == 2 and pinned(services.supervisors[1]) == {(cores[1],)}
+        assert [greedy(url) for url in urls] == [outputs[-1]] * 2
+        joined = [e for e in storage.read_events() if e["event"] == "fleet_changed"]
+        assert [(e["servers"], e["joined"], e["version"]) for e in joined] == [(2, 1, 1)]
+        train_and_sync(2)  # one broadcast reaches both
+
+        # Kill server 1: the fleet keeps its size, so its supervisor restarts it.
         victim = psutil.Process(services.supervisors[1].server.pids()[0])
         victim.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 300
@@ -110,10 +143,20 @@ def test_two_servers_and_a_two_rank_trainer_serve_the_trainers_weights(vllm_mode
             services.check_alive()
             time.sleep(1)
         assert services.supervisors[0].restarts == 0
-        restarted = services.supervisors[1].server.pids()
-        assert {tuple(psutil.Process(pid).cpu_affinity()) for pid in restarted} == {(cores[1],)}
-        assert greedy(urls[0]) == outputs[-1] and greedy(urls[1]) == outputs[-1]
-        train_and_sync(2)  # and the re-formed group syncs both
+        assert pinned(services.supervisors[1]) == {(cores[1],)}
+        assert [greedy(url) for url in urls] == [outputs[-1]] * 2
+        train_and_sync(3)  # and the re-formed group syncs both
+
+        # Preemption: server 1 is asked to go and killed at once; it leaves, not restarted.
+        leaving = services.supervisors[1]
+        ask_for_servers(storage, 1, by="test")
+        psutil.Process(leaving.server.pids()[0]).send_signal(signal.SIGKILL)
+        fleet_becomes(1)
+        assert leaving.restarts == 1 and not leaving.server.is_alive()
+        left = [e for e in storage.read_events() if e["event"] == "fleet_changed"][-1]
+        assert (left["servers"], left["left"], left["preempted"]) == (1, 1, True)
+        train_and_sync(4)
+    assert not leaving.server.is_alive()
     assert all(not s.server.is_alive() for s in services.supervisors)
 
 

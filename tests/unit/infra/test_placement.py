@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rollflow.cli import main, render_plan
-from rollflow.infra.config import load_config
+from rollflow.infra.config import ConfigError, load_config
 from rollflow.infra.placement import (
     Machine,
     PlanError,
@@ -302,3 +302,19 @@ def test_multi_node_launchers_fix_node_ranks():
     assert "--hostfile=h" in ds and "--no_ssh" in ds and "--node_rank=1" in ds
     with pytest.raises(ValueError, match="hostfile"):
         launcher_argv("deepspeed", 2, "a.json", 1, num_nodes=2, node_rank=1)
+
+
+def test_a_fleet_that_may_grow_has_every_slot_placed_and_the_trainer_on_what_is_left():
+    """inference.max_servers: the plan places that many servers (devices, cores) so that
+    `rollflow scale` never moves a running server; the run starts num_servers of them."""
+    plan = make_plan(cfg("inference.max_servers=3", "trainer.num_ranks=2"), Machine(gpus=8))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in plan.servers] == ["0", "1", "2"]
+    assert plan.trainer_nodes[0].env["CUDA_VISIBLE_DEVICES"] == "3,4"
+    on_cpu = make_plan(
+        cfg("inference.max_servers=2", "inference.cpus=[0, 1]"), Machine(gpus=0, cores=(0, 1))
+    )
+    assert [s.cpus for s in on_cpu.servers] == [(0,), (1,)]
+    with pytest.raises(PlanError, match=r"inference.max_servers × tensor_parallel_size = 3 × 1"):
+        make_plan(cfg("inference.max_servers=3", "inference.devices=[0, 1]"), Machine(gpus=8))
+    with pytest.raises(ConfigError, match="max_servers = 1 is below inference.num_servers = 2"):
+        cfg("inference.num_servers=2", "inference.max_servers=1")
