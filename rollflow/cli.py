@@ -298,41 +298,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     """Ask a run for ``--servers`` vLLM servers (``control/fleet.json`` in its storage)."""
-    from rollflow.infra.config import validate_config
-    from rollflow.infra.errors import ConfigError
-    from rollflow.infra.events import Event, has_event
-    from rollflow.infra.inference.fleet import FLEET_CONTROL, ask_for_servers
-    from rollflow.infra.storage import RunStorage
+    from rollflow.infra.errors import InputError
+    from rollflow.infra.inference.fleet import scale_run
 
-    def fail(message: str) -> int:
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-
-    storage = RunStorage(args.storage, args.run)
-    config = storage.read_json("config.json")
-    if config is None:
-        return fail(
-            f"no run {args.run!r} in {storage.uri} (no config.json); is --storage the run's "
-            "run.storage?"
-        )
     try:
-        slots = validate_config(config).inference.fleet_slots()
-    except ConfigError as exc:
-        return fail(f"{storage.path('config.json')}: {exc}")
-    if not 1 <= args.servers <= slots:
-        return fail(
-            f"--servers {args.servers}: run {args.run!r} has room for 1 to {slots} server(s) "
-            f"(inference.max_servers); a run placed for more must be started with a higher "
-            "inference.max_servers"
-        )
-    if has_event(storage, Event.TRAINING_FINISHED):
-        return fail(f"run {args.run!r} has finished training: there is no fleet to scale")
-    ask_for_servers(storage, args.servers, by="rollflow scale")
-    print(
-        f"asked run {args.run!r} for {args.servers} vLLM server(s) ({storage.path(FLEET_CONTROL)}); "
-        "a running run applies it within seconds (its log says when, events.jsonl records "
-        "fleet_changed), a rerun starts with it"
-    )
+        print(scale_run(args.run, args.servers, args.storage))
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

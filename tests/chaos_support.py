@@ -34,9 +34,10 @@ START_TIMEOUT_S = 300.0  # a launch's first step: Prefect API, vLLM start-up (sl
 class Campaign:
     """One run directory killed again and again; launches, kill points and checks."""
 
-    def __init__(self, root: Path, model_cache: Path, name: str):
+    def __init__(self, root: Path, model_cache: Path, name: str, steps: int = STEPS):
         self.root, self.prefect_api, self.name = root, session_prefect_api(), name
-        self.config = write_config(root, model_cache, name=name, steps=STEPS)
+        self.steps = steps
+        self.config = write_config(root, model_cache, name=name, steps=steps)
         self.run_dir = root / "runs" / name
         self.rng = random.Random(SEED)
         self.launches = 0
@@ -100,7 +101,7 @@ class Campaign:
         stopped = [line for line in out.splitlines() if line.startswith("stopped")]
         steps = self.committed()
         done = (
-            f"committed through step {steps[-1]} of {STEPS} in {self.run_dir}"
+            f"committed through step {steps[-1]} of {self.steps} in {self.run_dir}"
             if steps
             else f"no step committed yet in {self.run_dir}"
         )
@@ -242,17 +243,19 @@ class Campaign:
         if final:
             for kind in ("rollouts", "batches", "checkpoints"):
                 found = sorted(p.name for p in (self.run_dir / kind).iterdir())
-                assert found == sorted(f"step={s}" for s in range(1, STEPS + 1)), (kind, found)
+                assert found == sorted(f"step={s}" for s in range(1, self.steps + 1)), (kind, found)
             metrics = sorted(
                 int(p.stem.split("=")[1]) for p in self.run_dir.glob("metrics/*.parquet")
             )
-            assert metrics == list(range(0, STEPS + 1))
+            assert metrics == list(range(0, self.steps + 1))
             assert self.events()[-1]["event"] == "training_finished"
 
 
-def open_campaign(tmp_path_factory, model_cache: Path, name: str) -> Iterator[Campaign]:
+def open_campaign(
+    tmp_path_factory, model_cache: Path, name: str, steps: int = STEPS
+) -> Iterator[Campaign]:
     """A test file's campaign: its own run directory (a module-scoped fixture's body)."""
-    c = Campaign(tmp_path_factory.mktemp(name), model_cache, name=name)
+    c = Campaign(tmp_path_factory.mktemp(name), model_cache, name=name, steps=steps)
     yield c
     c.close()
 

@@ -55,6 +55,8 @@ class DeployedRun:
     pools: dict[str, str]  # every pool of prefect.yaml: name -> type, as the server holds it
     redeploy_output: list[str]  # a second `rollflow deploy`, after the run
     deployments: list[str]  # flow/deployment names on the server after it
+    scale_flow_run: dict = field(default_factory=dict)  # rollflow-scale/fleet's, during the run
+    fleet_control: dict | None = None  # control/fleet.json after it
     left_over: list[str] = field(default_factory=list)  # processes of the test alive after the stop
     groups_alive: list[str] = field(default_factory=list)  # process groups alive after the stop
 
@@ -213,9 +215,40 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
                 "CANCELLED",
             )
 
+        # The fleet's Prefect action while the run runs: ask it for the one server it has (a
+        # grow is tested on real vLLM in test_chaos_run; here, the action's path through Prefect).
+        config_json = storage / "quickstart" / "config.json"
+        wait_until(lambda: config_json.exists() or finished(), 180, "the run's config.json", logs)
+        scaled = subprocess.run(
+            [
+                *PREFECT,
+                "deployment",
+                "run",
+                "rollflow-scale/fleet",
+                *("-p", "run=quickstart", "-p", "servers=1", "-p", f"storage={storage}"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+        scale_run_id = re.search(r"UUID: ([0-9a-f-]{36})", scaled.stdout).group(1)
+
+        def ended(run_id: str) -> dict | None:
+            state = _read(api, f"/flow_runs/{run_id}")["state"]
+            terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+            return state if state is not None and state["type"] in terminal else None
+
         wait_until(finished, RUN_DEADLINE_S, "the deployment's flow run finished", logs)
+        wait_until(lambda: ended(scale_run_id), 120, "the fleet action's flow run finished", logs)
         record = _read_back(api, flow_run_id, storage, deploy.stdout)
         assert record.flow_run["state"] == "COMPLETED", f"{record.flow_run}\n{logs()}"
+        state = ended(scale_run_id)
+        record.scale_flow_run = {"state": state["type"], "message": state.get("message")}
+        control = storage / "quickstart" / "control" / "fleet.json"
+        record.fleet_control = json.loads(control.read_text()) if control.exists() else None
     finally:
         for service in reversed(services):  # the worker before the server it reports to
             service.stop()

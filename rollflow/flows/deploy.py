@@ -21,6 +21,10 @@ FLOW_NAME = "rl-run"  # the run flow's name (rl_run.py): deployments are rl-run/
 # The deployments' flow (deployments.py), named as Prefect loads it. Not imported here: `rollflow
 # deploy` reads its parameter schema from the source, without importing torch (test_deploy checks it).
 ENTRYPOINT = "rollflow/flows/deployments.py:rl_run_config"
+# The fleet's Prefect action (scale.py): `rollflow-scale/fleet`, registered beside any run's.
+SCALE_FLOW_NAME = "rollflow-scale"
+SCALE_ENTRYPOINT = "rollflow/flows/scale.py:scale_fleet"
+FLOWS = {ENTRYPOINT: FLOW_NAME, SCALE_ENTRYPOINT: SCALE_FLOW_NAME}  # entrypoint → flow name
 DEFAULT_POOL = "rollflow-cpu"
 
 
@@ -30,8 +34,9 @@ def plan_deployments(
     """The deployments to register, as prefect.yaml entries with their work pool resolved.
 
     No ``configs``: every deployment of the file. Otherwise one per config: the file's entry for
-    that config if it has one, else ``rl-run/<file stem>`` on the default pool. ``pool`` moves
-    them all to another pool of the file's ``definitions.work_pools``.
+    that config if it has one, else ``rl-run/<file stem>`` on the default pool; and the file's
+    deployments of rollflow's other flows (the fleet's ``rollflow-scale``), which serve every
+    run. ``pool`` moves them all to another pool of the file's ``definitions.work_pools``.
     """
     root = prefect_file.resolve().parent  # the pull step needs an absolute directory
     doc = _read_prefect_file(prefect_file)
@@ -43,7 +48,18 @@ def plan_deployments(
         raise InputError(
             f"unknown work pool {pool!r}; {prefect_file} defines {', '.join(sorted(pools))}"
         )
-    chosen = [copy.deepcopy(d) for d in listed] if not configs else []
+    for entry in listed:
+        entrypoint = entry.get("entrypoint", ENTRYPOINT)
+        if entrypoint not in FLOWS:
+            raise InputError(
+                f"{prefect_file}: deployment {entry.get('name')!r} has entrypoint {entrypoint!r}, "
+                f"not one of rollflow's flows ({', '.join(sorted(FLOWS))})"
+            )
+    chosen = [
+        copy.deepcopy(d)
+        for d in listed
+        if not configs or d.get("entrypoint", ENTRYPOINT) != ENTRYPOINT
+    ]
     for path in configs:
         rel = _config_parameter(Path(path), root)
         entry = next((d for d in listed if (d.get("parameters") or {}).get("config") == rel), None)
@@ -75,7 +91,8 @@ def plan_deployments(
                 }
             ]
         )
-        _check_config(entry, root)
+        if entry.get("entrypoint", ENTRYPOINT) == ENTRYPOINT:
+            _check_config(entry, root)
     if not chosen:
         raise InputError(
             f"{prefect_file} lists no deployments; name a config: rollflow deploy configs/quickstart.toml"
@@ -105,10 +122,11 @@ def deploy(
     with get_client(sync_client=True) as client:
         for pool_def in {e["work_pool"]["name"]: e["work_pool"] for e in entries}.values():
             out(ensure_work_pool(client, pool_def, root))
-        flow_id = client.create_flow_from_name(FLOW_NAME)
         for entry in entries:
             work_pool = entry["work_pool"]
             entrypoint = entry.get("entrypoint", ENTRYPOINT)
+            flow_name = FLOWS[entrypoint]
+            flow_id = client.create_flow_from_name(flow_name)
             if entrypoint not in schemas:
                 path, _, name = entrypoint.partition(":")
                 schemas[entrypoint] = parameter_schema_from_entrypoint(
@@ -129,16 +147,16 @@ def deploy(
                 pull_steps=entry["pull"],
                 enforce_parameter_schema=False,
             )
-            names.append(f"{FLOW_NAME}/{entry['name']}")
-            out(
-                f"deployment {names[-1]} on pool {work_pool['name']} "
-                f"(config {parameters.get('config')!r}) registered at {url}"
-            )
-    first = entries[0]
-    out(
-        f"next: start a worker with `prefect worker start --pool {first['work_pool']['name']}`, then run "
-        f"`prefect deployment run '{names[0]}' -p overrides='[\"run.num_steps=10\"]'`"
-    )
+            names.append(f"{flow_name}/{entry['name']}")
+            what = f"config {parameters.get('config')!r}" if flow_name == FLOW_NAME else "a tool"
+            out(f"deployment {names[-1]} on pool {work_pool['name']} ({what}) registered at {url}")
+    runs = [e for e in entries if e.get("entrypoint", ENTRYPOINT) == ENTRYPOINT]
+    if runs:
+        out(
+            f"next: start a worker with `prefect worker start --pool {runs[0]['work_pool']['name']}`, "
+            f"then run `prefect deployment run '{FLOW_NAME}/{runs[0]['name']}' "
+            f"-p overrides='[\"run.num_steps=10\"]'`"
+        )
     return names
 
 

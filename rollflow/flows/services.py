@@ -354,7 +354,7 @@ class RunServices:
                 error=str(joining.error),
             )
             return
-        with self.weights_lock:  # no sync meanwhile: the group changes
+        with self._weights_turn(f"{sup.name} joining"):  # no sync meanwhile: the group changes
             self.supervisors = sorted([*self.supervisors, sup], key=lambda s: s.index)
             try:
                 version = self._rejoin()
@@ -393,6 +393,17 @@ class RunServices:
             f"{info['servers']} server(s)"
         )
 
+    @contextlib.contextmanager
+    def _weights_turn(self, what: str):
+        """The weight group's lock, within the longest a sync holding it may take."""
+        timeout_s = 2 * self.cfg.trainer.weight_sync_timeout_s + 30.0
+        if not self.weights_lock.acquire(timeout=timeout_s):
+            raise ServiceError(f"{what}: the weight group stayed busy for {timeout_s:.0f}s")
+        try:
+            yield
+        finally:
+            self.weights_lock.release()
+
     def _leaver(self) -> InferenceSupervisor:
         dead = [sup for sup in self.supervisors if not sup.server.is_alive()]
         return (dead or self.supervisors)[-1]
@@ -402,7 +413,7 @@ class RunServices:
         others, the weight group formed anew without it."""
         start = time.monotonic()
         preempted = not sup.server.is_alive()
-        with self.weights_lock:
+        with self._weights_turn(f"{sup.name} leaving"):
             self.fleet.remove(sup.index)
             self.supervisors.remove(sup)
             sup.retire(timeout_s=10.0)

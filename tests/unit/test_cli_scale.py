@@ -34,8 +34,8 @@ def test_scale_asks_the_run_and_a_rerun_reads_the_same(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("servers", "setup", "expected"),
     [
-        (2, {}, "has room for 1 to 1 server(s) (inference.max_servers)"),
-        (0, {"max_servers": 2}, "--servers 0: run 'grow' has room for 1 to 2"),
+        (2, {}, "2 server(s): run 'grow' has room for 1 to 1 server(s) (inference.max_servers)"),
+        (0, {"max_servers": 2}, "0 server(s): run 'grow' has room for 1 to 2"),
         (1, None, "no run 'grow' in"),
         (1, "finished", "has finished training"),
     ],

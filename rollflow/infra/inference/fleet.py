@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rollflow.infra.storage import RunStorage
@@ -113,3 +113,45 @@ def asked_servers(storage: RunStorage) -> int | None:
             "write it with `rollflow scale RUN --servers N`"
         )
     return servers
+
+
+def scale_run(
+    run: str,
+    servers: int,
+    storage_root: str = "runs",
+    options: dict[str, Any] | None = None,
+    by: str = "rollflow scale",
+) -> str:
+    """Ask run ``run`` (in ``storage_root``) for ``servers`` vLLM servers; returns what was done.
+    Raises ``InputError`` naming what is wrong (no such run, no room for N, a finished run),
+    having written nothing. ``rollflow scale`` and the ``rollflow-scale`` deployment call it."""
+    from rollflow.infra.config import ConfigError, validate_config
+    from rollflow.infra.errors import InputError
+    from rollflow.infra.events import Event, has_event
+    from rollflow.infra.storage import RunStorage
+
+    storage = RunStorage(storage_root, run, options)
+    config = storage.read_json("config.json")
+    if config is None:
+        raise InputError(
+            f"no run {run!r} in {storage.uri} (no config.json); is the storage the run's "
+            "run.storage?"
+        )
+    try:
+        slots = validate_config(config).inference.fleet_slots()
+    except ConfigError as exc:
+        raise InputError(f"{storage.path('config.json')}: {exc}") from None
+    if not 1 <= servers <= slots:
+        raise InputError(
+            f"{servers} server(s): run {run!r} has room for 1 to {slots} server(s) "
+            "(inference.max_servers); a run placed for more must be started with a higher "
+            "inference.max_servers"
+        )
+    if has_event(storage, Event.TRAINING_FINISHED):
+        raise InputError(f"run {run!r} has finished training: there is no fleet to scale")
+    ask_for_servers(storage, servers, by=by)
+    return (
+        f"asked run {run!r} for {servers} vLLM server(s) ({storage.path(FLEET_CONTROL)}); a "
+        "running run applies it within seconds (its log says when, events.jsonl records "
+        "fleet_changed), a rerun starts with it"
+    )

@@ -12,7 +12,10 @@ launch resuming where the last one stopped (tests/chaos_support.py):
    a step: the run stops within 30 s and prints one line (no traceback) saying what is committed
    and the command that resumes it;
 3. the vLLM server is killed mid-step (frozen first, so that requests are surely in flight): the
-   run notices within 30 s, restarts it, retries its rollouts and goes on (until the SIGTERM).
+   run notices within 30 s, restarts it, retries its rollouts and goes on (until the SIGTERM);
+4. the inference fleet grows from one server to two while the run runs (`rollflow scale`), and
+   shrinks back when server 1 is preempted (asked to go and SIGKILLed at once); the run
+   completes, every step once, with nobody rerunning anything.
 
 After every fault no process of the run is left, and storage holds every committed step once:
 rollouts, batches, metrics and checkpoints, checked with DuckDB. Part 2, with a run directory of
@@ -21,6 +24,7 @@ its own: test_chaos_trainer.py.
 
 from __future__ import annotations
 
+import itertools
 import re
 import signal
 import time
@@ -29,7 +33,9 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from chaos_support import SEED, Campaign, open_campaign, service_process
+from rollflow.cli import main as rollflow
+
+from chaos_support import SEED, STEPS, Campaign, open_campaign, service_process, service_processes
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -38,7 +44,8 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 def campaign(tmp_path_factory, model_cache) -> Iterator[Campaign]:
     # The session's Prefect API for the launches saves its start-up each time; one launch starts
     # its own, as a run without a configured server does (and it must die with the run).
-    yield from open_campaign(tmp_path_factory, model_cache, "chaos-run")
+    # Room for the fleet's grow (a vLLM start, ~10 tiny steps) in the last launch.
+    yield from open_campaign(tmp_path_factory, model_cache, "chaos-run", steps=STEPS + 16)
 
 
 def test_sigkill_during_service_start_up(campaign):
@@ -133,3 +140,48 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on_until_sigterm(cam
     assert after["retries_total"] > (0 if before is None or before != before else before)
     assert "inference: restarted in" in c.output()
     print(f"seed {SEED}: then {c.stop_at_random_point(proc, step + 2, signal.SIGTERM)}")
+
+
+def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_completes(campaign):
+    """`rollflow scale` to 2 once this launch has published weights: server 1 starts, joins the
+    weight group, and serves; then `rollflow scale` to 1 and server 1 SIGKILLed at once (a
+    preemption): it leaves (not restarted), its requests are retried on server 0. Exit 0, every
+    step once, and the steps' metrics show the fleet over time."""
+    c = campaign
+    proc = c.launch("inference.max_servers=2")
+    first = len(c.committed()) + 1
+    c.wait_for(proc, lambda: c.published_now(first), f"weights_published({first})")
+    scale = ["scale", c.name, "--storage", str(c.run_dir.parent), "--servers"]
+    assert rollflow([*scale, "2"]) == 0
+
+    def fleet_event(key: str) -> dict | None:
+        changes = [e for e in c.events(now=True) if e["event"] == "fleet_changed"]
+        return next((e for e in changes if key in e), None)
+
+    c.wait_for(proc, lambda: fleet_event("joined") is not None, "server 1 joined", timeout_s=300)
+    joined = fleet_event("joined")
+    grown = len(c.committed()) + 1  # sampled with both servers from here on
+    c.wait_for(proc, lambda: c.committed_now("checkpoints", grown), f"step {grown} committed")
+    port = joined["url"].rsplit(":", 1)[1]
+    [server1] = [
+        p for p in service_processes(c.root, "vllm.entrypoints") if port in " ".join(p.cmdline())
+    ]
+    assert rollflow([*scale, "1"]) == 0
+    server1.send_signal(signal.SIGKILL)
+    print(f"server 1 joined in {joined['join_s']:.0f}s; preempted after step {grown}")
+    c.wait_for(proc, lambda: fleet_event("left") is not None, "server 1 left", timeout_s=60)
+    left = fleet_event("left")
+    assert (left["servers"], left["left"], left["preempted"]) == (1, 1, True)
+    assert proc.wait(timeout=600) == 0, c.output()[-4000:]
+    assert "Traceback" not in c.output() and not re.search(r"^error: ", c.output(), re.M)
+    assert "fleet: vLLM server 1 joined in" in c.output()
+    assert "fleet: vLLM server 1 left (it had died)" in c.output()
+    c.assert_no_orphans()
+    c.assert_consistent(final=True)
+    fleet = [(step, c.metrics(step).get("inference_servers")) for step in range(first, c.steps + 1)]
+    # One server, then two, then one (a step that reused committed rollouts has no count).
+    sizes = [n for _, n in fleet if n is not None and n == n]
+    assert [n for n, _ in itertools.groupby(sizes)] == [1, 2, 1], fleet
+    end = c.metrics(c.steps)
+    assert end["inference/1/requests"] > 0 and end["inference/1/first_request_s"] >= 0
+    print(f"servers per step from step {first}: {fleet}")

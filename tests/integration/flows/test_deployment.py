@@ -77,7 +77,15 @@ def test_work_pools_of_prefect_yaml_are_accepted_by_the_server(deployed_run):
 
 def test_deploying_again_updates_in_place(deployed_run):
     assert "work pool rollflow-cpu (process): exists, left as it is" in deployed_run.redeploy_output
-    assert deployed_run.deployments == ["rl-run/quickstart"]
+    assert deployed_run.deployments == ["rl-run/quickstart", "rollflow-scale/fleet"]
+
+
+def test_the_fleet_action_asks_the_running_run_through_prefect(deployed_run):
+    """`prefect deployment run 'rollflow-scale/fleet'` while the run runs: a flow run on the
+    run's worker writes what `rollflow scale` writes."""
+    assert deployed_run.scale_flow_run["state"] == "COMPLETED", deployed_run.scale_flow_run
+    assert deployed_run.fleet_control["servers"] == 1
+    assert deployed_run.fleet_control["by"] == "prefect deployment rollflow-scale"
 
 
 def test_everything_the_test_started_is_gone(deployed_run):

@@ -11,7 +11,7 @@ from prefect.client.orchestration import PrefectClient
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from rollflow.cli import main
-from rollflow.flows.deploy import plan_deployments
+from rollflow.flows.deploy import SCALE_ENTRYPOINT, plan_deployments
 from rollflow.infra.config import resolve_config
 from rollflow.infra.errors import InputError
 from rollflow.infra.service import free_port
@@ -25,7 +25,8 @@ PREFECT_YAML = ROOT / "prefect.yaml"
 
 
 def test_every_deployment_of_prefect_yaml_runs_from_the_repository_root():
-    (quickstart,) = plan_deployments(PREFECT_YAML)
+    quickstart, fleet = plan_deployments(PREFECT_YAML)
+    assert fleet["entrypoint"] == SCALE_ENTRYPOINT and fleet["pull"] == quickstart["pull"]
     assert quickstart["name"] == "quickstart"
     assert quickstart["parameters"] == {"config": "configs/quickstart.toml", "overrides": []}
     assert (
@@ -40,7 +41,8 @@ def test_every_deployment_of_prefect_yaml_runs_from_the_repository_root():
 def test_a_config_not_in_prefect_yaml_gets_a_deployment_named_after_it(tmp_path):
     config = tmp_path / "math-gpu.toml"
     config.write_text((ROOT / "configs/quickstart.toml").read_text())
-    (entry,) = plan_deployments(PREFECT_YAML, [str(config)], pool="rollflow-gpu-kubernetes")
+    fleet, entry = plan_deployments(PREFECT_YAML, [str(config)], pool="rollflow-gpu-kubernetes")
+    assert fleet["name"] == "fleet"  # the fleet's action serves every run: always registered
     assert entry["name"] == "math-gpu"
     assert entry["parameters"]["config"] == str(config)  # outside the repository: absolute
     assert entry["work_pool"]["type"] == "kubernetes"
@@ -52,7 +54,7 @@ def test_a_config_not_in_prefect_yaml_gets_a_deployment_named_after_it(tmp_path)
 
 
 def test_a_listed_config_keeps_its_entry_and_moves_to_another_pool():
-    (entry,) = plan_deployments(
+    _, entry = plan_deployments(
         PREFECT_YAML, [str(ROOT / "configs/quickstart.toml")], pool="rollflow-gpu"
     )
     assert entry["name"] == "quickstart" and entry["work_pool"]["name"] == "rollflow-gpu"
@@ -77,6 +79,29 @@ def test_a_bad_config_fails_at_deploy_time_naming_the_deployment_and_key(tmp_pat
         match=r"(?s)rl-run/quickstart: .*unknown key 'train.lrr'; did you mean 'train.lr'",
     ):
         plan_deployments(bad)
+
+
+def test_an_entrypoint_that_is_not_a_rollflow_flow_is_named(tmp_path):
+    bad = tmp_path / "prefect.yaml"
+    bad.write_text(PREFECT_YAML.read_text().replace("scale.py:scale_fleet", "scale.py:nope"))
+    with pytest.raises(InputError, match=r"deployment 'fleet' has entrypoint .*scale.py:nope"):
+        plan_deployments(bad)
+
+
+def test_the_fleet_action_asks_the_run_as_rollflow_scale_does(tmp_path):
+    from rollflow.flows.scale import scale_fleet
+    from rollflow.infra.config import dump_config
+    from rollflow.infra.inference.fleet import asked_servers
+    from rollflow.infra.storage import RunStorage
+
+    storage = RunStorage(str(tmp_path), "quickstart")
+    cfg = resolve_config("configs/quickstart.toml", ["inference.max_servers=2"])
+    storage.write_json("config.json", dump_config(cfg))
+    with pytest.raises(InputError, match="has room for 1 to 2 server"):
+        scale_fleet.fn("quickstart", 3, str(tmp_path))
+    assert asked_servers(storage) is None
+    assert "asked run 'quickstart' for 2" in scale_fleet.fn("quickstart", 2, str(tmp_path))
+    assert asked_servers(storage) == 2
 
 
 def test_missing_files_say_what_to_do(tmp_path):

@@ -1,0 +1,48 @@
+"""What the run's services make of the fleet's control file (no server started: the decisions
+before any process; the grow and shrink themselves run on real vLLM in test_scale_out)."""
+
+from __future__ import annotations
+
+from rollflow.flows.services import RunServices
+from rollflow.infra.config import load_config
+from rollflow.infra.inference.fleet import FLEET_CONTROL, ask_for_servers
+from rollflow.infra.placement import Machine
+
+
+def services(tmp_path, *overrides: str) -> tuple[RunServices, list[str]]:
+    cfg = load_config(
+        None,
+        [
+            "model.path='unused'",
+            "envs=[{name='add'}]",
+            f"run.storage='{tmp_path}'",
+            "run.name='fleet'",
+            *overrides,
+        ],
+    )
+    said: list[str] = []
+    return RunServices(cfg, "unused", None, tmp_path / "logs", said.append, Machine(gpus=0)), said
+
+
+def test_a_rerun_starts_with_the_size_last_asked_within_the_slots(tmp_path):
+    run, _ = services(tmp_path, "inference.max_servers=3")
+    assert run._first_size() == 1  # nothing asked: inference.num_servers
+    ask_for_servers(run.storage, 3, by="test")
+    assert run._first_size() == 3
+    small, said = services(tmp_path, "inference.max_servers=2")  # a rerun placed for fewer
+    assert small._first_size() == 2 and small._asked() == 2
+    assert said == [
+        "fleet: 3 servers were asked but the plan has 2 slot(s) (inference.max_servers = 2); "
+        "growing to 2"
+    ]
+
+
+def test_a_control_file_edited_by_hand_is_said_once_and_changes_nothing(tmp_path):
+    run, said = services(tmp_path, "inference.max_servers=2")
+    (tmp_path / "fleet" / "control").mkdir(parents=True)
+    (tmp_path / "fleet" / FLEET_CONTROL).write_text('{"servers": "two"}')
+    for _ in range(3):  # the health loop reads it every 5 s
+        run.reconcile()
+    assert run._first_size() == 1 and run.supervisors == [] and run._joining is None
+    assert len(said) == 1 and "control/fleet.json holds" in said[0], said
+    assert "rollflow scale RUN --servers N" in said[0]
