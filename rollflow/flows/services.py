@@ -25,7 +25,13 @@ from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError, TrainerLost, WeightSyncError
 from rollflow.infra.events import Event, publish
 from rollflow.infra.http import Endpoint
-from rollflow.infra.inference.fleet import Fleet, asked_servers, register_fleet, unregister_fleet
+from rollflow.infra.inference.fleet import (
+    Fleet,
+    asked_servers,
+    record_fleet,
+    register_fleet,
+    unregister_fleet,
+)
 from rollflow.infra.inference.supervisor import (
     HEALTH_PROBE_TIMEOUT_S,
     InferenceSupervisor,
@@ -166,6 +172,7 @@ class RunServices:
                 sup.open_gate(self._link())
                 self.fleet.add(sup.index, sup.url)
             register_fleet(cfg.run.name, self.fleet)
+            self._record_fleet()
         except BaseException:
             self.stop()
             raise
@@ -387,11 +394,15 @@ class RunServices:
             "join_s": joining.elapsed(),
             "version": version,
         }
+        self._record_fleet()
         publish(self.storage, Event.FLEET_CHANGED, **info)
         self.progress(
             f"fleet: {sup.name} joined in {info['join_s']:.0f}s, serving policy version {version}; "
             f"{info['servers']} server(s)"
         )
+
+    def _record_fleet(self) -> None:
+        record_fleet(self.storage, self.cfg.inference.fleet_slots(), self.fleet)
 
     @contextlib.contextmanager
     def _weights_turn(self, what: str):
@@ -425,6 +436,7 @@ class RunServices:
             "leave_s": time.monotonic() - start,
             "version": version,
         }
+        self._record_fleet()
         publish(self.storage, Event.FLEET_CHANGED, **info)
         self.progress(
             f"fleet: {sup.name} left{' (it had died)' if preempted else ''} in "

@@ -8,7 +8,7 @@ import pytest
 
 from rollflow.cli import main
 from rollflow.infra.config import dump_config, validate_config
-from rollflow.infra.inference.fleet import FLEET_CONTROL, asked_servers
+from rollflow.infra.inference.fleet import FLEET_CONTROL, Fleet, asked_servers, record_fleet
 from rollflow.infra.storage import RunStorage
 
 
@@ -59,3 +59,15 @@ def test_a_control_file_edited_by_hand_is_named_with_how_to_write_it(tmp_path, c
     (tmp_path / "grow" / FLEET_CONTROL).write_text(content)
     with pytest.raises(ValueError, match=r"control/fleet.json .*rollflow scale RUN --servers N"):
         asked_servers(storage)
+
+
+def test_the_room_is_the_running_launchs_when_it_was_placed_for_more_than_the_first_config(
+    tmp_path,
+):
+    """config.json keeps a run's first config; a rerun with inference.max_servers=2 records its
+    own slots (control/fleet-state.json), and those are what `rollflow scale` allows."""
+    storage = a_run(tmp_path)  # first config: one slot
+    assert main(["scale", "grow", "--servers", "2", "--storage", str(tmp_path)]) == 2
+    record_fleet(storage, 2, Fleet(["http://127.0.0.1:9"]))  # what the rerun's services write
+    assert main(["scale", "grow", "--servers", "2", "--storage", str(tmp_path)]) == 0
+    assert asked_servers(storage) == 2

@@ -84,6 +84,13 @@ def fleet_of(run: str) -> Fleet | None:
 # ------------------------------------------------------------------ the control file
 
 FLEET_CONTROL = "control/fleet.json"  # in the run's storage: the size the fleet is asked to be
+FLEET_STATE = "control/fleet-state.json"  # written by the run: its slots and serving servers
+
+
+def record_fleet(storage: RunStorage, slots: int, fleet: Fleet) -> None:
+    """The run's own word on its fleet: how many slots its plan has (a rerun may be placed for
+    more or fewer than the first config says) and which serve now."""
+    storage.write_json(FLEET_STATE, {"slots": slots, "serving": list(fleet.members())})
 
 
 def ask_for_servers(storage: RunStorage, servers: int, by: str) -> dict:
@@ -137,10 +144,14 @@ def scale_run(
             f"no run {run!r} in {storage.uri} (no config.json); is the storage the run's "
             "run.storage?"
         )
-    try:
-        slots = validate_config(config).inference.fleet_slots()
-    except ConfigError as exc:
-        raise InputError(f"{storage.path('config.json')}: {exc}") from None
+    state = storage.read_json(FLEET_STATE)  # the running (or last) launch's plan
+    if isinstance(state, dict) and isinstance(state.get("slots"), int):
+        slots = state["slots"]
+    else:  # not started yet: its first config's
+        try:
+            slots = validate_config(config).inference.fleet_slots()
+        except ConfigError as exc:
+            raise InputError(f"{storage.path('config.json')}: {exc}") from None
     if not 1 <= servers <= slots:
         raise InputError(
             f"{servers} server(s): run {run!r} has room for 1 to {slots} server(s) "
