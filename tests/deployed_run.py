@@ -1,6 +1,11 @@
 """A run made the way a Prefect user makes one: a real ``prefect server``, ``rollflow deploy``,
 a process worker, and ``prefect deployment run 'rl-run/quickstart' -p overrides=[...]``.
 
+While it runs, the fleet's action (``rollflow-scale/fleet``) asks it for its one server, and once
+step 1 is committed its flow run's process is SIGKILLed (a lost process: its worker reports it
+Crashed); the heal automation reruns it (``rollflow-heal/crashed-run``), and the rerun resumes
+after step 1 and completes. The record is of the rerun, with the step flow runs of both.
+
 ``make_deployed_run`` does all of it once per test session (tests/conftest.py, ``deployed_run``),
 records what the tests check (the flow run, its artifacts read back through the client, the
 processes left after the stop) and stops everything it started before returning.
@@ -17,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from uuid import UUID
 
 import httpx
 import psutil
@@ -56,6 +62,8 @@ class DeployedRun:
     redeploy_output: list[str]  # a second `rollflow deploy`, after the run
     deployments: list[str]  # flow/deployment names on the server after it
     scale_flow_run: dict = field(default_factory=dict)  # rollflow-scale/fleet's, during the run
+    crashed: dict = field(default_factory=dict)  # the killed flow run: id, state, message
+    heal_flow_runs: list[dict] = field(default_factory=list)  # rollflow-heal's: state, result
     fleet_control: dict | None = None  # control/fleet.json after it
     left_over: list[str] = field(default_factory=list)  # processes of the test alive after the stop
     groups_alive: list[str] = field(default_factory=list)  # process groups alive after the stop
@@ -241,10 +249,26 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
             return state if state is not None and state["type"] in terminal else None
 
-        wait_until(finished, RUN_DEADLINE_S, "the deployment's flow run finished", logs)
+        # The run flow's process killed once step 1 is committed; its services die with it.
+        committed = storage / "quickstart" / "checkpoints" / "step=1" / "_SUCCESS"
+        wait_until(lambda: committed.exists() or finished(), RUN_DEADLINE_S, "step 1", logs)
+        assert not ended(flow_run_id), f"the run ended before it could be killed\n{logs()}"
+        _flow_run_process(str(tmp), flow_run_id).send_signal(signal.SIGKILL)
+        wait_until(lambda: ended(flow_run_id), 60, "the killed flow run reported", logs)
+        rerun_tag = f"rollflow-rerun-of:{flow_run_id}"
+        wait_until(lambda: _tagged(api, rerun_tag), 120, "the heal automation's rerun", logs)
+        rerun_id = _tagged(api, rerun_tag)[0]["id"]
+        wait_until(lambda: ended(rerun_id), RUN_DEADLINE_S, "the rerun finished", logs)
         wait_until(lambda: ended(scale_run_id), 120, "the fleet action's flow run finished", logs)
-        record = _read_back(api, flow_run_id, storage, deploy.stdout)
+        record = _read_back(api, rerun_id, storage, deploy.stdout, earlier=[flow_run_id])
         assert record.flow_run["state"] == "COMPLETED", f"{record.flow_run}\n{logs()}"
+        crashed = ended(flow_run_id)
+        record.crashed = {
+            "id": flow_run_id,
+            "state": crashed["type"],
+            "message": crashed["message"],
+        }
+        record.heal_flow_runs = _heal_flow_runs(api)
         state = ended(scale_run_id)
         record.scale_flow_run = {"state": state["type"], "message": state.get("message")}
         control = storage / "quickstart" / "control" / "fleet.json"
@@ -275,8 +299,44 @@ def _read(api: str, path: str) -> dict:
     return response.json()
 
 
-def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) -> DeployedRun:
-    """What the tests check, read through the Prefect client while the server still runs."""
+def _flow_run_process(marker: str, flow_run_id: str) -> psutil.Process:
+    """The process a worker started for flow run ``flow_run_id`` (its services, which inherit
+    its environment, are its descendants)."""
+
+    def of_run(p: psutil.Process) -> bool:
+        try:
+            return p.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id
+        except psutil.Error:
+            return False
+
+    found = [p for p in processes_marked(marker) if of_run(p)]
+    roots = [p for p in found if not of_run(p.parent())]
+    assert len(roots) == 1, [" ".join(p.cmdline())[:120] for p in found]
+    return roots[0]
+
+
+def _tagged(api: str, tag: str) -> list[dict]:
+    response = http.client().post(
+        f"{api}/flow_runs/filter", json={"flow_runs": {"tags": {"all_": [tag]}}}, timeout=10
+    )
+    response.raise_for_status()
+    return response.json()
+
+
+def _heal_flow_runs(api: str) -> list[dict]:
+    response = http.client().post(
+        f"{api}/flow_runs/filter", json={"flows": {"name": {"any_": ["rollflow-heal"]}}}, timeout=10
+    )
+    response.raise_for_status()
+    return [{"state": r["state"]["type"], "name": r["name"]} for r in response.json()]
+
+
+def _read_back(
+    api: str, flow_run_id: str, storage: Path, deploy_output: str, earlier: list[str] = ()
+) -> DeployedRun:
+    """What the tests check, read through the Prefect client while the server still runs: the
+    flow run ``flow_run_id``, and the completed step flow runs under it and the ``earlier``
+    flow runs of the run (those a crash cut short)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -288,9 +348,12 @@ def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) ->
         parent = client.read_flow_run(flow_run_id)
         steps = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(
+                    any_=[parent.id, *map(UUID, earlier)]
+                )
             )
         )
+        steps = [s for s in steps if s.state is not None and s.state.is_completed()]
         run_ids = {parent.id, *(s.id for s in steps)}
         artifacts = [
             {
@@ -318,7 +381,12 @@ def _read_back(api: str, flow_run_id: str, storage: Path, deploy_output: str) ->
         storage=storage,
         run="quickstart",
         deploy_output=deploy_output,
-        flow_run={"id": str(parent.id), "name": parent.name, "state": parent.state.type.value},
+        flow_run={
+            "id": str(parent.id),
+            "name": parent.name,
+            "state": parent.state.type.value,
+            "tags": list(parent.tags),
+        },
         step_flow_runs=sorted(
             ({"name": s.name, "id": s.id} for s in steps), key=lambda s: s["name"]
         ),

@@ -24,7 +24,14 @@ ENTRYPOINT = "rollflow/flows/deployments.py:rl_run_config"
 # The fleet's Prefect action (scale.py): `rollflow-scale/fleet`, registered beside any run's.
 SCALE_FLOW_NAME = "rollflow-scale"
 SCALE_ENTRYPOINT = "rollflow/flows/scale.py:scale_fleet"
-FLOWS = {ENTRYPOINT: FLOW_NAME, SCALE_ENTRYPOINT: SCALE_FLOW_NAME}  # entrypoint → flow name
+# Machine loss (heal.py): `rollflow-heal/crashed-run`, which the heal automations run.
+HEAL_FLOW_NAME = "rollflow-heal"
+HEAL_ENTRYPOINT = "rollflow/flows/heal.py:heal_crashed_run"
+FLOWS = {  # entrypoint → flow name
+    ENTRYPOINT: FLOW_NAME,
+    SCALE_ENTRYPOINT: SCALE_FLOW_NAME,
+    HEAL_ENTRYPOINT: HEAL_FLOW_NAME,
+}
 DEFAULT_POOL = "rollflow-cpu"
 
 
@@ -150,6 +157,13 @@ def deploy(
             names.append(f"{flow_name}/{entry['name']}")
             what = f"config {parameters.get('config')!r}" if flow_name == FLOW_NAME else "a tool"
             out(f"deployment {names[-1]} on pool {work_pool['name']} ({what}) registered at {url}")
+        healers = [
+            e for e in entries if e.get("entrypoint") == HEAL_ENTRYPOINT
+        ]  # the heal automations run the heal deployment: made for it, and kept current
+        if healers:
+            heal = client.read_deployment_by_name(f"{HEAL_FLOW_NAME}/{healers[0]['name']}")
+            for line in ensure_heal_automations(client, heal.id):
+                out(line)
     runs = [e for e in entries if e.get("entrypoint", ENTRYPOINT) == ENTRYPOINT]
     if runs:
         out(
@@ -158,6 +172,26 @@ def deploy(
             f"-p overrides='[\"run.num_steps=10\"]'`"
         )
     return names
+
+
+def ensure_heal_automations(client: Any, heal_deployment_id: Any) -> list[str]:
+    """Create the heal automations (``heal.py``) for the heal deployment, replacing any of the
+    same name (the deployment's id, the heartbeat interval may have changed); returns what was
+    done. The silent-run one waits ``heal.SILENT_HEARTBEATS`` × the heartbeat interval this
+    process's Prefect settings give (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, which the workers'
+    flow runs must share)."""
+    from prefect.settings import get_current_settings
+
+    from rollflow.flows.heal import heal_automations
+
+    heartbeat_s = get_current_settings().flows.heartbeat_frequency or 180
+    lines = []
+    for automation in heal_automations(heal_deployment_id, heartbeat_s):
+        for old in client.read_automations_by_name(automation.name):
+            client.delete_automation(old.id)
+        client.create_automation(automation)
+        lines.append(f"automation {automation.name!r} registered")
+    return lines
 
 
 def _read_prefect_file(path: Path) -> dict[str, Any]:

@@ -306,7 +306,7 @@ class RunServices:
         if target > len(self.supervisors):
             self._begin_join()
         else:
-            self._leave(self._leaver())
+            self._leave(*self._leaver())
 
     def _asked(self) -> int | None:
         """The fleet size asked, within 1..``inference.fleet_slots()`` (None: nothing asked, or
@@ -415,15 +415,16 @@ class RunServices:
         finally:
             self.weights_lock.release()
 
-    def _leaver(self) -> InferenceSupervisor:
-        dead = [sup for sup in self.supervisors if not sup.server.is_alive()]
-        return (dead or self.supervisors)[-1]
+    def _leaver(self) -> tuple[InferenceSupervisor, bool]:
+        """Which server leaves: one that does not serve (preempted: dead or not answering),
+        else the newest; and whether it was preempted."""
+        down = [sup for sup in self.supervisors if not sup.serving()]
+        return (down or self.supervisors)[-1], bool(down)
 
-    def _leave(self, sup: InferenceSupervisor) -> None:
+    def _leave(self, sup: InferenceSupervisor, preempted: bool) -> None:
         """Take ``sup``'s server out: no new request, its requests in flight retried on the
         others, the weight group formed anew without it."""
         start = time.monotonic()
-        preempted = not sup.server.is_alive()
         with self._weights_turn(f"{sup.name} leaving"):
             self.fleet.remove(sup.index)
             self.supervisors.remove(sup)
@@ -439,7 +440,7 @@ class RunServices:
         self._record_fleet()
         publish(self.storage, Event.FLEET_CHANGED, **info)
         self.progress(
-            f"fleet: {sup.name} left{' (it had died)' if preempted else ''} in "
+            f"fleet: {sup.name} left{' (it was down: preempted)' if preempted else ''} in "
             f"{info['leave_s']:.0f}s; {info['servers']} server(s) serve policy version {version}"
         )
 

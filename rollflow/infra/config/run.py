@@ -36,3 +36,9 @@ class RunSection(Section):
     checkpoint_every: int = Field(
         1, ge=1, description="Checkpoint every N steps; resume restarts after the last one."
     )
+    max_reruns: int = Field(
+        2,
+        ge=0,
+        description="Reruns of a crashed run flow (its process or host lost) that the "
+        "`rollflow-heal` automation starts, each resuming from storage (0: none).",
+    )

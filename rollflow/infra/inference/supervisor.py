@@ -163,6 +163,19 @@ class InferenceSupervisor:
             )
         return None
 
+    def serving(self, timeout_s: float = 2.0) -> bool:
+        """Whether the server runs and answers ``/health`` (a preempted one does neither; its
+        process may take a moment to be seen dead)."""
+        if not self.server.is_alive():
+            return False
+        try:
+            response = client().get(
+                f"{self.url}/health", headers=auth_headers(self.url), timeout=timeout_s
+            )
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
     def restart_deadline_s(self) -> float:
         """The longest a restart may take: start, weight group, the trainer's step, one sync."""
         c = self.cfg

@@ -14,8 +14,8 @@ launch resuming where the last one stopped (tests/chaos_support.py):
 3. the vLLM server is killed mid-step (frozen first, so that requests are surely in flight): the
    run notices within 30 s, restarts it, retries its rollouts and goes on (until the SIGTERM);
 4. the inference fleet grows from one server to two while the run runs (`rollflow scale`), and
-   shrinks back when server 1 is preempted (asked to go and SIGKILLed at once); the run
-   completes, every step once, with nobody rerunning anything.
+   shrinks back when server 1 is preempted (asked to go and SIGKILLed at once); the run goes on
+   with one server, every step once, until a SIGTERM.
 
 After every fault no process of the run is left, and storage holds every committed step once:
 rollouts, batches, metrics and checkpoints, checked with DuckDB. Part 2, with a run directory of
@@ -44,8 +44,9 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 def campaign(tmp_path_factory, model_cache) -> Iterator[Campaign]:
     # The session's Prefect API for the launches saves its start-up each time; one launch starts
     # its own, as a run without a configured server does (and it must die with the run).
-    # Room for the fleet's grow (a vLLM start, ~10 tiny steps) in the last launch.
-    yield from open_campaign(tmp_path_factory, model_cache, "chaos-run", steps=STEPS + 16)
+    # Room for the fleet's grow in the last launch: a vLLM start takes 20-90 s, a tiny step ~1 s
+    # (the launch is stopped once the fleet is back to one server).
+    yield from open_campaign(tmp_path_factory, model_cache, "chaos-run", steps=STEPS + 300)
 
 
 def test_sigkill_during_service_start_up(campaign):
@@ -142,11 +143,11 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on_until_sigterm(cam
     print(f"seed {SEED}: then {c.stop_at_random_point(proc, step + 2, signal.SIGTERM)}")
 
 
-def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_completes(campaign):
+def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_goes_on(campaign):
     """`rollflow scale` to 2 once this launch has published weights: server 1 starts, joins the
     weight group, and serves; then `rollflow scale` to 1 and server 1 SIGKILLed at once (a
-    preemption): it leaves (not restarted), its requests are retried on server 0. Exit 0, every
-    step once, and the steps' metrics show the fleet over time."""
+    preemption): it leaves (not restarted), its requests are retried on server 0, and the run
+    goes on with one server. Every step once, and the steps' metrics show the fleet over time."""
     c = campaign
     proc = c.launch("inference.max_servers=2")
     first = len(c.committed()) + 1
@@ -160,7 +161,7 @@ def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_completes(cam
 
     c.wait_for(proc, lambda: fleet_event("joined") is not None, "server 1 joined", timeout_s=300)
     joined = fleet_event("joined")
-    grown = len(c.committed()) + 1  # sampled with both servers from here on
+    grown = len(c.committed()) + 2  # sampled with both servers
     c.wait_for(proc, lambda: c.committed_now("checkpoints", grown), f"step {grown} committed")
     port = joined["url"].rsplit(":", 1)[1]
     [server1] = [
@@ -168,20 +169,25 @@ def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_completes(cam
     ]
     assert rollflow([*scale, "1"]) == 0
     server1.send_signal(signal.SIGKILL)
-    print(f"server 1 joined in {joined['join_s']:.0f}s; preempted after step {grown}")
     c.wait_for(proc, lambda: fleet_event("left") is not None, "server 1 left", timeout_s=60)
     left = fleet_event("left")
     assert (left["servers"], left["left"], left["preempted"]) == (1, 1, True)
-    assert proc.wait(timeout=600) == 0, c.output()[-4000:]
-    assert "Traceback" not in c.output() and not re.search(r"^error: ", c.output(), re.M)
-    assert "fleet: vLLM server 1 joined in" in c.output()
-    assert "fleet: vLLM server 1 left (it had died)" in c.output()
-    c.assert_no_orphans()
-    c.assert_consistent(final=True)
-    fleet = [(step, c.metrics(step).get("inference_servers")) for step in range(first, c.steps + 1)]
+    shrunk = len(c.committed()) + 2  # sampled with server 0 alone
+    c.wait_for(proc, lambda: c.committed_now("checkpoints", shrunk), f"step {shrunk} committed")
+    print(
+        f"server 1 joined in {joined['join_s']:.0f}s (version {joined['version']}); preempted "
+        f"after step {grown}, out in {left['leave_s']:.1f}s; then "
+        f"{c.stop_at_random_point(proc, shrunk + 1, signal.SIGTERM)}"
+    )
+    out = c.output()
+    assert "fleet: vLLM server 1 joined in" in out and "Traceback" not in out
+    assert "fleet: vLLM server 1 left (it was down: preempted)" in out
+    c.assert_consistent()
+    fleet = [
+        (step, c.metrics(step).get("inference_servers")) for step in c.committed()[first - 1 :]
+    ]
     # One server, then two, then one (a step that reused committed rollouts has no count).
     sizes = [n for _, n in fleet if n is not None and n == n]
     assert [n for n, _ in itertools.groupby(sizes)] == [1, 2, 1], fleet
-    end = c.metrics(c.steps)
+    end = c.metrics(c.committed()[-1])
     assert end["inference/1/requests"] > 0 and end["inference/1/first_request_s"] >= 0
-    print(f"servers per step from step {first}: {fleet}")

@@ -77,7 +77,24 @@ def test_work_pools_of_prefect_yaml_are_accepted_by_the_server(deployed_run):
 
 def test_deploying_again_updates_in_place(deployed_run):
     assert "work pool rollflow-cpu (process): exists, left as it is" in deployed_run.redeploy_output
-    assert deployed_run.deployments == ["rl-run/quickstart", "rollflow-scale/fleet"]
+    assert deployed_run.deployments == [
+        "rl-run/quickstart",
+        "rollflow-heal/crashed-run",
+        "rollflow-scale/fleet",
+    ]
+    assert "automation 'rollflow: rerun a crashed run' registered" in deployed_run.redeploy_output
+
+
+def test_a_run_whose_process_was_killed_is_rerun_by_prefect_and_resumes(deployed_run):
+    """The run flow's process SIGKILLed after step 1 (deployed_run.py): its worker reports it
+    Crashed, the heal automation runs rollflow-heal/crashed-run, which reruns the deployment
+    with the same parameters; the rerun resumes after step 1 and completes (every step once:
+    test_deployment_run_trains_and_commits_its_data), with nobody acting."""
+    assert deployed_run.crashed["state"] == "CRASHED", deployed_run.crashed
+    assert "exited with non-zero status code -9" in deployed_run.crashed["message"]
+    assert [h["state"] for h in deployed_run.heal_flow_runs] == ["COMPLETED"]
+    assert deployed_run.flow_run["id"] != deployed_run.crashed["id"]
+    assert "rollflow-rerun:1" in deployed_run.flow_run["tags"]
 
 
 def test_the_fleet_action_asks_the_running_run_through_prefect(deployed_run):

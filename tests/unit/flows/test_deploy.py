@@ -11,7 +11,7 @@ from prefect.client.orchestration import PrefectClient
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from rollflow.cli import main
-from rollflow.flows.deploy import SCALE_ENTRYPOINT, plan_deployments
+from rollflow.flows.deploy import HEAL_ENTRYPOINT, SCALE_ENTRYPOINT, plan_deployments
 from rollflow.infra.config import resolve_config
 from rollflow.infra.errors import InputError
 from rollflow.infra.service import free_port
@@ -25,8 +25,9 @@ PREFECT_YAML = ROOT / "prefect.yaml"
 
 
 def test_every_deployment_of_prefect_yaml_runs_from_the_repository_root():
-    quickstart, fleet = plan_deployments(PREFECT_YAML)
+    quickstart, fleet, heal = plan_deployments(PREFECT_YAML)
     assert fleet["entrypoint"] == SCALE_ENTRYPOINT and fleet["pull"] == quickstart["pull"]
+    assert heal["entrypoint"] == HEAL_ENTRYPOINT and heal["pull"] == quickstart["pull"]
     assert quickstart["name"] == "quickstart"
     assert quickstart["parameters"] == {"config": "configs/quickstart.toml", "overrides": []}
     assert (
@@ -41,8 +42,11 @@ def test_every_deployment_of_prefect_yaml_runs_from_the_repository_root():
 def test_a_config_not_in_prefect_yaml_gets_a_deployment_named_after_it(tmp_path):
     config = tmp_path / "math-gpu.toml"
     config.write_text((ROOT / "configs/quickstart.toml").read_text())
-    fleet, entry = plan_deployments(PREFECT_YAML, [str(config)], pool="rollflow-gpu-kubernetes")
-    assert fleet["name"] == "fleet"  # the fleet's action serves every run: always registered
+    fleet, heal, entry = plan_deployments(
+        PREFECT_YAML, [str(config)], pool="rollflow-gpu-kubernetes"
+    )
+    # The fleet's action and the heal serve every run: always registered.
+    assert (fleet["name"], heal["name"]) == ("fleet", "crashed-run")
     assert entry["name"] == "math-gpu"
     assert entry["parameters"]["config"] == str(config)  # outside the repository: absolute
     assert entry["work_pool"]["type"] == "kubernetes"
@@ -54,7 +58,7 @@ def test_a_config_not_in_prefect_yaml_gets_a_deployment_named_after_it(tmp_path)
 
 
 def test_a_listed_config_keeps_its_entry_and_moves_to_another_pool():
-    _, entry = plan_deployments(
+    *_, entry = plan_deployments(
         PREFECT_YAML, [str(ROOT / "configs/quickstart.toml")], pool="rollflow-gpu"
     )
     assert entry["name"] == "quickstart" and entry["work_pool"]["name"] == "rollflow-gpu"
