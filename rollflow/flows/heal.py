@@ -42,14 +42,16 @@ def reruns_of(tags: list[str]) -> int:
     name=HEAL_FLOW_NAME, flow_run_name="heal {flow_run_id}", persist_result=False, log_prints=True
 )
 def heal_crashed_run(flow_run_id: str) -> str:
-    """Start the crashed run flow run ``flow_run_id`` again (same deployment and parameters),
-    unless it is not a crashed run flow run, was already rerun, or used ``run.max_reruns``."""
+    """Start the crashed run flow run ``flow_run_id`` (its id, or its event resource id
+    ``prefect.flow-run.<id>``) again, with the same deployment and parameters, unless it is not
+    a crashed run flow run, was already rerun, or used ``run.max_reruns``."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.deployments import run_deployment
 
     from rollflow.infra.config import resolve_config
 
+    flow_run_id = flow_run_id.removeprefix("prefect.flow-run.")
     with get_client(sync_client=True) as client:
         crashed = client.read_flow_run(UUID(flow_run_id))
         what = f"flow run {crashed.name!r} ({flow_run_id})"
@@ -120,7 +122,9 @@ def heal_automations(heal_deployment_id: UUID, heartbeat_s: int) -> list:
                 RunDeployment(
                     source="selected",
                     deployment_id=heal_deployment_id,
-                    parameters={"flow_run_id": "{{ flow_run.id }}"},
+                    # The event's resource id, "prefect.flow-run.<id>" (a UUID does not render
+                    # through the action's JSON templating: InvalidJinja).
+                    parameters={"flow_run_id": "{{ event.resource.id }}"},
                 )
             ],
         ),
