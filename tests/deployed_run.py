@@ -63,7 +63,8 @@ class DeployedRun:
     deployments: list[str]  # flow/deployment names on the server after it
     scale_flow_run: dict = field(default_factory=dict)  # rollflow-scale/fleet's, during the run
     crashed: dict = field(default_factory=dict)  # the killed flow run: id, state, message
-    heal_flow_runs: list[dict] = field(default_factory=list)  # rollflow-heal's: state, result
+    heal_flow_runs: list[dict] = field(default_factory=list)  # rollflow-heal's: state, name
+    reruns: int = 0  # flow runs started for the crash
     fleet_control: dict | None = None  # control/fleet.json after it
     left_over: list[str] = field(default_factory=list)  # processes of the test alive after the stop
     groups_alive: list[str] = field(default_factory=list)  # process groups alive after the stop
@@ -269,6 +270,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             "message": crashed["message"],
         }
         record.heal_flow_runs = _heal_flow_runs(api)
+        record.reruns = len(_tagged(api, rerun_tag))
         state = ended(scale_run_id)
         record.scale_flow_run = {"state": state["type"], "message": state.get("message")}
         control = storage / "quickstart" / "control" / "fleet.json"

@@ -13,7 +13,8 @@
 its pool (any worker of it: another host when the first is gone). The new flow run resumes from
 the run's storage after its last committed step, as any rerun does, so every step is committed
 once. It reruns a run at most ``run.max_reruns`` times (counted along the chain of reruns by
-the tag ``rollflow-rerun:<n>``) and never twice for one crash (tag ``rollflow-rerun-of:<id>``).
+the tag ``rollflow-rerun:<n>``) and never twice for one crash (tag ``rollflow-rerun-of:<id>``,
+also the rerun's idempotency key: the server fired the automation twice for one crash once).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def heal_crashed_run(flow_run_id: str) -> str:
     from rollflow.infra.config import resolve_config
 
     flow_run_id = flow_run_id.removeprefix("prefect.flow-run.")
+    answered = f"{RERUN_OF_TAG}:{flow_run_id}"
     with get_client(sync_client=True) as client:
         crashed = client.read_flow_run(UUID(flow_run_id))
         what = f"flow run {crashed.name!r} ({flow_run_id})"
@@ -62,7 +64,6 @@ def heal_crashed_run(flow_run_id: str) -> str:
         flow_name = client.read_flow(crashed.flow_id).name
         if flow_name != FLOW_NAME:
             return _say(f"{what} is of flow {flow_name!r}, not {FLOW_NAME!r}: left as it is")
-        answered = f"{RERUN_OF_TAG}:{flow_run_id}"
         if client.read_flow_runs(
             flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[answered]))
         ):
@@ -78,6 +79,9 @@ def heal_crashed_run(flow_run_id: str) -> str:
         crashed.deployment_id,
         parameters=params,
         timeout=0,  # started, not waited for: it is a run of its own
+        # The server may fire the automation twice for one crash, and two heals may then pass
+        # the check above together: the key makes the server create one flow run for both.
+        idempotency_key=answered,
         tags=[
             *(t for t in crashed.tags if not t.startswith("rollflow-rerun")),
             f"{RERUN_TAG}:{done + 1}",

@@ -92,7 +92,11 @@ def test_a_run_whose_process_was_killed_is_rerun_by_prefect_and_resumes(deployed
     test_deployment_run_trains_and_commits_its_data), with nobody acting."""
     assert deployed_run.crashed["state"] == "CRASHED", deployed_run.crashed
     assert "exited with non-zero status code -9" in deployed_run.crashed["message"]
-    assert [h["state"] for h in deployed_run.heal_flow_runs] == ["COMPLETED"]
+    # The server may fire the automation more than once for one crash (seen: twice, its SQLite
+    # busy); the heal answers a crash once.
+    heals = [h["state"] for h in deployed_run.heal_flow_runs]
+    assert heals and set(heals) == {"COMPLETED"}, deployed_run.heal_flow_runs
+    assert deployed_run.reruns == 1
     assert deployed_run.flow_run["id"] != deployed_run.crashed["id"]
     assert "rollflow-rerun:1" in deployed_run.flow_run["tags"]
 

@@ -7,6 +7,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 from uuid import uuid4
 
+import pytest
 from prefect.client.schemas.objects import StateType
 
 from rollflow.flows.heal import (
@@ -60,3 +61,91 @@ def test_the_rerun_action_renders_the_crashed_flow_runs_id():
         raise_on_error=True, render_jinja=True, jinja_context={"event": event}
     )
     assert hydrate(params, context) == {"flow_run_id": "prefect.flow-run.1dd2de57"}
+
+
+class FakeClient:
+    """The Prefect client calls the heal makes, answered from a dict (the real chain runs on a
+    server in test_deployment.py)."""
+
+    def __init__(self, run, flow_name="rl-run", answered=()):
+        self.run, self.flow_name, self.answered = run, flow_name, list(answered)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read_flow_run(self, flow_run_id):
+        assert flow_run_id == self.run.id
+        return self.run
+
+    def read_flow(self, flow_id):
+        return SimpleNamespace(name=self.flow_name)
+
+    def read_flow_runs(self, flow_run_filter):
+        return self.answered
+
+
+def crashed_run(tags=(), overrides=()):
+    from prefect.states import Crashed
+
+    return SimpleNamespace(
+        id=uuid4(),
+        name="quickstart",
+        state=Crashed(message="exited with -9"),
+        state_type="CRASHED",
+        deployment_id=uuid4(),
+        flow_id=uuid4(),
+        parameters={"config": "configs/quickstart.toml", "overrides": list(overrides)},
+        tags=list(tags),
+    )
+
+
+@pytest.mark.parametrize(
+    ("run", "client_kwargs", "said"),
+    [
+        (crashed_run(["rollflow-rerun:2"]), {}, "not rerun: 2 of run.max_reruns = 2 used"),
+        (crashed_run(overrides=["run.max_reruns=0"]), {}, "0 of run.max_reruns = 0 used"),
+        (crashed_run(), {"flow_name": "rl-step"}, "not 'rl-run': left as it is"),
+        (crashed_run(), {"answered": ["a rerun"]}, "was already rerun"),
+    ],
+)
+def test_a_crash_that_is_not_the_heals_to_answer_starts_nothing(
+    monkeypatch, run, client_kwargs, said
+):
+    import prefect.client.orchestration
+    import prefect.deployments
+
+    from rollflow.flows.heal import heal_crashed_run
+
+    started = []
+    monkeypatch.setattr(
+        prefect.client.orchestration, "get_client", lambda **kw: FakeClient(run, **client_kwargs)
+    )
+    monkeypatch.setattr(prefect.deployments, "run_deployment", lambda *a, **kw: started.append(kw))
+    assert said in heal_crashed_run.fn(f"prefect.flow-run.{run.id}")
+    assert started == []
+
+
+def test_a_crashed_run_is_rerun_with_its_parameters_and_the_next_count(monkeypatch):
+    import prefect.client.orchestration
+    import prefect.deployments
+
+    from rollflow.flows.heal import heal_crashed_run
+
+    run = crashed_run(["rollflow", "rollflow-rerun:1", "rollflow-rerun-of:x"])
+    started = []
+
+    def run_deployment(deployment_id, **kw):
+        started.append((deployment_id, kw))
+        return SimpleNamespace(name="quickstart", id=uuid4())
+
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda **kw: FakeClient(run))
+    monkeypatch.setattr(prefect.deployments, "run_deployment", run_deployment)
+    said = heal_crashed_run.fn(str(run.id))
+    assert "rerun 2 of 2" in said
+    ((deployment_id, kw),) = started
+    assert deployment_id == run.deployment_id and kw["parameters"] == run.parameters
+    assert kw["tags"] == ["rollflow", "rollflow-rerun:2", f"rollflow-rerun-of:{run.id}"]
+    assert kw["idempotency_key"] == f"rollflow-rerun-of:{run.id}" and kw["timeout"] == 0
