@@ -195,60 +195,27 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
 
         storage = tmp / "runs"
         overrides = [f"run.storage={storage}", f"model.cache_dir={tmp / 'models'}", *TINY]
-        started = subprocess.run(
-            [
-                *PREFECT,
-                "deployment",
-                "run",
-                "rl-run/quickstart",
-                "-p",
-                f"overrides={json.dumps(overrides)}",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=120,
+        flow_run_id = _deployment_run(
+            env, "rl-run/quickstart", f"overrides={json.dumps(overrides)}"
         )
-        assert started.returncode == 0, started.stdout + started.stderr
-        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
 
-        def finished() -> bool:
+        def ended(run_id: str) -> dict | None:
             for service in services:
                 assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
-            state = _read(api, f"/flow_runs/{flow_run_id}")["state"]
-            return state is not None and state["type"] in (
-                "COMPLETED",
-                "FAILED",
-                "CRASHED",
-                "CANCELLED",
-            )
+            state = _read(api, f"/flow_runs/{run_id}")["state"]
+            terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+            return state if state is not None and state["type"] in terminal else None
+
+        def finished() -> bool:
+            return ended(flow_run_id) is not None
 
         # The fleet's Prefect action while the run runs: ask it for the one server it has (a
         # grow is tested on real vLLM in test_chaos_run; here, the action's path through Prefect).
         config_json = storage / "quickstart" / "config.json"
         wait_until(lambda: config_json.exists() or finished(), 180, "the run's config.json", logs)
-        scaled = subprocess.run(
-            [
-                *PREFECT,
-                "deployment",
-                "run",
-                "rollflow-scale/fleet",
-                *("-p", "run=quickstart", "-p", "servers=1", "-p", f"storage={storage}"),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=120,
+        scale_run_id = _deployment_run(
+            env, "rollflow-scale/fleet", "run=quickstart", "servers=1", f"storage={storage}"
         )
-        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
-        scale_run_id = re.search(r"UUID: ([0-9a-f-]{36})", scaled.stdout).group(1)
-
-        def ended(run_id: str) -> dict | None:
-            state = _read(api, f"/flow_runs/{run_id}")["state"]
-            terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-            return state if state is not None and state["type"] in terminal else None
 
         # The run flow's process killed once step 1 is committed; its services die with it.
         committed = storage / "quickstart" / "checkpoints" / "step=1" / "_SUCCESS"
@@ -299,6 +266,20 @@ def _read(api: str, path: str) -> dict:
     response = http.client().get(f"{api}{path}", timeout=10)
     response.raise_for_status()
     return response.json()
+
+
+def _deployment_run(env: dict[str, str], deployment: str, *params: str) -> str:
+    """`prefect deployment run DEPLOYMENT -p PARAM ...`, as a user types it; the flow run's id."""
+    started = subprocess.run(
+        [*PREFECT, "deployment", "run", deployment, *(a for p in params for a in ("-p", p))],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert started.returncode == 0, started.stdout + started.stderr
+    return re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
 
 
 def _flow_run_process(marker: str, flow_run_id: str) -> psutil.Process:

@@ -4,7 +4,9 @@
 vLLM server (they load at once), forms the weight group (trainer rank 0, then every worker of
 every server) and tears everything down within a deadline. ``check_alive()``, called by the
 step loop every ``HEALTH_CHECK_INTERVAL_S`` from the main thread, fails the run when the trainer
-died and has each server's supervisor restart it if it died (``inference/supervisor.py``).
+died, grows or shrinks the inference fleet toward the size ``rollflow scale`` asked
+(``reconcile``; ``inference/fleet.py``) and has each server's supervisor restart it if it died
+(``inference/supervisor.py``).
 
 Invariant: when ``stop()`` returns (or the ``with`` block exits, on success or error), the
 weight group is closed on both sides and no service process is left. Processes are spawned from
@@ -48,6 +50,7 @@ from rollflow.trainer.protocol import ServiceArgs
 
 TEARDOWN_DEADLINE_S = 30.0
 HEALTH_CHECK_INTERVAL_S = 5.0
+JOIN_TRIES = 3  # failed joins of a server before the fleet stops trying to grow to that size
 # The longest a dead server goes unnoticed: one interval, then the trainer's probe before vLLM's.
 # The Sampler's unhealthy grace (tasks/generate/rollouts.py, RetryPolicy) must exceed it.
 DETECTION_BOUND_S = HEALTH_CHECK_INTERVAL_S + HEALTH_PROBE_TIMEOUT_S
@@ -87,6 +90,8 @@ class RunServices:
         self._served: tuple[str, Path | None] = (self.policy_dir, None)  # what vLLM loads
         self._joining: _Joining | None = None  # a server starting to join the fleet
         self._asked_error: str | None = None  # a bad control file, said once
+        self._join_failures: dict[int, int] = {}  # fleet size asked → joins that failed for it
+        self._join_target: int | None = 0  # the size the last join was for
         self.trainer: TrainerClient | None = None
         self.group_formed = False
 
@@ -95,8 +100,7 @@ class RunServices:
         the checkpoint being resumed, else the policy itself, put there once."""
         if self.checkpoint_step:
             return ("checkpoints", self.checkpoint_step)
-        cfg = self.cfg
-        storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
+        cfg, storage = self.cfg, self.storage
         if 0 not in storage.committed_steps("policy"):
             self.progress(
                 f"trainer: putting the policy in {storage.step_uri('policy', 0)} for the other "
@@ -304,6 +308,16 @@ class RunServices:
         if target is None or target == len(self.supervisors):
             return
         if target > len(self.supervisors):
+            if self._join_failures.get(target, 0) >= JOIN_TRIES:
+                if self._join_target is not None:  # said once
+                    self._join_target = None
+                    self.progress(
+                        f"fleet: {target} servers asked, {len(self.supervisors)} serve: "
+                        f"{JOIN_TRIES} joins failed (see the lines above); ask another size to "
+                        "try again"
+                    )
+                return
+            self._join_target = target
             self._begin_join()
         else:
             self._leave(*self._leaver())
@@ -325,6 +339,11 @@ class RunServices:
             )
             return slots
         return asked
+
+    def _join_failed(self) -> None:
+        """Count a failed join toward the size it was for (asking another size starts anew)."""
+        asked = self._join_target
+        self._join_failures = {asked: self._join_failures.get(asked, 0) + 1}
 
     def _say_bad_control(self, message: str) -> None:
         if message != self._asked_error:
@@ -350,6 +369,7 @@ class RunServices:
         joining, self._joining = self._joining, None
         sup = joining.sup
         if joining.error is not None:
+            self._join_failed()
             self.progress(
                 f"fleet: {sup.name} did not start, the fleet stays as it is: {joining.error}"
             )
@@ -376,6 +396,7 @@ class RunServices:
                         f"{sup.name} could not join the weight group ({exc}), and the group "
                         f"could not be formed again without it: {again}"
                     ) from again
+                self._join_failed()
                 self.progress(f"fleet: {sup.name} could not join the weight group: {exc}")
                 publish(
                     self.storage,

@@ -106,16 +106,25 @@ class TrainerAPI:
     ) -> Any:
         return self._result(self._queue(route, request), deadline_s)
 
-    def _queue_tagged(self, route: Route, version: int | None) -> tuple[int, Pending]:
+    def _queue_tagged(
+        self, route: Route, version: int | None, wait_s: float = 0.0
+    ) -> tuple[int, Pending]:
         """Queue a weight-plane command for ``version`` (None: the last finished step's), in
-        order after the calls before it; 409 while a step is training (no version yet)."""
-        with self.order:
-            version = self.weights_version if version is None else version
-            if version is None:
+        order after the calls before it. While a step is training (no version yet) wait up to
+        ``wait_s`` for its end, then 409: checked and queued under the step state's lock, so
+        the command runs at a step boundary, before any later optimizer step (a re-join read
+        the version between steps and met the next step's first optimizer step)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self.order:
+                tagged = self.weights_version if version is None else version
+                if tagged is not None:
+                    return tagged, self._queue(route, Broadcast(version=tagged))
+            if time.monotonic() >= deadline:
                 raise HTTPException(
                     409, "a step is training: its weights are no policy version yet"
                 )
-            return version, self._queue(route, Broadcast(version=version))
+            time.sleep(0.05)
 
     # --------------------------------------------------------------------- routes
 
@@ -217,7 +226,7 @@ class TrainerAPI:
                 sent = self.ops.weights.send_captured(req.version)
             if sent is not None:
                 return {"version": req.version, **sent}
-        version, pending = self._queue_tagged(p.WEIGHTS_BROADCAST, req.version)
+        version, pending = self._queue_tagged(p.WEIGHTS_BROADCAST, req.version, req.wait_s)
         return {"version": version, **self._result(pending)}
 
     @serves(p.WEIGHTS_CLOSE)

@@ -156,8 +156,9 @@ WEIGHTS_CONNECT = Route("POST", "/weights/connect", WeightConnect)
 
 class Broadcast(_Body):
     # None: the weights of the last finished step, tagged with that step (``weights_version``);
-    # refused while a step is training (a restarted vLLM's re-sync waits for a step boundary).
+    # while a step is training, waited for up to ``wait_s`` (its end), then refused (409).
     version: int | None = None
+    wait_s: float = Field(0.0, ge=0)
 
 
 WEIGHTS_CAPTURE = Route("POST", "/weights/capture", Broadcast)

@@ -219,6 +219,8 @@ class _ExactMatchEnv(SingleTurnEnv):
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
         want_eval = split == "eval"
         out: list[Prompt] = []
+        if count == 0:  # a batch whose env mix drew none of this env (2^-8 for 2 envs, 8 prompts)
+            return out
         for _ in range(count * 1000):
             text, answer = self._draw(rng)
             if in_eval_split(text, self.eval_fraction) == want_eval:

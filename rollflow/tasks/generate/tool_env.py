@@ -167,6 +167,8 @@ class ToolEnv(MultiTurnEnv):
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
         specs = tuple(t.spec() for t in self.tools.values())
         out: list[Prompt] = []
+        if count == 0:  # a batch whose env mix drew none of this env (2^-8 for 2 envs, 8 prompts)
+            return out
         for _ in range(count * 1000):
             a, b, c = (rng.randint(1, self.max_value) for _ in range(3))
             text = f"What is {a}*{b}+{c}?"

@@ -164,8 +164,11 @@ class TrainerClient:
     def weights_broadcast(
         self, version: int | None = None, timeout_s: float | None = None
     ) -> dict[str, Any]:
-        """Send the weights as ``version`` (None: the last finished step's); ``bytes``, ``version``."""
-        return self._call(p.WEIGHTS_BROADCAST, Broadcast(version=version), timeout_s)
+        """Send the weights as ``version`` (None: the last finished step's, waiting up to half of
+        ``timeout_s`` for a step in training to end, which leaves the receivers, who wait
+        ``timeout_s`` in all, the other half for the bytes); ``bytes``, ``version``."""
+        wait_s = (timeout_s or self.timeout_s) / 2 if version is None else 0.0
+        return self._call(p.WEIGHTS_BROADCAST, Broadcast(version=version, wait_s=wait_s), timeout_s)
 
     def weights_close(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self._call(p.WEIGHTS_CLOSE, None, timeout_s)

@@ -12,8 +12,8 @@ launch resuming where the last one stopped (tests/chaos_support.py):
    a step: the run stops within 30 s and prints one line (no traceback) saying what is committed
    and the command that resumes it;
 3. the vLLM server is killed mid-step (frozen first, so that requests are surely in flight): the
-   run notices within 30 s, restarts it, retries its rollouts and goes on (until the SIGTERM);
-4. the inference fleet grows from one server to two while the run runs (`rollflow scale`), and
+   run notices within 30 s, restarts it, retries its rollouts and goes on;
+4. in that launch, the inference fleet grows from one server to two (`rollflow scale`), and
    shrinks back when server 1 is preempted (asked to go and SIGKILLed at once); the run goes on
    with one server, every step once, until a SIGTERM.
 
@@ -38,6 +38,7 @@ from rollflow.cli import main as rollflow
 from chaos_support import SEED, STEPS, Campaign, open_campaign, service_process, service_processes
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+FLEET_LAUNCH = ("inference.max_servers=2",)  # room for the fleet's second server (slot 1)
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +99,11 @@ def test_sigkill_after_a_future_steps_rollouts_were_committed_then_ctrl_c(campai
     )
 
 
-def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on_until_sigterm(campaign):
+def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
+    """The launch goes on into the next test (the fleet's), which stops it."""
     c = campaign
     step = len(c.committed()) + 1
-    proc = c.launch("train.max_staleness=0")
+    proc = c.launch("train.max_staleness=0", *FLEET_LAUNCH)
     # Once step N's weights are out, step N+1's requests go to vLLM at once: freeze it so that
     # they are surely in flight, then kill it.
     # Found first: scanning the processes takes long enough for a tiny step's requests to finish.
@@ -140,7 +142,6 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on_until_sigterm(cam
     # Its requests were retried (a step whose rollouts were reused has no count of its own).
     assert after["retries_total"] > (0 if before is None or before != before else before)
     assert "inference: restarted in" in c.output()
-    print(f"seed {SEED}: then {c.stop_at_random_point(proc, step + 2, signal.SIGTERM)}")
 
 
 def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_goes_on(campaign):
@@ -149,7 +150,8 @@ def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_goes_on(campa
     preemption): it leaves (not restarted), its requests are retried on server 0, and the run
     goes on with one server. Every step once, and the steps' metrics show the fleet over time."""
     c = campaign
-    proc = c.launch("inference.max_servers=2")
+    # The vLLM-killed test's launch, going on (one launch fewer); its own if that one ended.
+    proc = c.proc if c.proc is not None and c.proc.poll() is None else c.launch(*FLEET_LAUNCH)
     first = len(c.committed()) + 1
     c.wait_for(proc, lambda: c.published_now(first), f"weights_published({first})")
     scale = ["scale", c.name, "--storage", str(c.run_dir.parent), "--servers"]

@@ -46,3 +46,20 @@ def test_a_control_file_edited_by_hand_is_said_once_and_changes_nothing(tmp_path
     assert run._first_size() == 1 and run.supervisors == [] and run._joining is None
     assert len(said) == 1 and "control/fleet.json holds" in said[0], said
     assert "rollflow scale RUN --servers N" in said[0]
+
+
+def test_a_size_whose_joins_keep_failing_is_not_tried_forever(tmp_path):
+    run, said = services(tmp_path, "inference.max_servers=2")
+    ask_for_servers(run.storage, 2, by="test")
+    run._join_target = 2
+    started = []
+    run._begin_join = lambda: started.append(1)
+    for _ in range(3):
+        run._join_failed()
+    run.reconcile()
+    run.reconcile()
+    assert started == [] and len(said) == 1 and "3 joins failed" in said[0], said
+    ask_for_servers(run.storage, 3, by="test")  # another size: tried anew
+    run.cfg.inference.max_servers = 3
+    run.reconcile()
+    assert started == [1]

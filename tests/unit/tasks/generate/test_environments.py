@@ -34,6 +34,23 @@ def test_train_and_eval_splits_are_disjoint_and_rewards_exact(env):
     assert env.reward(p, p.answer + "x") == 0.0
 
 
+def test_a_batch_that_draws_none_of_an_env_is_a_batch_of_the_others():
+    """With two envs and 8 prompts, one env gets none in 1 of 128 batches; its prompts(0) used to
+    raise "could not draw 0 train prompts" and stop the producer (found in a 300-step chaos run)."""
+    from rollflow.tasks.generate.tool_env import ToolEnv
+
+    for env in (AddEnv(), SortLettersEnv(), ToolEnv()):
+        assert env.prompts("train", 0, random.Random(0)) == []
+    envs = {"add": AddEnv(), "sort_letters": SortLettersEnv()}
+    weights = {"add": 1.0, "sort_letters": 1.0}
+    seed = next(
+        s
+        for s in range(10_000)
+        if {p.env for p in select_prompts(envs, weights, 8, "train", s)} == {"add"}
+    )
+    assert len(select_prompts(envs, weights, 8, "train", seed)) == 8
+
+
 def test_sort_letters_partial_credit_counts_right_positions_over_the_longer_string():
     env, p = SortLettersEnv(partial_credit=True), Prompt("sort_letters", "x", "sort dcab=", "abcd")
     assert env.reward(p, " abcd ") == 1.0
