@@ -91,7 +91,7 @@ class RunServices:
         self._joining: _Joining | None = None  # a server starting to join the fleet
         self._asked_error: str | None = None  # a bad control file, said once
         self._join_failures: dict[int, int] = {}  # fleet size asked → joins that failed for it
-        self._join_target: int | None = 0  # the size the last join was for
+        self._join_target = 0  # the size the last join was for
         self.trainer: TrainerClient | None = None
         self.group_formed = False
 
@@ -208,12 +208,7 @@ class RunServices:
     def _first_size(self) -> int:
         """How many servers the run starts with: the size last asked of the fleet
         (``rollflow scale``: a rerun keeps it), else ``inference.num_servers``."""
-        try:
-            asked = asked_servers(self.storage)
-        except ValueError as exc:
-            self._say_bad_control(str(exc))
-            asked = None
-        return min(asked or self.cfg.inference.num_servers, self.cfg.inference.fleet_slots())
+        return self._asked() or self.cfg.inference.num_servers
 
     def _start_trainer(self) -> None:
         """Start node 0 of the trainer from ``policy_dir`` (``checkpoint_step``'s, on resume)."""
@@ -308,29 +303,20 @@ class RunServices:
         if target is None or target == len(self.supervisors):
             return
         if target > len(self.supervisors):
-            if self._join_failures.get(target, 0) >= JOIN_TRIES:
-                if self._join_target is not None:  # said once
-                    self._join_target = None
-                    self.progress(
-                        f"fleet: {target} servers asked, {len(self.supervisors)} serve: "
-                        f"{JOIN_TRIES} joins failed (see the lines above); ask another size to "
-                        "try again"
-                    )
-                return
-            self._join_target = target
-            self._begin_join()
+            if self._join_failures.get(target, 0) < JOIN_TRIES:
+                self._join_target = target
+                self._begin_join()
         else:
             self._leave(*self._leaver())
 
     def _asked(self) -> int | None:
         """The fleet size asked, within 1..``inference.fleet_slots()`` (None: nothing asked, or
-        a bad control file, which is said once and otherwise ignored)."""
+        a bad control file). What is wrong with the ask is said once, while it stays so."""
         try:
             asked = asked_servers(self.storage)
         except ValueError as exc:
             self._say_bad_control(str(exc))
             return None
-        self._asked_error = None
         slots = self.cfg.inference.fleet_slots()
         if asked is not None and asked > slots:
             self._say_bad_control(
@@ -338,12 +324,28 @@ class RunServices:
                 f"(inference.max_servers = {self.cfg.inference.max_servers}); growing to {slots}"
             )
             return slots
+        self._asked_error = None
         return asked
 
-    def _join_failed(self) -> None:
-        """Count a failed join toward the size it was for (asking another size starts anew)."""
-        asked = self._join_target
-        self._join_failures = {asked: self._join_failures.get(asked, 0) + 1}
+    def _join_failed(self, sup: InferenceSupervisor, why: str, error: BaseException) -> None:
+        """Say and record a join that failed, and count it toward the size it was for (asking
+        another size starts anew); at ``JOIN_TRIES`` the fleet stops trying that size."""
+        target = self._join_target
+        failures = self._join_failures.get(target, 0) + 1
+        self._join_failures = {target: failures}
+        self.progress(f"fleet: {sup.name} {why}, the fleet stays as it is: {error}")
+        if failures == JOIN_TRIES:
+            self.progress(
+                f"fleet: {target} servers asked, {len(self.supervisors)} serve: {JOIN_TRIES} "
+                "joins failed; ask another size to try again"
+            )
+        publish(
+            self.storage,
+            Event.FLEET_CHANGED,
+            servers=len(self.supervisors),
+            failed=sup.index,
+            error=str(error),
+        )
 
     def _say_bad_control(self, message: str) -> None:
         if message != self._asked_error:
@@ -369,17 +371,7 @@ class RunServices:
         joining, self._joining = self._joining, None
         sup = joining.sup
         if joining.error is not None:
-            self._join_failed()
-            self.progress(
-                f"fleet: {sup.name} did not start, the fleet stays as it is: {joining.error}"
-            )
-            publish(
-                self.storage,
-                Event.FLEET_CHANGED,
-                servers=len(self.supervisors),
-                failed=sup.index,
-                error=str(joining.error),
-            )
+            self._join_failed(sup, "did not start", joining.error)
             return
         with self._weights_turn(f"{sup.name} joining"):  # no sync meanwhile: the group changes
             self.supervisors = sorted([*self.supervisors, sup], key=lambda s: s.index)
@@ -396,15 +388,7 @@ class RunServices:
                         f"{sup.name} could not join the weight group ({exc}), and the group "
                         f"could not be formed again without it: {again}"
                     ) from again
-                self._join_failed()
-                self.progress(f"fleet: {sup.name} could not join the weight group: {exc}")
-                publish(
-                    self.storage,
-                    Event.FLEET_CHANGED,
-                    servers=len(self.supervisors),
-                    failed=sup.index,
-                    error=str(exc),
-                )
+                self._join_failed(sup, "could not join the weight group", exc)
                 return
             sup.open_gate(self._link())
             self.fleet.add(sup.index, sup.url)

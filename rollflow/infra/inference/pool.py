@@ -51,7 +51,7 @@ class InferencePool:
     @classmethod
     def of(cls, urls: Sequence[str], **client_kwargs) -> InferencePool:
         """A pool of a fixed set of servers (a fleet of its own)."""
-        return cls(Fleet(urls), lambda url: InferenceClient(url, **client_kwargs))
+        return cls.following(Fleet(urls), **client_kwargs)
 
     @classmethod
     def following(cls, fleet: Fleet, **client_kwargs) -> InferencePool:

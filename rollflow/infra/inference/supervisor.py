@@ -143,19 +143,7 @@ class InferenceSupervisor:
     def _failure(self) -> str | None:
         if not self.server.is_alive():
             return f"{self.name} died (exit code {self.server.returncode})"
-        try:
-            healthy = (
-                client()
-                .get(
-                    f"{self.url}/health",
-                    headers=auth_headers(self.url),
-                    timeout=HEALTH_PROBE_TIMEOUT_S,
-                )
-                .status_code
-                == 200
-            )
-        except httpx.HTTPError:
-            healthy = False
+        healthy = self._answers_health(HEALTH_PROBE_TIMEOUT_S)
         self._unhealthy_probes = 0 if healthy else self._unhealthy_probes + 1
         if self._unhealthy_probes >= UNHEALTHY_PROBES_BEFORE_RESTART:
             return (
@@ -166,8 +154,9 @@ class InferenceSupervisor:
     def serving(self, timeout_s: float = 2.0) -> bool:
         """Whether the server runs and answers ``/health`` (a preempted one does neither; its
         process may take a moment to be seen dead)."""
-        if not self.server.is_alive():
-            return False
+        return self.server.is_alive() and self._answers_health(timeout_s)
+
+    def _answers_health(self, timeout_s: float) -> bool:
         try:
             response = client().get(
                 f"{self.url}/health", headers=auth_headers(self.url), timeout=timeout_s

@@ -3,6 +3,9 @@ before any process; the grow and shrink themselves run on real vLLM in test_scal
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from rollflow.flows import services as services_module
 from rollflow.flows.services import RunServices
 from rollflow.infra.config import load_config
 from rollflow.infra.inference.fleet import FLEET_CONTROL, ask_for_servers
@@ -31,6 +34,7 @@ def test_a_rerun_starts_with_the_size_last_asked_within_the_slots(tmp_path):
     assert run._first_size() == 3
     small, said = services(tmp_path, "inference.max_servers=2")  # a rerun placed for fewer
     assert small._first_size() == 2 and small._asked() == 2
+    assert small._asked() == 2  # the health loop reads it every 5 s: said once, not each time
     assert said == [
         "fleet: 3 servers were asked but the plan has 2 slot(s) (inference.max_servers = 2); "
         "growing to 2"
@@ -48,17 +52,22 @@ def test_a_control_file_edited_by_hand_is_said_once_and_changes_nothing(tmp_path
     assert "rollflow scale RUN --servers N" in said[0]
 
 
-def test_a_size_whose_joins_keep_failing_is_not_tried_forever(tmp_path):
+def test_a_size_whose_joins_keep_failing_is_not_tried_forever(tmp_path, monkeypatch):
     run, said = services(tmp_path, "inference.max_servers=2")
+    events = []
+    monkeypatch.setattr(services_module, "publish", lambda storage, kind, **f: events.append(f))
     ask_for_servers(run.storage, 2, by="test")
     run._join_target = 2
     started = []
     run._begin_join = lambda: started.append(1)
+    server1 = SimpleNamespace(name="vLLM server 1", index=1)
     for _ in range(3):
-        run._join_failed()
+        run._join_failed(server1, "did not start", RuntimeError("no port"))
     run.reconcile()
     run.reconcile()
-    assert started == [] and len(said) == 1 and "3 joins failed" in said[0], said
+    stops = [line for line in said if "3 joins failed" in line]
+    assert started == [] and len(stops) == 1, said
+    assert [e["failed"] for e in events] == [1, 1, 1]
     ask_for_servers(run.storage, 3, by="test")  # another size: tried anew
     run.cfg.inference.max_servers = 3
     run.reconcile()
