@@ -62,11 +62,7 @@ def plan_deployments(
                 f"{prefect_file}: deployment {entry.get('name')!r} has entrypoint {entrypoint!r}, "
                 f"not one of rollflow's flows ({', '.join(sorted(FLOWS))})"
             )
-    chosen = [
-        copy.deepcopy(d)
-        for d in listed
-        if not configs or d.get("entrypoint", ENTRYPOINT) != ENTRYPOINT
-    ]
+    chosen = [copy.deepcopy(d) for d in listed if not configs or not _is_run(d)]
     for path in configs:
         rel = _config_parameter(Path(path), root)
         entry = next((d for d in listed if (d.get("parameters") or {}).get("config") == rel), None)
@@ -98,7 +94,7 @@ def plan_deployments(
                 }
             ]
         )
-        if entry.get("entrypoint", ENTRYPOINT) == ENTRYPOINT:
+        if _is_run(entry):
             _check_config(entry, root)
     if not chosen:
         raise InputError(
@@ -124,7 +120,7 @@ def deploy(
     entries = plan_deployments(prefect_file, configs, pool)  # bad input fails before any call
     url = require_prefect_server()
     root = prefect_file.resolve().parent
-    schemas = {}
+    schemas, flow_ids = {}, {}  # per entrypoint
     names = []
     with get_client(sync_client=True) as client:
         for pool_def in {e["work_pool"]["name"]: e["work_pool"] for e in entries}.values():
@@ -133,15 +129,15 @@ def deploy(
             work_pool = entry["work_pool"]
             entrypoint = entry.get("entrypoint", ENTRYPOINT)
             flow_name = FLOWS[entrypoint]
-            flow_id = client.create_flow_from_name(flow_name)
             if entrypoint not in schemas:
+                flow_ids[entrypoint] = client.create_flow_from_name(flow_name)
                 path, _, name = entrypoint.partition(":")
                 schemas[entrypoint] = parameter_schema_from_entrypoint(
                     f"{root / path}:{name}"
                 ).model_dump(exclude_unset=True)
             parameters = entry.get("parameters") or {}
             client.create_deployment(  # creates, or updates the deployment of that name
-                flow_id=flow_id,
+                flow_id=flow_ids[entrypoint],
                 name=entry["name"],
                 entrypoint=entrypoint,
                 parameters=parameters,
@@ -164,7 +160,7 @@ def deploy(
             heal = client.read_deployment_by_name(f"{HEAL_FLOW_NAME}/{healers[0]['name']}")
             for line in ensure_heal_automations(client, heal.id):
                 out(line)
-    runs = [e for e in entries if e.get("entrypoint", ENTRYPOINT) == ENTRYPOINT]
+    runs = [e for e in entries if _is_run(e)]
     if runs:
         out(
             f"next: start a worker with `prefect worker start --pool {runs[0]['work_pool']['name']}`, "
@@ -192,6 +188,11 @@ def ensure_heal_automations(client: Any, heal_deployment_id: Any) -> list[str]:
         client.create_automation(automation)
         lines.append(f"automation {automation.name!r} registered")
     return lines
+
+
+def _is_run(entry: dict) -> bool:
+    """Whether a prefect.yaml entry deploys the run flow (not one of rollflow's tools)."""
+    return entry.get("entrypoint", ENTRYPOINT) == ENTRYPOINT
 
 
 def _read_prefect_file(path: Path) -> dict[str, Any]:
