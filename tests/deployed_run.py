@@ -217,9 +217,15 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             env, "rollflow-scale/fleet", "run=quickstart", "servers=1", f"storage={storage}"
         )
 
-        # The run flow's process killed once step 1 is committed; its services die with it.
-        committed = storage / "quickstart" / "checkpoints" / "step=1" / "_SUCCESS"
-        wait_until(lambda: committed.exists() or finished(), RUN_DEADLINE_S, "step 1", logs)
+        # The run flow's process killed once step 1's flow run completed (its checkpoint is
+        # committed before the flow run ends: a kill in between left it unfinished); its
+        # services die with it.
+        wait_until(
+            lambda: _step_completed(api, flow_run_id, "quickstart-step-1") or finished(),
+            RUN_DEADLINE_S,
+            "step 1's flow run completed",
+            logs,
+        )
         assert not ended(flow_run_id), f"the run ended before it could be killed\n{logs()}"
         _flow_run_process(str(tmp), flow_run_id).send_signal(signal.SIGKILL)
         wait_until(lambda: ended(flow_run_id), 60, "the killed flow run reported", logs)
@@ -296,6 +302,16 @@ def _flow_run_process(marker: str, flow_run_id: str) -> psutil.Process:
     roots = [p for p in found if not of_run(p.parent())]
     assert len(roots) == 1, [" ".join(p.cmdline())[:120] for p in found]
     return roots[0]
+
+
+def _step_completed(api: str, parent_id: str, name: str) -> bool:
+    response = http.client().post(
+        f"{api}/flow_runs/filter",
+        json={"flow_runs": {"parent_flow_run_id": {"any_": [parent_id]}, "name": {"any_": [name]}}},
+        timeout=10,
+    )
+    response.raise_for_status()
+    return any(r["state"] and r["state"]["type"] == "COMPLETED" for r in response.json())
 
 
 def _tagged(api: str, tag: str) -> list[dict]:
