@@ -219,7 +219,9 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
 
         # The run flow's process killed once step 1's flow run completed (its checkpoint is
         # committed before the flow run ends: a kill in between left it unfinished); its
-        # services die with it.
+        # services die with it. Found before: a scan of the processes takes long enough for a
+        # tiny step to commit (a kill after the last commit is met by the rerun as well).
+        run_process = _flow_run_process(str(tmp), flow_run_id)
         wait_until(
             lambda: _step_completed(api, flow_run_id, "quickstart-step-1") or finished(),
             RUN_DEADLINE_S,
@@ -227,7 +229,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             logs,
         )
         assert not ended(flow_run_id), f"the run ended before it could be killed\n{logs()}"
-        _flow_run_process(str(tmp), flow_run_id).send_signal(signal.SIGKILL)
+        run_process.send_signal(signal.SIGKILL)
         wait_until(lambda: ended(flow_run_id), 60, "the killed flow run reported", logs)
         rerun_tag = f"rollflow-rerun-of:{flow_run_id}"
         wait_until(lambda: _tagged(api, rerun_tag), 120, "the heal automation's rerun", logs)

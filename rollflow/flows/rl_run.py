@@ -30,7 +30,7 @@ from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.errors import ConfigError, ServiceError, TrainerLost
-from rollflow.infra.events import Event, publish
+from rollflow.infra.events import Event, has_event, publish
 from rollflow.infra.metric_names import Metric, by_env, series
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.secrets import load_storage_secret, take_secrets_out
@@ -69,13 +69,10 @@ def _train(config: dict | RunConfig) -> dict:
     load_storage_secret(cfg.run)
     storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
     _record_config(storage, cfg)
-    base_model = prepare_policy(cfg)
     resumed_from = _last_checkpoint(storage)
     if resumed_from >= cfg.run.num_steps:
-        say(
-            f"run {cfg.run.name}: all {cfg.run.num_steps} steps are already committed in {storage.uri}"
-        )
-        return summarize(storage)
+        return _finish_committed_run(cfg, storage)
+    base_model = prepare_policy(cfg)
     if resumed_from:
         say(f"run {cfg.run.name}: resuming after committed step {resumed_from}")
     policy_dir = _policy_after(storage, resumed_from, base_model)
@@ -107,6 +104,18 @@ def _train(config: dict | RunConfig) -> dict:
                 restarts += 1
     publish_summary(storage)
     return summarize(storage, say)
+
+
+def _finish_committed_run(cfg: RunConfig, storage: RunStorage) -> dict:
+    """A run whose steps are all committed trains nothing: its flow run shows the run whole (the
+    progress and summary artifacts). A process lost between its last commit and its end had not
+    said the end (a rerun by the heal automation can meet this): the rerun records it."""
+    say(f"run {cfg.run.name}: all {cfg.run.num_steps} steps are already committed in {storage.uri}")
+    if not has_event(storage, Event.TRAINING_FINISHED):
+        publish(storage, Event.TRAINING_FINISHED, source="storage", step=cfg.run.num_steps)
+    RunProgress(cfg.run.name, cfg.run.num_steps, cfg.run.num_steps)
+    publish_summary(storage)
+    return summarize(storage)
 
 
 def _last_checkpoint(storage: RunStorage) -> int:

@@ -161,10 +161,22 @@ def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_goes_on(campa
         changes = [e for e in c.events(now=True) if e["event"] == "fleet_changed"]
         return next((e for e in changes if key in e), None)
 
+    def a_step_sampled_by(servers: int, after: int) -> int | None:
+        """The first step after ``after`` committed by this launch whose rollouts were taken
+        with ``servers`` in the fleet (the join or leave lands between a sync and the next take,
+        so which step is the first one is a race: read it, do not guess it)."""
+        for step in c.committed():
+            if step > after and c.committed_now("checkpoints", step):
+                if c.metrics(step).get("inference_servers") == servers:
+                    return step
+        return None
+
     c.wait_for(proc, lambda: fleet_event("joined") is not None, "server 1 joined", timeout_s=300)
     joined = fleet_event("joined")
-    grown = len(c.committed()) + 2  # sampled with both servers
-    c.wait_for(proc, lambda: c.committed_now("checkpoints", grown), f"step {grown} committed")
+    c.wait_for(
+        proc, lambda: a_step_sampled_by(2, first), "a step sampled by both servers", timeout_s=120
+    )
+    grown = a_step_sampled_by(2, first)
     port = joined["url"].rsplit(":", 1)[1]
     [server1] = [
         p for p in service_processes(c.root, "vllm.entrypoints") if port in " ".join(p.cmdline())
@@ -176,8 +188,10 @@ def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_goes_on(campa
     c.wait_for(proc, lambda: fleet_event("left") is not None, "server 1 left", timeout_s=180)
     left = fleet_event("left")
     assert (left["servers"], left["left"], left["preempted"]) == (1, 1, True)
-    shrunk = len(c.committed()) + 2  # sampled with server 0 alone
-    c.wait_for(proc, lambda: c.committed_now("checkpoints", shrunk), f"step {shrunk} committed")
+    c.wait_for(
+        proc, lambda: a_step_sampled_by(1, grown), "a step sampled by server 0 alone", timeout_s=120
+    )
+    shrunk = a_step_sampled_by(1, grown)
     print(
         f"server 1 joined in {joined['join_s']:.0f}s (version {joined['version']}); preempted "
         f"after step {grown}, out in {left['leave_s']:.1f}s; then "

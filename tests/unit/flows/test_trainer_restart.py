@@ -1,6 +1,7 @@
 """A lost trainer is restarted from the run's last committed checkpoint, at most
 ``trainer.max_restarts`` times (rl_run._restart_trainer); the whole heal on real services is
-tests/integration/flows/test_chaos_trainer.py."""
+tests/integration/flows/test_chaos_trainer.py. A rerun of a run whose steps are all committed
+records the end a lost process did not say (rl_run._finish_committed_run)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,20 @@ def test_a_trainer_that_may_not_restart_stops_the_run_saying_why(
     line = one_line(failed.value)  # what the terminal and the Prefect log show
     assert "rank 1 (pid 7) died" in line and why in line and "rerun to resume" in line
     assert line.endswith("see runs/heal/logs/trainer.log")
+
+
+def test_a_rerun_of_a_run_lost_after_its_last_commit_records_its_end(tmp_path, monkeypatch):
+    """Every step committed, the process lost before it said the end (the heal's rerun can meet
+    this): the rerun trains nothing, starts no service, records ``training_finished`` once and
+    shows the whole run on its flow run (progress and summary)."""
+    cfg, storage = _setup(tmp_path, "run.num_steps=2")
+    shown = []
+    monkeypatch.setattr(rl_run, "RunProgress", lambda *a: shown.append(("progress", *a)))
+    monkeypatch.setattr(rl_run, "publish_summary", lambda s: shown.append(("summary", s.run)))
+    monkeypatch.setattr(rl_run, "prepare_policy", lambda cfg: pytest.fail("a policy prepared"))
+    monkeypatch.setattr(rl_run, "RunServices", lambda *a, **k: pytest.fail("services started"))
+    for _ in range(2):  # the rerun, then a rerun of the finished run: the end said once
+        assert rl_run._train(cfg)["run"] == "heal"
+    ends = [e for e in storage.read_events() if e["event"] == "training_finished"]
+    assert [(e["step"], e["source"]) for e in ends] == [(2, "storage")]
+    assert shown == [("progress", "heal", 2, 2), ("summary", "heal")] * 2
