@@ -50,6 +50,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path in group and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(group[item.path]))
+        _name_the_group(item)
     unit = [group.get(item.path, str(item.path)) for item in items]
     slow: dict[str, int] = {}
     for key, item in zip(unit, items, strict=True):
@@ -57,6 +58,20 @@ def pytest_collection_modifyitems(config, items) -> None:
     first = {key: i for i, key in reversed(list(enumerate(unit)))}
     order = sorted(range(len(items)), key=lambda i: (-slow[unit[i]], first[unit[i]], i))
     items[:] = [items[i] for i in order]
+
+
+def _name_the_group(item) -> None:
+    """On an xdist worker, suffix the test's id with its xdist_group (``id@group``), which the
+    scheduler below reads. pytest-xdist 3.8 does it by setting ``item._nodeid``, which pytest 9.2
+    no longer reads (ids live in ``item._id``): its groups silently did nothing, and the session
+    fixtures of a group (the deployed run: ~150 s) were made once on each worker."""
+    from _pytest.nodes import coerce_node_id
+
+    names = sorted(
+        {str(m.args[0] if m.args else "default") for m in item.iter_markers("xdist_group")}
+    )
+    if names and os.environ.get("PYTEST_XDIST_WORKER") and "@" not in item.nodeid:
+        item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook

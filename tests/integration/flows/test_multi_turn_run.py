@@ -201,6 +201,9 @@ def _hand_loss(model, rows) -> tuple[float, float]:
     return sums["masked"] / counts["masked"], sums["all"] / counts["all"]
 
 
+LOSS_TOLERANCE = 2e-5  # fp32 trainer against a float64 hand computation
+
+
 def test_each_steps_loss_is_the_hand_computed_masked_loss(run_dir):
     storage = RunStorage(str(run_dir / "runs"), "mt")
     with_env_tokens = 0
@@ -218,12 +221,15 @@ def test_each_steps_loss_is_the_hand_computed_masked_loss(run_dir):
             f"\nstep {step}: trainer loss {metrics['loss']:.6f}, hand masked {masked:.6f}, "
             f"hand over every token {unmasked:.6f}; mismatch KL {metrics['mismatch_kl']:.2e}"
         )
-        assert metrics["loss"] == pytest.approx(masked, abs=2e-5)
+        assert metrics["loss"] == pytest.approx(masked, abs=LOSS_TOLERANCE)
         assert metrics["num_loss_tokens"] == sum(sum(_mask(r)) for r in batch)
         assert metrics["mismatch_kl"] < 1e-3
         if any(0 in _mask(r) for r in batch):
             with_env_tokens += 1
-            assert abs(metrics["loss"] - unmasked) > 1e-4
+            # The match tells the masks apart: the loss over every token is farther from the
+            # trainer's than the tolerance could explain (how far depends on the sampled batch:
+            # 8.6e-5 was seen, below an earlier fixed 1e-4).
+            assert abs(metrics["loss"] - unmasked) > 2 * LOSS_TOLERANCE
     assert with_env_tokens, "no batch held environment tokens: the masked loss was not tested"
 
 
