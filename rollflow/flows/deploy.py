@@ -27,10 +27,15 @@ SCALE_ENTRYPOINT = "rollflow/flows/scale.py:scale_fleet"
 # Machine loss (heal.py): `rollflow-heal/crashed-run`, which the heal automations run.
 HEAL_FLOW_NAME = "rollflow-heal"
 HEAL_ENTRYPOINT = "rollflow/flows/heal.py:heal_crashed_run"
+# Trainer nodes 1.. of a run on several hosts (nodes.py): `rollflow-trainer-node/<pool kind>`,
+# submitted by the run flow (trainer.node_deployment).
+NODE_FLOW_NAME = "rollflow-trainer-node"
+NODE_ENTRYPOINT = "rollflow/flows/nodes.py:trainer_node"
 FLOWS = {  # entrypoint → flow name
     ENTRYPOINT: FLOW_NAME,
     SCALE_ENTRYPOINT: SCALE_FLOW_NAME,
     HEAL_ENTRYPOINT: HEAL_FLOW_NAME,
+    NODE_ENTRYPOINT: NODE_FLOW_NAME,
 }
 DEFAULT_POOL = "rollflow-cpu"
 

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from rollflow.flows.nodes import TrainerNodes
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError, TrainerLost, WeightSyncError
 from rollflow.infra.events import Event, publish
@@ -85,6 +86,7 @@ class RunServices:
         self.weight_dtype = self.plan.serving_dtype
         self.weights_lock = threading.Lock()
         self.trainer_proc: TrainerProcess | None = None
+        self.nodes: TrainerNodes | None = None  # trainer nodes 1.. as flow runs, where so placed
         self.supervisors: list[InferenceSupervisor] = []  # the fleet's, in slot order
         self.fleet = Fleet()
         self._served: tuple[str, Path | None] = (self.policy_dir, None)  # what vLLM loads
@@ -135,24 +137,15 @@ class RunServices:
     # ------------------------------------------------------------------- start
 
     def start(self) -> RunServices:
-        cfg, plan = self.cfg, self.plan
+        cfg = self.cfg
         start = time.perf_counter()
+        if cfg.trainer.node_deployment and cfg.trainer.num_nodes > 1:
+            self.nodes = TrainerNodes(
+                cfg.trainer.node_deployment, cfg.trainer.node_queues, self.progress
+            )
+            self.nodes.check()  # before any process starts
         self._start_trainer()  # loads while vLLM starts
-        for node in plan.trainer_nodes[1:]:  # the other trainer nodes are the user's to start
-            cmd = node_argv(
-                cfg.trainer,
-                node.node,
-                self.trainer_proc.args_file,
-                cfg.trainer.master_port,
-                node.env,  # DeepSpeed names that node's GPUs with --include
-                # The arguments themselves: the node may be another host, without our files.
-                service_args=self.trainer_proc.args.model_dump_json(),
-            )
-            env = "".join(f"{k}={v} " for k, v in sorted(node.env.items()))
-            self.progress(
-                f"trainer: waiting up to {cfg.trainer.startup_timeout_s:.0f}s for node {node.node} "
-                f"of {cfg.trainer.num_nodes}; on it, run: {env}{shlex.join(cmd)}"
-            )
+        self._start_other_nodes()
         self._served = self._served_policy()
         self.supervisors = [self._supervisor(slot) for slot in range(self._first_size())]
         try:
@@ -181,6 +174,35 @@ class RunServices:
             self.stop()
             raise
         return self
+
+    def _start_other_nodes(self) -> None:
+        """Trainer nodes 1..: flow runs of ``trainer.node_deployment`` (``nodes.py``), or the
+        commands a person runs on their hosts, printed."""
+        cfg = self.cfg
+        commands = {}
+        for node in self.plan.trainer_nodes[1:]:
+            commands[node.node] = (
+                node_argv(
+                    cfg.trainer,
+                    node.node,
+                    self.trainer_proc.args_file,
+                    cfg.trainer.master_port,
+                    node.env,  # DeepSpeed names that node's GPUs with --include
+                    # The arguments themselves: the node may be another host, without our files.
+                    service_args=self.trainer_proc.args.model_dump_json(),
+                ),
+                dict(node.env),
+            )
+        wait = f"trainer: waiting up to {cfg.trainer.startup_timeout_s:.0f}s for node"
+        if self.nodes is not None:
+            self.nodes.submit(cfg.run.name, commands)
+            self.progress(f"{wait}s {', '.join(map(str, commands))} to join")
+            return
+        for node, (cmd, env) in commands.items():
+            prefix = "".join(f"{k}={v} " for k, v in sorted(env.items()))
+            self.progress(
+                f"{wait} {node} of {cfg.trainer.num_nodes}; on it, run: {prefix}{shlex.join(cmd)}"
+            )
 
     def _supervisor(self, slot: int) -> InferenceSupervisor:
         """The supervisor of the server in plan slot ``slot`` (not started)."""
@@ -500,6 +522,8 @@ class RunServices:
             sup.stop(timeout_s=max(1.0, min(10.0, deadline - time.monotonic())))
         if self.trainer_proc is not None:
             self.trainer_proc.stop(timeout_s=max(1.0, deadline - time.monotonic()))
+        if self.nodes is not None:  # their ranks end with node 0's; a node that did not: cancelled
+            self.nodes.end(grace_s=max(5.0, deadline - time.monotonic()))
 
     def __enter__(self) -> RunServices:
         return self.start()

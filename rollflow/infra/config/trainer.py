@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollflow.infra.config.base import CpuIndex, GpuIndex, Section
 
@@ -36,7 +36,21 @@ class TrainerSection(Section):
     num_nodes: int = Field(
         1,
         ge=1,
-        description="Trainer nodes; rollflow starts node 0, `rollflow plan` prints the rest.",
+        description="Trainer nodes; rollflow starts node 0, the rest are flow runs of "
+        "trainer.node_deployment or started by hand (`rollflow plan` prints their commands).",
+    )
+    node_deployment: str = Field(
+        "",
+        description="The Prefect deployment whose flow runs are trainer nodes 1.. (e.g. "
+        "`rollflow-trainer-node/cpu` of prefect.yaml): the run submits one per node to its work "
+        "pool, a worker on the node's host runs it; empty: start the nodes by hand with the "
+        "command the run prints (`rollflow plan`).",
+    )
+    node_queues: list[str] = Field(
+        [],
+        description="The work queue of nodes 1.. in turn, one per node (a queue per host on a "
+        "process pool, its worker started with --work-queue); empty: the deployment's queue "
+        "(a Kubernetes or Docker pool places each job).",
     )
     master_addr: str = Field(
         "127.0.0.1",
@@ -79,6 +93,21 @@ class TrainerSection(Section):
         description="bf16 compute with fp32 master weights (FSDP2 mixed precision, DeepSpeed "
         "bf16), or fp32 throughout (off); auto: bf16 on GPUs, off on CPU.",
     )
+
+    @model_validator(mode="after")
+    def _a_queue_per_node(self) -> TrainerSection:
+        if self.node_queues and len(self.node_queues) != self.num_nodes - 1:
+            raise ValueError(
+                f"trainer.node_queues names {len(self.node_queues)} queue(s) for "
+                f"{self.num_nodes - 1} node(s) after node 0 (trainer.num_nodes = {self.num_nodes}): "
+                "name one per node, or none (the deployment's queue)"
+            )
+        if self.node_queues and not self.node_deployment:
+            raise ValueError(
+                "trainer.node_queues is set but trainer.node_deployment is empty: the queues are "
+                "those of the deployment that runs the nodes (e.g. rollflow-trainer-node/cpu)"
+            )
+        return self
 
     def bf16(self, on_gpu: bool) -> bool:
         """Whether the ranks compute in bf16: the one owner of that choice."""

@@ -81,6 +81,7 @@ def test_deploying_again_updates_in_place(deployed_run):
         "rl-run/quickstart",
         "rollflow-heal/crashed-run",
         "rollflow-scale/fleet",
+        "rollflow-trainer-node/default",
     ]
     assert "automation 'rollflow: rerun a crashed run' registered" in deployed_run.redeploy_output
 

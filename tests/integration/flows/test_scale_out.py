@@ -11,9 +11,8 @@ restarted (the group forms anew with both), after one is preempted and leaves.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import psutil
 import pytest
 
 from rollflow.flows.services import RunServices
+from rollflow.infra import http
 from rollflow.infra.config import LossConfig, load_config
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.fleet import ask_for_servers
@@ -160,79 +160,140 @@ def test_a_fleet_grown_to_two_servers_and_a_two_rank_trainer_serve_the_trainers_
     assert all(not s.server.is_alive() for s in services.supervisors)
 
 
-def test_a_run_on_a_two_node_trainer_completes_and_writes_the_documented_layout(
+def test_a_two_host_run_from_prefect_deployment_run_places_its_trainer_node_and_completes(
     tmp_path, model_cache, monkeypatch
 ):
-    """``rollflow run`` with trainer.num_nodes = 2 starts node 0 and prints node 1's command; run
-    as printed on another host (tests/host_support.py: its own network, /tmp and HOME, none of
-    host 0's files), node 1 gets its arguments from the command and the policy from the run's
+    """Two hosts (tests/host_support.py: each its own network, /tmp and HOME, none of the
+    other's files), a real ``prefect server`` on host 0 and a process worker on each, its own
+    work queue; ``rollflow deploy``, then ``prefect deployment run`` of a run whose trainer has
+    two nodes, nothing started by hand. The run flow (host 0's worker) starts node 0 and submits
+    node 1 as a flow run of ``rollflow-trainer-node/default`` to host 1's queue; host 1's worker
+    runs it, it gets its arguments from the flow run's parameters and the policy from the run's
     storage (S3 on host 0's address, the only thing the hosts share), joins, and the run
-    completes, each step once. The run is also the suite's check of the documented layout,
-    `rollflow status` and the rerun of a finished run (``run_support.assert_documented_layout``)."""
+    completes, each step once; both flow runs hold their process's log lines in the Prefect
+    API. The run is also the suite's check of the documented layout, `rollflow status` and the
+    rerun of a finished run (``run_support.assert_documented_layout``)."""
     import fsspec
+
+    from deployed_run import PREFECT, Service, _deployment_run, _healthy, _read, wait_until
 
     with two_hosts() as (host0, host1), object_storage(host0) as endpoint:
         storage = f"s3://rollflow/{tmp_path.name}"
         config = write_config(tmp_path, model_cache, name="twonode", steps=4, storage=storage)
-        overrides = [
-            "trainer.num_nodes=2",
-            "trainer.num_ranks=1",
-            f"trainer.master_addr={host0.address}",
-            f"trainer.master_port={free_port(host0.address)}",
-            f'run.storage_options={{endpoint_url="{endpoint}"}}',
-        ]
-        # The session's Prefect API is on the machine's loopback, not host 0's: the run starts
-        # its own, as a run without a configured server does.
-        env = env_for(tmp_path, api=False)
-        proc = subprocess.Popen(
-            host0.wrap([sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides]),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        node1, output = None, []
-        node1_log = host1.root / "node-1.log"
+        port = free_port(host0.address)
+        api = f"http://{host0.address}:{port}/api"
+        env = {
+            **env_for(tmp_path, api=False),
+            "PREFECT_API_URL": api,
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PYTHONPATH": str(ROOT),
+        }
+        services: list[Service] = []
+        logs = lambda: "\n".join(s.tail() for s in services)  # noqa: E731
         try:
-            for line in proc.stdout:
-                output.append(line)
-                found = re.search(r"for node 1 of 2; on it, run: (.*)$", line)
-                if found and node1 is None:
-                    with open(node1_log, "wb") as log:
-                        node1 = subprocess.Popen(
-                            host1.wrap(shlex.split(found.group(1))),
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            env=env,
-                            cwd=ROOT,
-                        )
-            assert proc.wait(timeout=600) == 0, "".join(output)[-4000:]
-            assert node1 is not None, "node 1's command was not printed"
-            assert node1.wait(timeout=60) == 0, node1_log.read_text()[-3000:]  # ended with the run
+            server = [*PREFECT, "server", "start", "--host", host0.address, "--port", str(port)]
+            services.append(
+                Service("prefect server", [*server, "--no-ui"], tmp_path / "server.log", env)
+            )
+            wait_until(lambda: _healthy(api), 180, "prefect server healthy", logs)
+            deploy = subprocess.run(
+                [sys.executable, "-m", "rollflow.cli", "deploy", str(config)],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=ROOT,
+                timeout=120,
+            )
+            assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+            for host, queue in ((host0, "default"), (host1, "host-1")):
+                worker = ["worker", "start", "--pool", "rollflow-cpu", "--work-queue", queue]
+                services.append(
+                    Service(
+                        f"worker on host {host.index}",
+                        host.wrap([*PREFECT, *worker, "--name", f"host-{host.index}"]),
+                        host.root / "worker.log",
+                        {**env, "PREFECT_HOME": str(host.home / ".prefect")},
+                    )
+                )
+            overrides = [
+                "trainer.num_nodes=2",
+                "trainer.num_ranks=1",
+                f"trainer.master_addr={host0.address}",
+                f"trainer.master_port={free_port(host0.address)}",
+                "trainer.node_deployment=rollflow-trainer-node/default",
+                "trainer.node_queues=['host-1']",
+                f'run.storage_options={{endpoint_url="{endpoint}"}}',
+            ]
+            run_id = _deployment_run(env, "rl-run/twonode", f"overrides={json.dumps(overrides)}")
+
+            def ended(flow_run_id: str) -> str | None:
+                for service in services:
+                    assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
+                state = _read(api, f"/flow_runs/{flow_run_id}")["state"]
+                terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+                return state["type"] if state and state["type"] in terminal else None
+
+            wait_until(lambda: ended(run_id), 600, "the two-host run finished", logs)
+            [node] = _flow_runs(api, "rollflow-trainer-node")
+            wait_until(lambda: ended(node["id"]), 60, "node 1's flow run ended", logs)
+            out, node_log = _flow_run_log(api, run_id), _flow_run_log(api, node["id"])
+            assert ended(run_id) == "COMPLETED", f"{out[-4000:]}\n{logs()}"
+            assert ended(node["id"]) == "COMPLETED", node_log[-4000:]
+            # Host 1's worker ran node 1, a child of the run's flow run.
+            assert node["parent_task_run_id"] is not None and node["work_queue_name"] == "host-1"
+            assert "twonode: trainer node 1" == node["name"]
+            # Each process's lines are in its flow run's log: node 1 had no copy of the policy and
+            # loaded the one the run put in its storage.
+            assert "1 rank(s) × 2 nodes" in out and "putting the policy in" in out
+            assert "node 1 submitted as flow run" in out
+            assert "is not on this host: copying policy/step=0" in node_log
+            fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
+            run_dir = tmp_path / "copy" / "twonode"
+            fs.get(f"rollflow/{tmp_path.name}/twonode/", str(run_dir), recursive=True)
+            # The layout check reads the run's events on S3 in this process (`rollflow status`
+            # and the rerun, on host 0 with the server up, get the endpoint through ``env``).
+            monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+            assert_documented_layout(
+                run_dir,
+                out,
+                tmp_path,
+                [str(config), *overrides],
+                storage=storage,
+                env={**env, "AWS_ENDPOINT_URL": endpoint},
+            )
         finally:
-            for p in (proc, node1):
-                if p is not None and p.poll() is None:
-                    p.kill()
-        out = "".join(output)
-        assert "1 rank(s) × 2 nodes" in out
-        # Node 1 had no copy of the policy: it loaded the one the run put in its storage.
-        assert "putting the policy in" in out
-        assert "is not on this host: copying policy/step=0" in node1_log.read_text()
-        fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
-        run_dir = tmp_path / "copy" / "twonode"
-        fs.get(f"rollflow/{tmp_path.name}/twonode/", str(run_dir), recursive=True)
-        # The layout check reads the run's events on S3 in this process (`rollflow status` and
-        # the rerun get the endpoint through ``env``).
-        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-        assert_documented_layout(
-            run_dir,
-            out,
-            tmp_path,
-            [str(config), *overrides],
-            storage=storage,
-            env={**env, "AWS_ENDPOINT_URL": endpoint},
+            for service in reversed(services):  # the workers before the server they report to
+                service.stop()
+
+
+def _flow_runs(api: str, flow_name: str) -> list[dict]:
+    response = http.client().post(
+        f"{api}/flow_runs/filter", json={"flows": {"name": {"any_": [flow_name]}}}, timeout=10
+    )
+    response.raise_for_status()
+    return response.json()
+
+
+def _flow_run_log(api: str, flow_run_id: str) -> str:
+    """Every line the flow run logged to the Prefect API, in order."""
+    lines, offset = [], 0
+    while True:
+        response = http.client().post(
+            f"{api}/logs/filter",
+            json={
+                "logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                "sort": "TIMESTAMP_ASC",
+                "offset": offset,
+                "limit": 200,
+            },
+            timeout=10,
         )
+        response.raise_for_status()
+        page = response.json()
+        lines += [entry["message"] for entry in page]
+        if len(page) < 200:
+            return "\n".join(lines)
+        offset += len(page)
 
 
 def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, tmp_path):

@@ -1,0 +1,184 @@
+"""Trainer nodes as Prefect flow runs: node k > 0 of a trainer on several hosts is a flow run of
+a ``rollflow-trainer-node`` deployment that the run flow submits (``submit_trainer_nodes``) to
+that deployment's work pool, where a worker on the node's host runs it: nobody starts a command
+on the other hosts.
+
+The flow run is the node. Its body starts the node's launcher under the ``ManagedProcess``
+guard, on its main thread, so a cancelled or crashed flow run takes the node's ranks with it;
+it forwards the node's log lines to the flow run's logger (the UI's Logs tab), and it ends with
+the node: Completed when the launcher exits 0 (the run's trainer ended), Failed naming the exit
+code and the log's last lines otherwise. Everything the node needs travels in its parameters
+(the launcher command, with the trainer's arguments in it: what the run prints when it places
+nodes by hand) and the run's object storage (the policy, checkpoints): no shared file system.
+
+Which host takes which node: a deployment's pool, and a work queue per node where the config
+names them (``trainer.node_queues``): a process pool on bare hosts has a queue per host, each
+host's worker started with ``--work-queue``; a Kubernetes or Docker pool places the job itself.
+This module imports no torch: a worker starts the flow in seconds.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+
+from rollflow.flows.deploy import NODE_FLOW_NAME
+from rollflow.infra.errors import ServiceError
+from rollflow.infra.service import ManagedProcess
+
+FOLLOW_INTERVAL_S = 0.5
+TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+@flow(
+    name=NODE_FLOW_NAME,
+    flow_run_name="{run}: trainer node {node}",
+    persist_result=False,
+    validate_parameters=False,
+)
+def trainer_node(run: str, node: int, argv: list[str], env: dict[str, str] | None = None) -> dict:
+    """Run trainer node ``node`` of run ``run``: the launcher ``argv`` (with ``env``) to its end."""
+    logger = get_run_logger()
+    log_path = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-node-{node}-")) / "trainer-node.log"
+    proc = ManagedProcess(f"trainer-node-{node}", argv, log_path, env=env)
+    logger.info(
+        "trainer node %d of run %s: starting; its log on this host: %s", node, run, log_path
+    )
+    proc.start()
+    try:
+        follow_log(log_path, proc.is_alive, logger.info)
+    finally:
+        proc.stop()
+    code = proc.returncode
+    if code != 0:
+        raise proc.error(f"trainer node {node} of run {run} exited with code {code}")
+    logger.info("trainer node %d of run %s: ended with the run's trainer", node, run)
+    return {"run": run, "node": node, "exit_code": code}
+
+
+def follow_log(path: Path, alive, out, interval_s: float = FOLLOW_INTERVAL_S) -> None:
+    """Send each whole line written to ``path`` to ``out`` until ``alive()`` is false, then
+    the rest (a last line without its newline too)."""
+    offset, pending = 0, b""
+    while True:
+        running = alive()  # read after: a line written just before the exit is not missed
+        try:
+            with open(path, "rb") as log:
+                log.seek(offset)
+                chunk = log.read()
+        except FileNotFoundError:
+            chunk = b""
+        offset += len(chunk)
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            out(line.decode(errors="replace"))
+        if not running:
+            if pending:
+                out(pending.decode(errors="replace"))
+            return
+        time.sleep(interval_s)
+
+
+class TrainerNodes:
+    """The flow runs of a run's trainer nodes 1.. (submitted by ``submit``), and their end."""
+
+    def __init__(self, deployment: str, queues: list[str], progress=print):
+        self.deployment, self.queues, self.progress = deployment, list(queues), progress
+        self.flow_runs: dict[int, UUID] = {}
+
+    def submit(self, run: str, commands: dict[int, tuple[list[str], dict[str, str]]]) -> None:
+        """Submit node k's flow run for each ``k -> (argv, env)`` of ``commands``, as children
+        of the calling flow run, each to its queue (``trainer.node_queues``) where named."""
+        from prefect.deployments import run_deployment
+
+        for i, (node, (argv, env)) in enumerate(sorted(commands.items())):
+            queue = self.queues[i] if self.queues else None
+            flow_run = run_deployment(
+                self.deployment,
+                parameters={"run": run, "node": node, "argv": argv, "env": env},
+                timeout=0,  # submitted: the node joins the trainer's rendezvous when it starts
+                work_queue_name=queue,
+                tags=["rollflow", f"rollflow-run:{run}", f"rollflow-trainer-node:{node}"],
+            )
+            self.flow_runs[node] = flow_run.id
+            self.progress(
+                f"trainer: node {node} submitted as flow run {flow_run.name!r} ({flow_run.id}) of "
+                f"{self.deployment}{f', work queue {queue}' if queue else ''}"
+            )
+
+    def check(self) -> None:
+        """Raise ``ServiceError``, saying what to do, unless the Prefect API holds the deployment."""
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
+        from prefect.settings import PREFECT_API_URL
+
+        with get_client(sync_client=True) as client:
+            try:
+                client.read_deployment_by_name(self.deployment)
+            except ObjectNotFound:
+                raise ServiceError(
+                    f"trainer.node_deployment = {self.deployment!r}: no such deployment on the "
+                    f"Prefect API at {PREFECT_API_URL.value() or '(a temporary server)'}; run "
+                    "`rollflow deploy` against the server whose workers run on the nodes' hosts "
+                    "(PREFECT_API_URL), or leave trainer.node_deployment empty to start the nodes "
+                    "by hand"
+                ) from None
+
+    def states(self) -> dict[int, str]:
+        """Each node's flow run state now (its type, e.g. RUNNING)."""
+        from prefect.client.orchestration import get_client
+
+        out = {}
+        with get_client(sync_client=True) as client:
+            for node, flow_run_id in self.flow_runs.items():
+                state = client.read_flow_run(flow_run_id).state
+                out[node] = state.type.value if state is not None else "PENDING"
+        return out
+
+    def end(self, grace_s: float = 30.0) -> dict[int, str]:
+        """After node 0 stopped: each node's flow run ends with it (its ranks lose the rendezvous);
+        one not ended within ``grace_s`` is cancelled (its worker stops the process). Returns
+        the states at the end."""
+        if not self.flow_runs:
+            return {}
+        deadline = time.monotonic() + grace_s
+        states = self._states_or_none()
+        while states is not None and time.monotonic() < deadline:
+            if all(s in TERMINAL for s in states.values()):
+                break
+            time.sleep(1.0)
+            states = self._states_or_none()
+        else:
+            self._cancel([n for n, s in (states or {}).items() if s not in TERMINAL] or None)
+        for node, state in (states or {}).items():
+            if state in TERMINAL and state != "COMPLETED":
+                self.progress(
+                    f"trainer: node {node}'s flow run ({self.flow_runs[node]}) ended {state}; "
+                    "its log is the flow run's, in the Prefect UI"
+                )
+        return states or {}
+
+    def _states_or_none(self) -> dict[int, str] | None:
+        try:
+            return self.states()
+        except Exception as exc:  # noqa: BLE001 - the API gone: nothing more to ask of it
+            self.progress(f"trainer: could not read the nodes' flow runs: {exc}")
+            return None
+
+    def _cancel(self, nodes: list[int] | None) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        for node in nodes if nodes is not None else list(self.flow_runs):
+            try:
+                with get_client(sync_client=True) as client:
+                    client.set_flow_run_state(self.flow_runs[node], Cancelling(), force=True)
+                self.progress(
+                    f"trainer: node {node}'s flow run did not end with the run: cancelled"
+                )
+            except Exception as exc:  # noqa: BLE001 - best effort, said
+                self.progress(f"trainer: could not cancel node {node}'s flow run: {exc}")

@@ -1,0 +1,110 @@
+"""Trainer nodes 1.. as flow runs (flows/nodes.py): the node's flow body, the log it forwards,
+and the config that places them. The whole path (a run submitting node 1 to a worker on another
+host, through a real Prefect server) is tests/integration/flows/test_scale_out.py's two-node run."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+import pytest
+
+from rollflow.flows import nodes
+from rollflow.infra.config import load_config
+from rollflow.infra.errors import ConfigError, ServiceError
+
+
+def test_the_log_is_followed_line_by_line_to_the_end(tmp_path):
+    log = tmp_path / "node.log"
+    alive, lines = threading.Event(), []
+    alive.set()
+
+    def write() -> None:
+        with open(log, "wb", buffering=0) as out:
+            out.write(b"rank 0: waiting for the rendezvous\nrank 0: half a li")
+            time.sleep(0.3)
+            out.write(b"ne\nrank 0: ended")  # the last line has no newline
+        alive.clear()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    nodes.follow_log(log, alive.is_set, lines.append, interval_s=0.05)
+    writer.join()
+    assert lines == ["rank 0: waiting for the rendezvous", "rank 0: half a line", "rank 0: ended"]
+
+
+@pytest.fixture
+def flow_logger(monkeypatch):
+    """The flow body outside a flow run: its run logger, a plain logger whose lines are kept."""
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record.getMessage())
+
+    logger = logging.getLogger("test-trainer-node")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Keep())
+    monkeypatch.setattr(nodes, "get_run_logger", lambda: logger)
+    yield kept
+    logger.handlers.clear()
+
+
+def test_a_node_runs_to_its_end_and_its_lines_reach_the_flow_runs_log(flow_logger):
+    code = "import os; print('node', os.environ['NODE_ENV'])"
+    out = nodes.trainer_node.fn("r", 1, [sys.executable, "-c", code], {"NODE_ENV": "given"})
+    assert out == {"run": "r", "node": 1, "exit_code": 0}
+    assert "node given" in flow_logger
+
+
+def test_a_node_that_fails_fails_its_flow_run_naming_the_node_and_its_last_lines(flow_logger):
+    code = "import sys; print('rendezvous timed out'); sys.exit(3)"
+    with pytest.raises(ServiceError, match=r"trainer node 1 of run r exited with code 3") as err:
+        nodes.trainer_node.fn("r", 1, [sys.executable, "-c", code])
+    assert "rendezvous timed out" in str(err.value) and "rendezvous timed out" in flow_logger
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["model.path='/m'", "envs=[{name='sort_letters'}]", *overrides])
+
+
+def test_node_queues_name_one_queue_per_node_of_the_nodes_deployment():
+    placed = _cfg(
+        "trainer.num_nodes=3",
+        "trainer.node_deployment='rollflow-trainer-node/default'",
+        "trainer.node_queues=['host-1', 'host-2']",
+    )
+    assert placed.trainer.node_queues == ["host-1", "host-2"]
+    with pytest.raises(ConfigError, match=r"names 1 queue\(s\) for 2 node\(s\) after node 0"):
+        _cfg(
+            "trainer.num_nodes=3",
+            "trainer.node_deployment='rollflow-trainer-node/default'",
+            "trainer.node_queues=['host-1']",
+        )
+    with pytest.raises(ConfigError, match="trainer.node_deployment is empty"):
+        _cfg("trainer.num_nodes=2", "trainer.node_queues=['host-1']")
+
+
+def test_a_node_deployment_the_api_does_not_hold_is_said_before_anything_starts(monkeypatch):
+    """``RunServices.start`` checks it first; the error names the key and what to do."""
+    import prefect.client.orchestration
+    from prefect.exceptions import ObjectNotFound
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read_deployment_by_name(self, name):
+            raise ObjectNotFound(http_exc=Exception(name))
+
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda **kw: Client())
+    placed = nodes.TrainerNodes("rollflow-trainer-node/gpu", [], progress=lambda _: None)
+    with pytest.raises(
+        ServiceError, match=r"trainer.node_deployment = 'rollflow-trainer-node/gpu'"
+    ):
+        placed.check()
