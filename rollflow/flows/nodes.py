@@ -5,7 +5,7 @@ on the other hosts.
 
 The flow run is the node. Its body starts the node's launcher under the ``ManagedProcess``
 guard, on its main thread, so a cancelled or crashed flow run takes the node's ranks with it;
-it forwards the node's log lines to the flow run's logger (the UI's Logs tab), and it ends with
+it says the node's log lines in the flow run's log (the UI's Logs tab; ``PrefectRunLog``), and it ends with
 the node: Completed when the launcher exits 0 (the run's trainer ended), Failed naming the exit
 code and the log's last lines otherwise. Everything the node needs travels in its parameters
 (the launcher command, with the trainer's arguments in it: what the run prints when it places
@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from uuid import UUID
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
 from rollflow.flows.deploy import NODE_FLOW_NAME
+from rollflow.flows.terminal import PrefectRunLog, say
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.service import ManagedProcess
 
@@ -42,21 +43,27 @@ TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 )
 def trainer_node(run: str, node: int, argv: list[str], env: dict[str, str] | None = None) -> dict:
     """Run trainer node ``node`` of run ``run``: the launcher ``argv`` (with ``env``) to its end."""
-    logger = get_run_logger()
+    from prefect.context import get_run_context
+
+    with PrefectRunLog(get_run_context().flow_run.id):
+        return _run_node(run, node, argv, env)
+
+
+def _run_node(run: str, node: int, argv: list[str], env: dict[str, str] | None = None) -> dict:
+    """The node's launcher under the guard, each of its log lines said (``say``: the flow run's
+    log and the worker's output), to its end."""
     log_path = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-node-{node}-")) / "trainer-node.log"
     proc = ManagedProcess(f"trainer-node-{node}", argv, log_path, env=env)
-    logger.info(
-        "trainer node %d of run %s: starting; its log on this host: %s", node, run, log_path
-    )
+    say(f"trainer node {node} of run {run}: starting; its log on this host: {log_path}")
     proc.start()
     try:
-        follow_log(log_path, proc.is_alive, logger.info)
+        follow_log(log_path, proc.is_alive, say)
     finally:
         proc.stop()
     code = proc.returncode
     if code != 0:
         raise proc.error(f"trainer node {node} of run {run} exited with code {code}")
-    logger.info("trainer node %d of run %s: ended with the run's trainer", node, run)
+    say(f"trainer node {node} of run {run}: ended with the run's trainer")
     return {"run": run, "node": node, "exit_code": code}
 
 

@@ -4,7 +4,6 @@ host, through a real Prefect server) is tests/integration/flows/test_scale_out.p
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 import time
@@ -37,24 +36,15 @@ def test_the_log_is_followed_line_by_line_to_the_end(tmp_path):
 
 @pytest.fixture
 def flow_logger(monkeypatch):
-    """The flow body outside a flow run: its run logger, a plain logger whose lines are kept."""
+    """The flow body outside a flow run: the lines it says, kept."""
     kept: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            kept.append(record.getMessage())
-
-    logger = logging.getLogger("test-trainer-node")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Keep())
-    monkeypatch.setattr(nodes, "get_run_logger", lambda: logger)
-    yield kept
-    logger.handlers.clear()
+    monkeypatch.setattr(nodes, "say", kept.append)
+    return kept
 
 
 def test_a_node_runs_to_its_end_and_its_lines_reach_the_flow_runs_log(flow_logger):
     code = "import os; print('node', os.environ['NODE_ENV'])"
-    out = nodes.trainer_node.fn("r", 1, [sys.executable, "-c", code], {"NODE_ENV": "given"})
+    out = nodes._run_node("r", 1, [sys.executable, "-c", code], {"NODE_ENV": "given"})
     assert out == {"run": "r", "node": 1, "exit_code": 0}
     assert "node given" in flow_logger
 
@@ -62,7 +52,7 @@ def test_a_node_runs_to_its_end_and_its_lines_reach_the_flow_runs_log(flow_logge
 def test_a_node_that_fails_fails_its_flow_run_naming_the_node_and_its_last_lines(flow_logger):
     code = "import sys; print('rendezvous timed out'); sys.exit(3)"
     with pytest.raises(ServiceError, match=r"trainer node 1 of run r exited with code 3") as err:
-        nodes.trainer_node.fn("r", 1, [sys.executable, "-c", code])
+        nodes._run_node("r", 1, [sys.executable, "-c", code])
     assert "rendezvous timed out" in str(err.value) and "rendezvous timed out" in flow_logger
 
 
@@ -108,3 +98,17 @@ def test_a_node_deployment_the_api_does_not_hold_is_said_before_anything_starts(
         ServiceError, match=r"trainer.node_deployment = 'rollflow-trainer-node/gpu'"
     ):
         placed.check()
+
+
+def test_a_node_still_running_after_node_0_stopped_is_cancelled_and_a_failed_one_said(monkeypatch):
+    said, cancelled = [], []
+    placed = nodes.TrainerNodes("rollflow-trainer-node/default", [], progress=said.append)
+    placed.flow_runs = {1: "id-1", 2: "id-2"}
+    monkeypatch.setattr(placed, "states", lambda: {1: "RUNNING", 2: "FAILED"})
+    monkeypatch.setattr(placed, "_cancel", cancelled.append)
+    assert placed.end(grace_s=0.0) == {1: "RUNNING", 2: "FAILED"}
+    assert cancelled == [[1]]
+    assert any("node 2's flow run (id-2) ended FAILED" in line for line in said)
+    monkeypatch.setattr(placed, "states", lambda: {1: "COMPLETED", 2: "COMPLETED"})
+    cancelled.clear()
+    assert placed.end(grace_s=5.0) == {1: "COMPLETED", 2: "COMPLETED"} and cancelled == []
