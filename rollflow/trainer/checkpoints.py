@@ -9,6 +9,7 @@ inspection. Every command here is a collective with the control group's deadline
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -53,12 +54,50 @@ def failures(outcomes: list[str | None]) -> str | None:
     return "; ".join(failed) or None
 
 
+STAGING_PREFIX = "rollflow-ckpt-"
+
+
+def _owner_file(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".pid")
+
+
+def sweep_stale_staging(temp_dir: str | Path | None = None) -> list[Path]:
+    """Remove the checkpoint staging folders of this host whose rank is gone (killed inside a
+    save: a model's size each, on a GPU node's /tmp). A folder is its rank's while the process
+    named in its ``.pid`` file lives; one without that file (from before it existed) is left.
+    Returns the folders removed."""
+    removed = []
+    for owner in Path(temp_dir or tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*.pid"):
+        try:
+            pid = int(owner.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            continue
+        folder = owner.with_name(owner.name[: -len(".pid")])
+        shutil.rmtree(folder, ignore_errors=True)
+        owner.unlink(missing_ok=True)
+        removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 class CheckpointOps:
     """One rank's side of saving, loading and exporting the trainer's state."""
 
     def __init__(self, trainer: Trainer, control: ControlGroup, storage: RunStorage):
         self.trainer, self.control, self.storage = trainer, control, storage
         self.rank = control.rank
+        sweep_stale_staging()
 
     def save_checkpoint(self, req: StepRef) -> dict:
         """Every rank writes its part into a staging folder on its own host and uploads what
@@ -67,9 +106,11 @@ class CheckpointOps:
         name = None
         if self.rank == 0:
             self.storage.clear_uncommitted("checkpoints", req.step)
-            name = f"rollflow-ckpt-{req.step}-{uuid.uuid4().hex[:12]}"
+            name = f"{STAGING_PREFIX}{req.step}-{uuid.uuid4().hex[:12]}"
         folder = Path(tempfile.gettempdir()) / self.control.broadcast(name)
         folder.mkdir(parents=True, exist_ok=True)
+        owner = _owner_file(folder)
+        owner.write_text(str(os.getpid()))  # beside it: a rank killed mid-save leaves it swept
         try:
             self.trainer.save_checkpoint(folder)  # ends with a barrier: every part is written
             mine = assign_uploads(self.control.all_gather(staged_files(folder)))[self.rank]
@@ -81,6 +122,7 @@ class CheckpointOps:
             failed = failures(self.control.all_gather(outcome))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+            owner.unlink(missing_ok=True)
         if failed:
             raise StorageError(f"checkpoint {req.step} was not uploaded: {failed}")
         if self.rank != 0:

@@ -8,6 +8,7 @@ namespaces: tests/integration/trainer/test_trainer_service.py, configuration fsd
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from pathlib import Path
@@ -194,3 +195,31 @@ def test_a_failed_upload_on_one_host_leaves_the_checkpoint_uncommitted(two_hosts
     assert all(isinstance(r, StorageError) for r in results), results
     assert "rank 1: OSError: host 1 lost the endpoint" in str(results[0])
     assert not storage.is_committed("checkpoints", 6)
+
+
+def test_staging_of_a_rank_killed_mid_save_is_swept_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from rollflow.trainer.checkpoints import sweep_stale_staging
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    for name, pid in (
+        ("rollflow-ckpt-3-dead", gone.stdout.strip()),
+        ("rollflow-ckpt-4-live", os.getpid()),
+    ):
+        (tmp_path / name / "trainer").mkdir(parents=True)
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * 10)
+        (tmp_path / f"{name}.pid").write_text(str(pid))
+    (tmp_path / "rollflow-ckpt-2-older").mkdir()  # no owner file: left alone
+    assert sweep_stale_staging(tmp_path) == [tmp_path / "rollflow-ckpt-3-dead"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rollflow-ckpt-2-older",
+        "rollflow-ckpt-4-live",
+        "rollflow-ckpt-4-live.pid",
+    ]
