@@ -166,15 +166,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         )
         assert server.proc.poll() is None, f"prefect server exited\n{logs()}"
 
-        deploy = subprocess.run(
-            [sys.executable, "-m", "rollflow.cli", "deploy", "configs/quickstart.toml"],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=120,
-        )
-        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        deploy_output = rollflow_deploy(env, "configs/quickstart.toml")
         worker = Service(
             "worker",
             [
@@ -236,7 +228,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         rerun_id = _tagged(api, rerun_tag)[0]["id"]
         wait_until(lambda: ended(rerun_id), RUN_DEADLINE_S, "the rerun finished", logs)
         wait_until(lambda: ended(scale_run_id), 120, "the fleet action's flow run finished", logs)
-        record = _read_back(api, rerun_id, storage, deploy.stdout, earlier=[flow_run_id])
+        record = _read_back(api, rerun_id, storage, deploy_output, earlier=[flow_run_id])
         assert record.flow_run["state"] == "COMPLETED", f"{record.flow_run}\n{logs()}"
         crashed = ended(flow_run_id)
         record.crashed = {
@@ -260,6 +252,20 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
     record.left_over = [" ".join(p.cmdline())[:200] for p in processes_marked(str(tmp))]
     record.groups_alive = [s.name for s in services if s.group_alive()]
     return record
+
+
+def rollflow_deploy(env: dict[str, str], config: str | Path) -> str:
+    """`rollflow deploy CONFIG` against the server of ``env``, as a user types it; its output."""
+    deploy = subprocess.run(
+        [sys.executable, "-m", "rollflow.cli", "deploy", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    return deploy.stdout
 
 
 def _healthy(api: str) -> bool:

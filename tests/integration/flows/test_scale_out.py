@@ -14,8 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -175,7 +173,15 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_trainer_node_and_
     rerun of a finished run (``run_support.assert_documented_layout``)."""
     import fsspec
 
-    from deployed_run import PREFECT, Service, _deployment_run, _healthy, _read, wait_until
+    from deployed_run import (
+        PREFECT,
+        Service,
+        _deployment_run,
+        _healthy,
+        _read,
+        rollflow_deploy,
+        wait_until,
+    )
 
     with two_hosts() as (host0, host1), object_storage(host0) as endpoint:
         storage = f"s3://rollflow/{tmp_path.name}"
@@ -196,15 +202,7 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_trainer_node_and_
                 Service("prefect server", [*server, "--no-ui"], tmp_path / "server.log", env)
             )
             wait_until(lambda: _healthy(api), 180, "prefect server healthy", logs)
-            deploy = subprocess.run(
-                [sys.executable, "-m", "rollflow.cli", "deploy", str(config)],
-                capture_output=True,
-                text=True,
-                env=env,
-                cwd=ROOT,
-                timeout=120,
-            )
-            assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+            rollflow_deploy(env, config)
             for host, queue in ((host0, "default"), (host1, "host-1")):
                 worker = ["worker", "start", "--pool", "rollflow-cpu", "--work-queue", queue]
                 services.append(
