@@ -1,5 +1,5 @@
 """Trainer nodes as Prefect flow runs: node k > 0 of a trainer on several hosts is a flow run of
-a ``rollflow-trainer-node`` deployment that the run flow submits (``submit_trainer_nodes``) to
+a ``rollflow-trainer-node`` deployment that the run flow submits (``TrainerNodes.submit``) to
 that deployment's work pool, where a worker on the node's host runs it: nobody starts a command
 on the other hosts.
 
