@@ -20,7 +20,7 @@ import fsspec
 
 from rollflow.infra.errors import StorageError
 from rollflow.infra.storage import RunStorage
-from rollflow.trainer.control import ControlGroup
+from rollflow.trainer.control import ControlGroup, pid_alive
 from rollflow.trainer.protocol import ExportHF, Gradients, StepRef
 from rollflow.trainer.trainer import Trainer
 
@@ -72,23 +72,13 @@ def sweep_stale_staging(temp_dir: str | Path | None = None) -> list[Path]:
             pid = int(owner.read_text().strip())
         except (OSError, ValueError):
             continue
-        if _alive(pid):
+        if pid_alive(pid):
             continue
         folder = owner.with_name(owner.name[: -len(".pid")])
         shutil.rmtree(folder, ignore_errors=True)
         owner.unlink(missing_ok=True)
         removed.append(folder)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 class CheckpointOps:

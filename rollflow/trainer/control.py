@@ -108,7 +108,7 @@ class PeerWatch:
 
     def poll(self) -> str | None:
         for peer in self.peers:
-            if not _alive(peer["pid"]):
+            if not pid_alive(peer["pid"]):
                 self.fail(f"trainer rank {peer['rank']} (pid {peer['pid']}) died{self.log_hint}")
         return self.failure
 
@@ -117,8 +117,12 @@ class PeerWatch:
             self.poll()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie does not; one we may not inspect,
+    another user's, does)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+    except psutil.AccessDenied:
+        return True
