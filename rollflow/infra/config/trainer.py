@@ -42,7 +42,7 @@ class TrainerSection(Section):
     node_deployment: str = Field(
         "",
         description="The Prefect deployment whose flow runs are trainer nodes 1.. (e.g. "
-        "`rollflow-trainer-node/cpu` of prefect.yaml): the run submits one per node to its work "
+        "`rollflow-trainer-node/default` of prefect.yaml): the run submits one per node to its work "
         "pool, a worker on the node's host runs it; empty: start the nodes by hand with the "
         "command the run prints (`rollflow plan`).",
     )
@@ -105,7 +105,7 @@ class TrainerSection(Section):
         if self.node_queues and not self.node_deployment:
             raise ValueError(
                 "trainer.node_queues is set but trainer.node_deployment is empty: the queues are "
-                "those of the deployment that runs the nodes (e.g. rollflow-trainer-node/cpu)"
+                "those of the deployment that runs the nodes (e.g. rollflow-trainer-node/default)"
             )
         return self
 
