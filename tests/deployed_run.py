@@ -256,16 +256,14 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
 
 def rollflow_deploy(env: dict[str, str], config: str | Path) -> str:
     """`rollflow deploy CONFIG` against the server of ``env``, as a user types it; its output."""
-    deploy = subprocess.run(
-        [sys.executable, "-m", "rollflow.cli", "deploy", str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-    return deploy.stdout
+    return _command([sys.executable, "-m", "rollflow.cli", "deploy", str(config)], env)
+
+
+def _command(argv: list[str], env: dict[str, str]) -> str:
+    """``argv`` from the repository root with ``env``, which must succeed; its output."""
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def _healthy(api: str) -> bool:
@@ -284,16 +282,10 @@ def _read(api: str, path: str) -> dict:
 
 def _deployment_run(env: dict[str, str], deployment: str, *params: str) -> str:
     """`prefect deployment run DEPLOYMENT -p PARAM ...`, as a user types it; the flow run's id."""
-    started = subprocess.run(
-        [*PREFECT, "deployment", "run", deployment, *(a for p in params for a in ("-p", p))],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
+    out = _command(
+        [*PREFECT, "deployment", "run", deployment, *(a for p in params for a in ("-p", p))], env
     )
-    assert started.returncode == 0, started.stdout + started.stderr
-    return re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
+    return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
 
 
 def _flow_run_process(marker: str, flow_run_id: str) -> psutil.Process:
