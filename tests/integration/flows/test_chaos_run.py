@@ -167,9 +167,13 @@ def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_goes_on(campa
         so which step is the first one is a race: read it, do not guess it)."""
         for step in c.committed():
             if step > after and c.committed_now("checkpoints", step):
-                if c.metrics(step).get("inference_servers") == servers:
+                if step not in sampled_by:  # a committed step's metrics never change: read once
+                    sampled_by[step] = c.metrics(step).get("inference_servers")
+                if sampled_by[step] == servers:
                     return step
         return None
+
+    sampled_by: dict[int, float] = {}  # step → its metric inference_servers
 
     c.wait_for(proc, lambda: fleet_event("joined") is not None, "server 1 joined", timeout_s=300)
     joined = fleet_event("joined")
