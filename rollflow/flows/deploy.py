@@ -31,11 +31,16 @@ HEAL_ENTRYPOINT = "rollflow/flows/heal.py:heal_crashed_run"
 # submitted by the run flow (trainer.node_deployment).
 NODE_FLOW_NAME = "rollflow-trainer-node"
 NODE_ENTRYPOINT = "rollflow/flows/nodes.py:trainer_node"
+# vLLM servers of a run placed by Prefect (servers.py): `rollflow-inference-server/default`,
+# submitted by the run flow (inference.server_deployment).
+SERVER_FLOW_NAME = "rollflow-inference-server"
+SERVER_ENTRYPOINT = "rollflow/flows/servers.py:inference_server"
 FLOWS = {  # entrypoint → flow name
     ENTRYPOINT: FLOW_NAME,
     SCALE_ENTRYPOINT: SCALE_FLOW_NAME,
     HEAL_ENTRYPOINT: HEAL_FLOW_NAME,
     NODE_ENTRYPOINT: NODE_FLOW_NAME,
+    SERVER_ENTRYPOINT: SERVER_FLOW_NAME,
 }
 DEFAULT_POOL = "rollflow-cpu"
 

@@ -119,32 +119,15 @@ class TrainerNodes:
 
     def check(self) -> None:
         """Raise ``ServiceError``, saying what to do, unless the Prefect API holds the deployment."""
-        from prefect.client.orchestration import get_client
-        from prefect.exceptions import ObjectNotFound
-        from prefect.settings import PREFECT_API_URL
-
-        with get_client(sync_client=True) as client:
-            try:
-                client.read_deployment_by_name(self.deployment)
-            except ObjectNotFound:
-                raise ServiceError(
-                    f"trainer.node_deployment = {self.deployment!r}: no such deployment on the "
-                    f"Prefect API at {PREFECT_API_URL.value() or '(a temporary server)'}; run "
-                    "`rollflow deploy` against the server whose workers run on the nodes' hosts "
-                    "(PREFECT_API_URL), or leave trainer.node_deployment empty to start the nodes "
-                    "by hand"
-                ) from None
+        check_deployment(
+            self.deployment,
+            "trainer.node_deployment",
+            "or leave trainer.node_deployment empty to start the nodes by hand",
+        )
 
     def states(self) -> dict[int, str]:
         """Each node's flow run state now (its type, e.g. RUNNING)."""
-        from prefect.client.orchestration import get_client
-
-        out = {}
-        with get_client(sync_client=True) as client:
-            for node, flow_run_id in self.flow_runs.items():
-                state = client.read_flow_run(flow_run_id).state
-                out[node] = state.type.value if state is not None else "PENDING"
-        return out
+        return {node: flow_run_state(flow_run_id) for node, flow_run_id in self.flow_runs.items()}
 
     def end(self, grace_s: float = 30.0) -> dict[int, str]:
         """After node 0 stopped: each node's flow run ends with it (its ranks lose the rendezvous);
@@ -177,15 +160,51 @@ class TrainerNodes:
             return None
 
     def _cancel(self, nodes: list[int] | None) -> None:
-        from prefect.client.orchestration import get_client
-        from prefect.states import Cancelling
-
         for node in nodes if nodes is not None else list(self.flow_runs):
             try:
-                with get_client(sync_client=True) as client:
-                    client.set_flow_run_state(self.flow_runs[node], Cancelling(), force=True)
+                cancel_flow_run(self.flow_runs[node])
                 self.progress(
                     f"trainer: node {node}'s flow run did not end with the run: cancelled"
                 )
             except Exception as exc:  # noqa: BLE001 - best effort, said
                 self.progress(f"trainer: could not cancel node {node}'s flow run: {exc}")
+
+
+# ------------------------------------------------- flow runs of a deployment, as processes
+
+
+def check_deployment(deployment: str, key: str, otherwise: str) -> None:
+    """Raise ``ServiceError`` naming config key ``key`` and what to do (``otherwise``: the
+    alternative) unless the Prefect API holds ``deployment``."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise ServiceError(
+                f"{key} = {deployment!r}: no such deployment on the Prefect API at "
+                f"{PREFECT_API_URL.value() or '(a temporary server)'}; run `rollflow deploy` "
+                f"against the server whose workers run on the other hosts (PREFECT_API_URL), "
+                f"{otherwise}"
+            ) from None
+
+
+def flow_run_state(flow_run_id: UUID) -> str:
+    """The flow run's state type now, e.g. ``RUNNING`` (``PENDING`` before it has one)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+    return state.type.value if state is not None else "PENDING"
+
+
+def cancel_flow_run(flow_run_id: UUID) -> None:
+    """Ask for the flow run's end: its worker stops its process (the guard takes its children)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Cancelling(), force=True)

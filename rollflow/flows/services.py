@@ -23,7 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from rollflow.flows.nodes import TrainerNodes
+from rollflow.flows.nodes import TrainerNodes, check_deployment
+from rollflow.flows.servers import PlacedServer, publish_key, withdraw_key
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError, TrainerLost, WeightSyncError
 from rollflow.infra.events import Event, publish
@@ -39,6 +40,7 @@ from rollflow.infra.inference.supervisor import (
     HEALTH_PROBE_TIMEOUT_S,
     InferenceSupervisor,
     WeightLink,
+    max_model_len,
 )
 from rollflow.infra.placement import Machine, make_plan
 from rollflow.infra.storage import RunStorage
@@ -96,17 +98,21 @@ class RunServices:
         self._join_target = 0  # the size the last join was for
         self.trainer: TrainerClient | None = None
         self.group_formed = False
+        # vLLM servers as flow runs on other hosts (flows/servers.py), where so placed
+        self.placed = bool(cfg.inference.server_deployment)
+        self._served_model: tuple[str, int] = ("policy", 0)  # what placed servers load
 
-    def _model_for_other_nodes(self) -> tuple[str, int]:
-        """Where the trainer's other nodes, on other hosts, find the policy in the run's storage:
-        the checkpoint being resumed, else the policy itself, put there once."""
-        if self.checkpoint_step:
-            return ("checkpoints", self.checkpoint_step)
-        cfg, storage = self.cfg, self.storage
+    def _model_in_storage(self, checkpoint_step: int | None) -> tuple[str, int]:
+        """Where processes on other hosts (trainer nodes, placed vLLM servers) find the policy
+        in the run's storage: ``checkpoint_step``'s checkpoint (the one being resumed), else the
+        policy itself, put there once."""
+        if checkpoint_step:
+            return ("checkpoints", checkpoint_step)
+        storage = self.storage
         if 0 not in storage.committed_steps("policy"):
             self.progress(
-                f"trainer: putting the policy in {storage.step_uri('policy', 0)} for the other "
-                f"{cfg.trainer.num_nodes - 1} node(s)"
+                f"services: putting the policy in {storage.step_uri('policy', 0)} for the "
+                "processes on other hosts"
             )
             storage.upload_dir(self.policy_dir, "policy", 0)
         return ("policy", 0)
@@ -144,6 +150,14 @@ class RunServices:
                 cfg.trainer.node_deployment, cfg.trainer.node_queues, self.progress
             )
             self.nodes.check()  # before any process starts
+        if self.placed:
+            check_deployment(
+                cfg.inference.server_deployment,
+                "inference.server_deployment",
+                "or leave inference.server_deployment empty to run the servers on this host",
+            )
+            publish_key(self.storage, self.token)  # before any server's flow run asks for it
+            self._served_model = self._model_in_storage(self.checkpoint_step)
         self._start_trainer()  # loads while vLLM starts
         self._start_other_nodes()
         self._served = self._served_policy()
@@ -212,6 +226,7 @@ class RunServices:
             self.cfg,
             served,
             self.log_dir,
+            server=self._placed_server(slot) if self.placed else None,
             lora_adapter=adapter,
             index=slot,
             env=planned.env,
@@ -222,6 +237,31 @@ class RunServices:
             on_restart=lambda info: publish(
                 self.storage, Event.INFERENCE_RESTARTED, server=slot, **info
             ),
+        )
+
+    def _placed_server(self, slot: int) -> PlacedServer:
+        """Server ``slot`` as a flow run of ``inference.server_deployment``, which loads what
+        the run serves from its storage (the run's policy, or the resumed checkpoint)."""
+        cfg, planned = self.cfg, self.plan.servers[slot]
+        inf = cfg.inference
+        return PlacedServer(
+            inf.server_deployment,
+            inf.server_queues[slot] if inf.server_queues else "",
+            cfg.run.name,
+            slot,
+            (cfg.run.storage, cfg.run.storage_options),
+            self._served_model,
+            {
+                "reach": self.plan.group_host,  # it binds the address that reaches this host
+                "port": inf.port + slot if inf.port else 0,
+                "max_model_len": max_model_len(self.policy_dir),
+                "startup_timeout_s": inf.startup_timeout_s,
+                "extra_args": [*self.plan.server_args(slot), *inf.extra_args],
+                "env": dict(planned.env),
+                "cpus": list(planned.cpus),
+            },
+            api_key=self.token,
+            progress=self.progress,
         )
 
     def _link(self) -> WeightLink:
@@ -237,7 +277,8 @@ class RunServices:
         cfg, node = self.cfg, self.plan.trainer_nodes[0]
         args = trainer_args(cfg, self.policy_dir, self.checkpoint_step, self.weight_dtype)
         if cfg.trainer.num_nodes > 1:
-            args = args.model_copy(update={"model_in_storage": self._model_for_other_nodes()})
+            stored = self._model_in_storage(self.checkpoint_step)
+            args = args.model_copy(update={"model_in_storage": stored})
         self.trainer_proc = TrainerProcess(
             args,
             token=self.token,
@@ -495,7 +536,7 @@ class RunServices:
                 server = sup.server
                 if not server.is_alive():
                     return ServiceError(
-                        f"{sup.name} died (exit code {server.returncode}); see {server.log_path}"
+                        f"{sup.name} died ({server.ended()}); see {server.log_path}"
                     )
             if time.monotonic() >= deadline:
                 return trainer_error
@@ -524,6 +565,8 @@ class RunServices:
             self.trainer_proc.stop(timeout_s=max(1.0, deadline - time.monotonic()))
         if self.nodes is not None:  # their ranks end with node 0's; a node that did not: cancelled
             self.nodes.end(grace_s=max(5.0, deadline - time.monotonic()))
+        if self.placed:
+            withdraw_key(self.storage)
 
     def __enter__(self) -> RunServices:
         return self.start()

@@ -53,7 +53,7 @@ def socket_interface(
         if name:
             return name, f"{var}={env[var]}"
     if local_address is None:
-        local_address = _route_source(master_addr)
+        local_address = route_source(master_addr)
     local = ipaddress.ip_address(local_address.split("%")[0])
     for name, addresses in interfaces.items():
         if any(ipaddress.ip_address(a.split("%")[0]) == local for a in addresses):
@@ -61,7 +61,7 @@ def socket_interface(
     return None, f"no interface holds {local_address} (the local address toward {master_addr})"
 
 
-def _route_source(master_addr: str) -> str:
+def route_source(master_addr: str) -> str:
     """The local address the kernel would send from to reach ``master_addr``."""
     info = socket.getaddrinfo(master_addr, 9, type=socket.SOCK_DGRAM)[0]
     with socket.socket(info[0], socket.SOCK_DGRAM) as probe:

@@ -144,9 +144,12 @@ class PlannedProcess:
     gpus: tuple[int, ...]  # indices on its node; () on CPU
     weight_ranks: tuple[int, ...]  # its ranks in the weight group; () for trainer nodes > 0
     env: dict[str, str]
-    started_by: Literal["rollflow", "you"] = "rollflow"
+    # "prefect": a flow run of a deployment (trainer.node_deployment, inference.server_deployment)
+    # that a worker of its pool runs, on another host
+    started_by: Literal["rollflow", "you", "prefect"] = "rollflow"
     cpus: tuple[int, ...] = ()  # the cores it is pinned to (inference.cpus, trainer.cpus); ()
     # where nothing pins it
+    queue: str | None = None  # started by Prefect: its work queue ("" the deployment's own)
 
     @property
     def first_weight_rank(self) -> int:
@@ -194,7 +197,7 @@ class Plan:
             rows.append(
                 (
                     p.name,
-                    str(p.node),
+                    str(p.node) if p.queue is None else f"queue {p.queue or '(pool)'}",
                     p.device + (f" (cores {','.join(map(str, p.cpus))})" if p.cpus else ""),
                     p.env.get("CUDA_VISIBLE_DEVICES", "-"),
                     ranks,
@@ -228,7 +231,13 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
             f"trainer.num_nodes = {tr.num_nodes} but the machine has {machine.nodes} node(s): "
             f"lower trainer.num_nodes or plan with --nodes {tr.num_nodes}"
         )
-    inf_device = _device("inference", inf.device, inf.devices, machine)
+    placed = bool(inf.server_deployment)  # each server a flow run on a host of its own
+    if placed:  # its host's GPUs, not this machine's: only the config can say
+        inf_device: Device = "cpu" if inf.device == "auto" and not machine.gpus else inf.device
+        if inf_device == "auto":
+            inf_device = "cuda"
+    else:
+        inf_device = _device("inference", inf.device, inf.devices, machine)
     tr_device = _device("trainer", tr.device, tr.devices, machine)
     choose_backend(tr_device, inf_device, tr.weight_backend)  # a bad pair fails before the GPUs
     _check_tensor_parallel(cfg, tp)
@@ -246,10 +255,13 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 f"inference.devices lists {len(gpus)} GPU(s) but {_servers_key(inf)} × "
                 f"tensor_parallel_size = {n_servers} × {tp} = {wanted}: list {wanted}"
             )
-        _check_exist("inference.devices", gpus, machine)
+        if not placed:  # a placed server's GPUs are on its own host
+            _check_exist("inference.devices", gpus, machine)
+        elif inf.devices is None:  # each its host's first ones
+            gpus = list(range(tp)) * n_servers
         inference_gpus = [tuple(gpus[i * tp : (i + 1) * tp]) for i in range(n_servers)]
     if tr_device == "cuda":
-        used = {g for server in inference_gpus for g in server}
+        used = set() if placed else {g for server in inference_gpus for g in server}
         if tr.devices is not None:
             trainer_gpus = tuple(tr.devices)
         elif inf.colocate:
@@ -273,11 +285,15 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 "(vLLM's memory share is then capped)"
             )
     # The weight group's members on node 0: trainer rank 0 (its first GPU) and every vLLM worker.
-    shared = bool(trainer_gpus) and any(trainer_gpus[0] in server for server in inference_gpus)
+    shared = (
+        not placed
+        and bool(trainer_gpus)
+        and any(trainer_gpus[0] in server for server in inference_gpus)
+    )
     wire = choose_backend(tr_device, inf_device, tr.weight_backend, shared_gpu=shared)
     processes: list[PlannedProcess] = []
     rank = 1
-    server_cores = _pinned_cores(cfg, machine, inf_device, tr_device)
+    server_cores = [] if placed else _pinned_cores(cfg, machine, inf_device, tr_device)
     for i, gpus in enumerate(inference_gpus):
         ranks = tuple(range(rank, rank + tp))
         rank += tp
@@ -294,6 +310,8 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 weight_ranks=ranks,
                 env=env,
                 cpus=server_cores[i] if server_cores else (),
+                started_by="prefect" if placed else "rollflow",
+                queue=(inf.server_queues[i] if inf.server_queues else "") if placed else None,
             )
         )
     for node in range(tr.num_nodes):
@@ -314,7 +332,8 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                     # this process's CUDA_VISIBLE_DEVICES says nothing of another node's GPUs
                     visible=machine.visible if node == 0 else None,
                 ),
-                started_by="rollflow" if node == 0 else "you",
+                started_by="rollflow" if node == 0 else "prefect" if tr.node_deployment else "you",
+                queue=None if node == 0 or not tr.node_deployment else _queue(tr, node),
                 # another node is another host, whose cores this plan does not know
                 cpus=tuple(tr.cpus) if tr.cpus and tr_device == "cpu" and node == 0 else (),
             )
@@ -328,7 +347,8 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         processes=tuple(processes),
         weight_world_size=rank,
         wire=wire,
-        group_host=tr.master_addr if tr.num_nodes > 1 else "127.0.0.1",
+        # other hosts join the weight group's store: node 0's address as they reach it
+        group_host=tr.master_addr if tr.num_nodes > 1 or placed else "127.0.0.1",
         colocated=inf.colocate,
         tensor_parallel_size=tp,
         gpu_memory_utilization=memory,
@@ -393,6 +413,11 @@ def _threads_bind(cores: tuple[int, ...], tp: int) -> str:
     """vLLM's CPU thread binding for one server on ``cores``: its workers' shares, "|"-separated."""
     share = len(cores) // tp
     return "|".join(",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(tp))
+
+
+def _queue(tr, node: int) -> str:
+    """The work queue of trainer node ``node`` > 0 ("": the deployment's)."""
+    return tr.node_queues[node - 1] if tr.node_queues else ""
 
 
 def _device(section: str, value: str, devices, machine: Machine) -> Device:

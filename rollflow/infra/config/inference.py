@@ -47,6 +47,19 @@ class InferenceSection(Section):
         description="The most servers the fleet may grow to while the run runs (`rollflow "
         "scale`); the plan places this many and starts num_servers of them (None: num_servers).",
     )
+    server_deployment: str = Field(
+        "",
+        description="The Prefect deployment whose flow runs are the vLLM servers (e.g. "
+        "`rollflow-inference-server/default` of prefect.yaml): the run submits one per server "
+        "to its work pool, a worker on the server's host runs it, and a dead one is submitted "
+        "again; empty: the servers are processes of the run flow, on its host.",
+    )
+    server_queues: list[str] = Field(
+        [],
+        description="The work queue of each server slot in turn, one per slot (fleet_slots: "
+        "max_servers or num_servers; a queue per host on a process pool); empty: the "
+        "deployment's queue (a Kubernetes or Docker pool places each job).",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="Tensor-parallel workers per server (GPUs per server on a GPU node)."
     )
@@ -92,6 +105,18 @@ class InferenceSection(Section):
             raise ValueError(
                 f"inference.max_servers = {self.max_servers} is below inference.num_servers = "
                 f"{self.num_servers}: raise max_servers, or leave it unset (= num_servers)"
+            )
+        if self.server_queues and len(self.server_queues) != self.fleet_slots():
+            raise ValueError(
+                f"inference.server_queues names {len(self.server_queues)} queue(s) for "
+                f"{self.fleet_slots()} server slot(s) (inference.max_servers or num_servers): "
+                "name one per slot, or none (the deployment's queue)"
+            )
+        if self.server_queues and not self.server_deployment:
+            raise ValueError(
+                "inference.server_queues is set but inference.server_deployment is empty: the "
+                "queues are those of the deployment that runs the servers (e.g. "
+                "rollflow-inference-server/default)"
             )
         return self
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from pydantic import Field, model_validator
 
 from rollflow.infra.config.base import Section
@@ -104,7 +106,32 @@ class RunConfig(Section):
                 f"trainer.zero_stage applies to trainer.backend = 'deepspeed' only (backend is {tr.backend!r}); "
                 "remove it or set trainer.backend = 'deepspeed'"
             )
+        inf = self.inference
+        if inf.server_deployment and t.lora is not None and t.lora.sync == "adapter":
+            raise ValueError(
+                "inference.server_deployment places the vLLM servers on other hosts, which load "
+                "the policy from the run's storage; train.lora.sync = 'adapter' is not served "
+                "there yet: set train.lora.sync = 'merged', or leave inference.server_deployment "
+                "empty"
+            )
+        if inf.server_deployment and _is_loopback(tr.master_addr):
+            raise ValueError(
+                f"inference.server_deployment places the vLLM servers on other hosts, which join "
+                f"the weight group at trainer.master_addr = {tr.master_addr!r}, a loopback "
+                "address: set it to this host's address as the servers' hosts reach it"
+            )
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):
             raise ValueError(f"envs names repeat: {names}; give each environment once")
         return self
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` names this host only (a literal loopback address, or localhost); a
+    name is not resolved here: it is where it is used."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -217,6 +217,10 @@ class InferenceServer:
         """The server's exit code once it exited (128 + N when killed by signal N)."""
         return self._proc.returncode if self._proc else None
 
+    def ended(self) -> str:
+        """How it ended, for messages."""
+        return f"exit code {self.returncode}"
+
     def pids(self) -> list[int]:
         """Process ids of the server and every descendant still alive."""
         return self._proc.pids() if self._proc else []

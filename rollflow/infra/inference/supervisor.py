@@ -82,16 +82,19 @@ class InferenceSupervisor:
         api_key: str | None = None,
         lora_adapter: str | Path | None = None,
         cpus: tuple[int, ...] = (),
+        server: InferenceServer | None = None,
     ):
+        """``server``: the server to keep serving when it is not a process of this one (a flow
+        run of ``inference.server_deployment``: ``flows/servers.py``), else one is made here."""
         self.cfg, self.index = cfg, index
         self.link: WeightLink | None = None
         self.on_restart, self.progress = on_restart, progress
         port = cfg.inference.port + index if cfg.inference.port else 0
-        self.server = InferenceServer(
+        self.server = server or InferenceServer(
             policy_dir,
             host=cfg.inference.host,
             port=port,
-            max_model_len=_max_model_len(policy_dir),
+            max_model_len=max_model_len(policy_dir),
             startup_timeout_s=cfg.inference.startup_timeout_s,
             extra_args=[*server_args, *cfg.inference.extra_args],
             extra_env=env,
@@ -142,7 +145,7 @@ class InferenceSupervisor:
 
     def _failure(self) -> str | None:
         if not self.server.is_alive():
-            return f"{self.name} died (exit code {self.server.returncode})"
+            return f"{self.name} died ({self.server.ended()})"
         healthy = self._answers_health(HEALTH_PROBE_TIMEOUT_S)
         self._unhealthy_probes = 0 if healthy else self._unhealthy_probes + 1
         if self._unhealthy_probes >= UNHEALTHY_PROBES_BEFORE_RESTART:
@@ -243,7 +246,7 @@ class InferenceSupervisor:
         self.server.stop(timeout_s=timeout_s)
 
 
-def _max_model_len(policy_dir: str | Path) -> int | None:
+def max_model_len(policy_dir: str | Path) -> int | None:
     try:
         return json.loads((Path(policy_dir) / "config.json").read_text())["max_position_embeddings"]
     except (OSError, KeyError, ValueError):

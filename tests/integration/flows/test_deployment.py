@@ -80,6 +80,7 @@ def test_deploying_again_updates_in_place(deployed_run):
     assert deployed_run.deployments == [
         "rl-run/quickstart",
         "rollflow-heal/crashed-run",
+        "rollflow-inference-server/default",
         "rollflow-scale/fleet",
         "rollflow-trainer-node/default",
     ]

@@ -158,20 +158,24 @@ def test_a_fleet_grown_to_two_servers_and_a_two_rank_trainer_serve_the_trainers_
     assert all(not s.server.is_alive() for s in services.supervisors)
 
 
-def test_a_two_host_run_from_prefect_deployment_run_places_its_trainer_node_and_completes(
+def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_completes(
     tmp_path, model_cache, monkeypatch
 ):
     """Two hosts (tests/host_support.py: each its own network, /tmp and HOME, none of the
     other's files), a real ``prefect server`` on host 0 and a process worker on each, its own
     work queue; ``rollflow deploy``, then ``prefect deployment run`` of a run whose trainer has
-    two nodes, nothing started by hand. The run flow (host 0's worker) starts node 0 and submits
-    node 1 as a flow run of ``rollflow-trainer-node/default`` to host 1's queue; host 1's worker
-    runs it, it gets its arguments from the flow run's parameters and the policy from the run's
-    storage (S3 on host 0's address, the only thing the hosts share), joins, and the run
-    completes, each step once; both flow runs hold their process's log lines in the Prefect
-    API. The run is also the suite's check of the documented layout, `rollflow status` and the
-    rerun of a finished run (``run_support.assert_documented_layout``)."""
+    two nodes and whose fleet has two vLLM servers, nothing started by hand. The run flow (host
+    0's worker) starts node 0, submits node 1 as a flow run of ``rollflow-trainer-node/default``
+    to host 1's queue and each server as a flow run of ``rollflow-inference-server/default``,
+    server 0 to host 0's queue and server 1 to host 1's; the workers run them, they get their
+    arguments from the flow runs' parameters and the policy from the run's storage (S3 on host
+    0's address, the only thing the hosts share), each server serves at its own host's address
+    and joins the weight group there, and the run completes, each step once, sampled by both
+    servers; every flow run holds its process's log lines in the Prefect API. The run is also
+    the suite's check of the documented layout, `rollflow status` and the rerun of a finished
+    run (``run_support.assert_documented_layout``)."""
     import fsspec
+    import pyarrow.parquet as pq
 
     from deployed_run import (
         PREFECT,
@@ -220,6 +224,9 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_trainer_node_and_
                 f"trainer.master_port={free_port(host0.address)}",
                 "trainer.node_deployment=rollflow-trainer-node/default",
                 "trainer.node_queues=['host-1']",
+                "inference.num_servers=2",
+                "inference.server_deployment=rollflow-inference-server/default",
+                "inference.server_queues=['default', 'host-1']",
                 f'run.storage_options={{endpoint_url="{endpoint}"}}',
             ]
             run_id = _deployment_run(env, "rl-run/twonode", f"overrides={json.dumps(overrides)}")
@@ -234,12 +241,29 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_trainer_node_and_
             wait_until(lambda: ended(run_id), 600, "the two-host run finished", logs)
             [node] = _flow_runs(api, "rollflow-trainer-node")
             wait_until(lambda: ended(node["id"]), 60, "node 1's flow run ended", logs)
+            servers = sorted(_flow_runs(api, "rollflow-inference-server"), key=lambda r: r["name"])
+            for server in servers:
+                wait_until(lambda: ended(server["id"]), 60, f"{server['name']} ended", logs)  # noqa: B023
             out, node_log = _flow_run_log(api, run_id), _flow_run_log(api, node["id"])
             assert ended(run_id) == "COMPLETED", f"{out[-4000:]}\n{logs()}"
             assert ended(node["id"]) == "COMPLETED", node_log[-4000:]
             # Host 1's worker ran node 1, a child of the run's flow run.
             assert node["parent_task_run_id"] is not None and node["work_queue_name"] == "host-1"
             assert "twonode: trainer node 1" == node["name"]
+            # One server on each host, each a child flow run, stopped with the run (cancelled),
+            # its vLLM log in its flow run's log; each served at its own host's address.
+            assert [(r["name"], r["work_queue_name"]) for r in servers] == [
+                ("twonode: vLLM server 0", "default"),
+                ("twonode: vLLM server 1", "host-1"),
+            ]
+            for server, host in zip(servers, (host0, host1), strict=True):
+                server_log = _flow_run_log(api, server["id"])
+                assert server["parent_task_run_id"] is not None
+                assert ended(server["id"]) == "CANCELLED", server_log[-4000:]
+                assert f"starting at http://{host.address}:" in server_log, server_log[-4000:]
+                assert "copying policy/step=0" in server_log
+                # vLLM's own lines: its worker loaded weights the trainer sent over the group
+                assert "Reloading weights inplace" in server_log, server_log[-4000:]
             # Each process's lines are in its flow run's log: node 1 had no copy of the policy and
             # loaded the one the run put in its storage.
             assert "1 rank(s) × 2 nodes" in out and "putting the policy in" in out
@@ -248,6 +272,13 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_trainer_node_and_
             fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
             run_dir = tmp_path / "copy" / "twonode"
             fs.get(f"rollflow/{tmp_path.name}/twonode/", str(run_dir), recursive=True)
+            # Both servers sampled: every step's rollouts came from a fleet of two.
+            for step in range(1, 5):
+                metrics = pq.read_table(run_dir / "metrics" / f"step={step}.parquet").to_pylist()[0]
+                assert metrics["inference_servers"] == 2, metrics
+            assert metrics["inference/0/requests"] > 0 and metrics["inference/1/requests"] > 0
+            # The servers' key left the run's storage with them.
+            assert not (run_dir / "control" / "servers" / "key.json").exists()
             # The layout check reads the run's events on S3 in this process (`rollflow status`
             # and the rerun, on host 0 with the server up, get the endpoint through ``env``).
             monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)

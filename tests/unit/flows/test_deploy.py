@@ -15,6 +15,7 @@ from rollflow.flows.deploy import (
     HEAL_ENTRYPOINT,
     NODE_ENTRYPOINT,
     SCALE_ENTRYPOINT,
+    SERVER_ENTRYPOINT,
     plan_deployments,
 )
 from rollflow.infra.config import resolve_config
@@ -30,10 +31,11 @@ PREFECT_YAML = ROOT / "prefect.yaml"
 
 
 def test_every_deployment_of_prefect_yaml_runs_from_the_repository_root():
-    quickstart, fleet, heal, node = plan_deployments(PREFECT_YAML)
+    quickstart, fleet, heal, node, server = plan_deployments(PREFECT_YAML)
     assert fleet["entrypoint"] == SCALE_ENTRYPOINT and fleet["pull"] == quickstart["pull"]
     assert heal["entrypoint"] == HEAL_ENTRYPOINT and heal["pull"] == quickstart["pull"]
     assert node["entrypoint"] == NODE_ENTRYPOINT and node["pull"] == quickstart["pull"]
+    assert server["entrypoint"] == SERVER_ENTRYPOINT and server["pull"] == quickstart["pull"]
     assert quickstart["name"] == "quickstart"
     assert quickstart["parameters"] == {"config": "configs/quickstart.toml", "overrides": []}
     assert (
@@ -48,13 +50,14 @@ def test_every_deployment_of_prefect_yaml_runs_from_the_repository_root():
 def test_a_config_not_in_prefect_yaml_gets_a_deployment_named_after_it(tmp_path):
     config = tmp_path / "math-gpu.toml"
     config.write_text((ROOT / "configs/quickstart.toml").read_text())
-    fleet, heal, node, entry = plan_deployments(
+    fleet, heal, node, server, entry = plan_deployments(
         PREFECT_YAML, [str(config)], pool="rollflow-gpu-kubernetes"
     )
-    # The fleet's action, the heal and the trainer nodes serve every run: always registered,
-    # on the run's pool.
-    assert (fleet["name"], heal["name"], node["name"]) == ("fleet", "crashed-run", "default")
-    assert node["work_pool"]["type"] == "kubernetes"
+    # The fleet's action, the heal, the trainer nodes and the servers serve every run: always
+    # registered, on the run's pool.
+    names = (fleet["name"], heal["name"], node["name"], server["name"])
+    assert names == ("fleet", "crashed-run", "default", "default")
+    assert node["work_pool"]["type"] == server["work_pool"]["type"] == "kubernetes"
     assert entry["name"] == "math-gpu"
     assert entry["parameters"]["config"] == str(config)  # outside the repository: absolute
     assert entry["work_pool"]["type"] == "kubernetes"

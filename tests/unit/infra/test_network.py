@@ -55,7 +55,7 @@ def test_binding_names_the_interface_for_torch_and_says_so(monkeypatch, caplog):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(network, "_host_interfaces", lambda: HOST)
-    monkeypatch.setattr(network, "_route_source", lambda addr: "10.1.2.3")
+    monkeypatch.setattr(network, "route_source", lambda addr: "10.1.2.3")
     with caplog.at_level(logging.INFO, logger=network.__name__):
         assert bind_gloo_interface("10.1.9.9") == "eth0"
     assert network.os.environ["GLOO_SOCKET_IFNAME"] == "eth0"
@@ -76,6 +76,6 @@ def test_an_unreachable_master_leaves_torch_its_default(monkeypatch):
     def no_route(addr):
         raise OSError("Network is unreachable")
 
-    monkeypatch.setattr(network, "_route_source", no_route)
+    monkeypatch.setattr(network, "route_source", no_route)
     assert bind_gloo_interface("10.1.9.9") is None
     assert "GLOO_SOCKET_IFNAME" not in network.os.environ

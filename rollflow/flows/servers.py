@@ -1,0 +1,358 @@
+"""vLLM servers as Prefect flow runs: with ``inference.server_deployment`` set, each server of
+the run's fleet is a flow run of that deployment (``rollflow-inference-server/default`` in
+prefect.yaml) that the run flow submits to its work pool, to the slot's work queue
+(``inference.server_queues``), where a worker on the server's host runs it.
+
+The flow run is the server. Its body loads the policy from the run's storage (no shared file
+system), starts vLLM under the ``ManagedProcess`` guard on its main thread (a cancelled or
+crashed flow run takes vLLM with it), bound to the address its host reaches the run's host from,
+says vLLM's log lines in the flow run's log, and ends with vLLM: Completed on exit 0, Failed
+naming the exit code otherwise. Before vLLM starts it writes where it serves
+(``control/servers/<slot>.json``: its flow run, URL) to the run's storage, which is how the run
+finds it.
+
+On the run's side a ``PlacedServer`` stands where a local ``InferenceServer`` does, under the
+same supervisor (``infra/inference/supervisor.py``): alive while its flow run is not over;
+stopped by cancelling the flow run; restarted by submitting the slot again to the same queue
+with the same port, so that it comes back at the same URL (a restart that comes back elsewhere
+fails, naming both addresses). The server's key (every vLLM route's, and the weight group's
+secret) is not a parameter, which the Prefect UI shows: it is read from the run's storage
+(``control/servers/key.json``), written there by the run for its lifetime.
+This module imports no torch: a worker starts the flow in seconds.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import httpx
+from prefect import flow
+
+from rollflow.flows.deploy import SERVER_FLOW_NAME
+from rollflow.flows.nodes import TERMINAL, cancel_flow_run, flow_run_state, follow_log
+from rollflow.flows.terminal import PrefectRunLog, say
+from rollflow.infra.errors import InferenceError, ServiceError
+from rollflow.infra.inference import auth
+from rollflow.infra.storage import RunStorage
+
+KEY_FILE = "control/servers/key.json"  # the run's server key, for its servers' flow runs
+# Beyond vLLM's own start-up deadline: a worker's poll, the flow run's start, the policy's copy.
+PLACEMENT_S = 120.0
+STATE_TTL_S = 0.5  # how long a read flow-run state is taken as current
+POLL_S = 1.0
+# Where a server's host keeps its copy of the policy (beside the trainer nodes' checkpoints).
+LOCAL_POLICIES = Path("~/.cache/rollflow/checkpoints").expanduser()
+
+
+def slot_file(slot: int) -> str:
+    """Where the flow run of server ``slot`` writes where it serves, in the run's storage."""
+    return f"control/servers/{slot}.json"
+
+
+@flow(
+    name=SERVER_FLOW_NAME,
+    flow_run_name="{run}: vLLM server {slot}",
+    persist_result=False,
+    validate_parameters=False,
+)
+def inference_server(
+    run: str,
+    slot: int,
+    storage: str,
+    storage_options: dict[str, Any],
+    model: tuple[str, int],
+    server: dict[str, Any],
+) -> dict:
+    """Serve vLLM server ``slot`` of run ``run``, loading ``model`` (kind, step) from the run's
+    ``storage``, with ``server``'s settings (``PlacedServer.settings``), until vLLM ends."""
+    from prefect.context import get_run_context
+
+    flow_run_id = get_run_context().flow_run.id
+    with PrefectRunLog(flow_run_id):
+        return serve(
+            run, slot, RunStorage(storage, run, storage_options), model, server, flow_run_id
+        )
+
+
+def serve(
+    run: str,
+    slot: int,
+    storage: RunStorage,
+    model: tuple[str, int],
+    settings: dict[str, Any],
+    flow_run_id: UUID | str,
+) -> dict:
+    """The flow's body: the policy copied here, vLLM started under the guard on this host's
+    address toward the run's host, where it serves written to the run's storage, its log said
+    line by line, to its end."""
+    from rollflow.infra.inference.server import InferenceServer
+    from rollflow.infra.network import route_source
+    from rollflow.infra.service import free_port
+
+    key = _server_key(storage)
+    address = route_source(settings["reach"])  # as the run's host reaches this host
+    port = settings.get("port") or free_port(address)
+    kind, step = model
+    say(f"vLLM server {slot} of run {run}: copying {kind}/step={step} from {storage.uri}")
+    model_dir = storage.local_copy(kind, step, LOCAL_POLICIES)
+    log_path = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-vllm-{slot}-")) / "vllm.log"
+    server = InferenceServer(
+        model_dir,
+        host=address,
+        port=port,
+        max_model_len=settings.get("max_model_len"),
+        startup_timeout_s=settings["startup_timeout_s"],
+        extra_args=settings.get("extra_args") or [],
+        extra_env=settings.get("env") or {},
+        log_path=log_path,
+        api_key=key,
+        cpus=tuple(settings.get("cpus") or ()),
+    )
+    where = {"flow_run_id": str(flow_run_id), "url": server.url, "started_at": time.time()}
+    storage.write_json(slot_file(slot), where)
+    say(f"vLLM server {slot} of run {run}: starting at {server.url}; its log here: {log_path}")
+    server.spawn()
+    try:
+        follow_log(log_path, server.is_alive, say)
+    finally:
+        server.stop()
+    code = server.returncode
+    if code != 0:
+        raise ServiceError(f"vLLM server {slot} of run {run} exited with code {code}")
+    say(f"vLLM server {slot} of run {run}: ended")
+    return {"run": run, "slot": slot, "url": server.url, "exit_code": code}
+
+
+def _server_key(storage: RunStorage) -> str:
+    try:
+        record = storage.read_json(KEY_FILE)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not record.get("key"):
+        raise ServiceError(
+            f"{storage.path(KEY_FILE)} holds no server key: the run writes it when it starts its "
+            "servers; was this flow run started by hand? Start the run instead"
+        )
+    return record["key"]
+
+
+def publish_key(storage: RunStorage, key: str) -> None:
+    """Give the run's servers their key through the run's storage (see the module docstring)."""
+    storage.write_json(KEY_FILE, {"key": key})
+
+
+def withdraw_key(storage: RunStorage) -> None:
+    """The run's servers are gone: their key leaves the storage (best effort)."""
+    try:
+        storage.fs.rm(storage.path(KEY_FILE))
+    except (FileNotFoundError, OSError):
+        pass
+
+
+class PlacedServer:
+    """Server ``slot`` of the fleet as a flow run of ``deployment``: what the supervisor asks of
+    an ``InferenceServer`` (spawn, wait_ready, is_alive, stop, url), over the Prefect API and the
+    run's storage."""
+
+    def __init__(
+        self,
+        deployment: str,
+        queue: str,
+        run: str,
+        slot: int,
+        storage: tuple[str, dict[str, Any]],
+        model: tuple[str, int],
+        settings: dict[str, Any],
+        api_key: str,
+        progress=print,
+    ):
+        """``storage``: the run's storage root and options as its config gives them (without
+        credentials: the server's host has its own, as the trainer's nodes do)."""
+        self.deployment, self.queue, self.run, self.slot = deployment, queue, run, slot
+        self.storage_root, self.storage_options = storage
+        self.storage, self.model = RunStorage(storage[0], run, storage[1]), model
+        self.settings = dict(settings)  # its "port" is set once it served: restarts keep it
+        self.api_key, self.progress = api_key, progress
+        self.startup_timeout_s = float(settings["startup_timeout_s"]) + PLACEMENT_S
+        self.flow_run_id: UUID | None = None
+        self.flow_run_name = ""
+        self._cancelled = False  # stop() asked its flow run to end: spawn() submits anew
+        self._url: str | None = None
+        self._state: tuple[float, str] = (0.0, "PENDING")
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError(f"vLLM server {self.slot} has not told where it serves yet")
+        return self._url
+
+    @property
+    def log_path(self) -> str:
+        """Where its log is: its flow run's (shown by ``see ...`` in messages)."""
+        if self.flow_run_id is None:
+            return f"the flow runs of {self.deployment} in the Prefect UI"
+        return f"the log of flow run {self.flow_run_name!r} ({self.flow_run_id}) in the Prefect UI"
+
+    @property
+    def returncode(self) -> str | None:
+        """How its flow run ended (``FAILED``, ``CRASHED``, ...), None while it runs."""
+        state = self.state()
+        return state if state in TERMINAL else None
+
+    def ended(self) -> str:
+        """How it ended, for messages."""
+        return f"its flow run {self.flow_run_name!r} ended {self.state()}"
+
+    def pids(self) -> list[int]:
+        return []  # its processes are on another host
+
+    def state(self, fresh: bool = False) -> str:
+        """Its flow run's state type (read at most every ``STATE_TTL_S`` unless ``fresh``)."""
+        if self.flow_run_id is None:
+            return "CANCELLED"
+        at, state = self._state
+        if fresh or time.monotonic() - at > STATE_TTL_S:
+            state = flow_run_state(self.flow_run_id)
+            self._state = (time.monotonic(), state)
+        return state
+
+    def is_alive(self) -> bool:
+        """Whether its flow run is not over (not whether vLLM answers)."""
+        return self.flow_run_id is not None and self.state() not in TERMINAL
+
+    # ------------------------------------------------------------------- start
+
+    def spawn(self) -> None:
+        """Submit the slot's flow run (as a child of the calling flow run) and return."""
+        from prefect.deployments import run_deployment
+
+        if self.is_alive() and not self._cancelled:
+            return
+        flow_run = run_deployment(
+            self.deployment,
+            parameters={
+                "run": self.run,
+                "slot": self.slot,
+                "storage": self.storage_root,
+                "storage_options": self.storage_options,
+                "model": list(self.model),
+                "server": self.settings,
+            },
+            timeout=0,
+            work_queue_name=self.queue or None,
+            tags=["rollflow", f"rollflow-run:{self.run}", f"rollflow-server:{self.slot}"],
+        )
+        self.flow_run_id, self.flow_run_name = flow_run.id, flow_run.name
+        self._state, self._cancelled = (0.0, "PENDING"), False
+        queue = f", work queue {self.queue}" if self.queue else ""
+        self.progress(
+            f"inference: server {self.slot} submitted as flow run {flow_run.name!r} "
+            f"({flow_run.id}) of {self.deployment}{queue}"
+        )
+
+    def start(self) -> PlacedServer:
+        """Submit its flow run and wait until it serves."""
+        self.spawn()
+        return self.wait_ready()
+
+    def wait_ready(self) -> PlacedServer:
+        """Wait until the flow run says where it serves and vLLM answers there; raise
+        ``InferenceError`` naming what did not happen otherwise (the flow run cancelled)."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while True:
+                state = self.state(fresh=True)
+                if state in TERMINAL:
+                    raise InferenceError(
+                        f"vLLM server {self.slot}'s flow run ended {state} before it served; "
+                        f"see {self.log_path}"
+                    )
+                if self._url_of_this_run() is not None and self._healthy():
+                    return self
+                if time.monotonic() > deadline:
+                    raise InferenceError(self._late(state))
+                time.sleep(POLL_S)
+        except BaseException:
+            self.stop(timeout_s=10.0)
+            raise
+
+    def _url_of_this_run(self) -> str | None:
+        """The URL its current flow run wrote, once written (then registered with its key)."""
+        try:
+            where = self.storage.read_json(slot_file(self.slot))
+        except ValueError:
+            return None  # being written
+        if not isinstance(where, dict) or where.get("flow_run_id") != str(self.flow_run_id):
+            return None
+        url = where["url"].rstrip("/")
+        if self._url is not None and url != self._url:
+            raise InferenceError(
+                f"vLLM server {self.slot} came back at {url} but served at {self._url}: its "
+                "clients and gate follow one URL; give each slot a work queue of one host "
+                "(inference.server_queues)"
+            )
+        if self._url is None:
+            self._url = url
+            self.settings["port"] = int(url.rsplit(":", 1)[1])  # a restart comes back there
+            auth.register(url, self.api_key)
+        return url
+
+    def _healthy(self) -> bool:
+        from rollflow.infra.http import client
+
+        try:
+            response = client().get(
+                f"{self._url}/health", headers=auth.auth_headers(self._url), timeout=2.0
+            )
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def _late(self, state: str) -> str:
+        waited = f"{self.startup_timeout_s:.0f}s"
+        if state in ("SCHEDULED", "PENDING"):
+            queue = f"work queue {self.queue!r}" if self.queue else "its work queue"
+            return (
+                f"vLLM server {self.slot}: no worker of {self.deployment}'s pool ({queue}) "
+                f"started its flow run {self.flow_run_name!r} within {waited}: start a worker "
+                "there (`prefect worker start --pool ... --work-queue ...`) on the server's host"
+            )
+        if self._url is None:
+            return (
+                f"vLLM server {self.slot}'s flow run ({state}) did not say where it serves "
+                f"within {waited} (it copies the policy first); see {self.log_path}"
+            )
+        return (
+            f"vLLM server {self.slot} at {self._url} did not become healthy within {waited}; "
+            f"see {self.log_path}"
+        )
+
+    # -------------------------------------------------------------------- stop
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Cancel its flow run and wait up to ``timeout_s`` for it to end (its worker stops the
+        process, the guard takes vLLM with it); said when it did not end in time."""
+        if self.flow_run_id is None or self.state(fresh=True) in TERMINAL:
+            return
+        self._cancelled = True
+        try:
+            cancel_flow_run(self.flow_run_id)
+        except Exception as exc:  # noqa: BLE001 - the API gone: said, nothing more to do here
+            self.progress(f"inference: could not cancel server {self.slot}'s flow run: {exc}")
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.state(fresh=True) in TERMINAL:
+                    return
+            except Exception:  # noqa: BLE001 - read again until the deadline
+                pass
+            time.sleep(0.5)
+        self.progress(
+            f"inference: server {self.slot}'s flow run ({self.flow_run_id}) was cancelled but "
+            f"has not ended after {timeout_s:.0f}s; its worker stops it"
+        )

@@ -1,0 +1,222 @@
+"""vLLM servers as flow runs (flows/servers.py): what the run's side (``PlacedServer``) waits
+for and says, the flow body's refusals, the config and the plan that place them. The whole path
+(a run submitting one server to each host's worker through a real Prefect server, each serving
+and syncing) is tests/integration/flows/test_scale_out.py's two-host run."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from rollflow.flows import servers
+from rollflow.infra.config import load_config
+from rollflow.infra.errors import ConfigError, InferenceError, ServiceError
+from rollflow.infra.placement import Machine, make_plan
+from rollflow.infra.service import free_port
+from rollflow.infra.storage import RunStorage
+
+DEPLOYMENT = "rollflow-inference-server/default"
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["model.path='/m'", "envs=[{name='sort_letters'}]", *overrides])
+
+
+@pytest.fixture
+def health():
+    """A server answering ``/health`` 200 on 127.0.0.1: where a placed server 'serves'."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+class FakePrefect:
+    """The Prefect API as the run's side sees it: submitted flow runs and their states."""
+
+    def __init__(self, monkeypatch):
+        import prefect.deployments
+
+        self.states: dict[uuid.UUID, str] = {}
+        self.submitted: list[dict] = []
+        self.cancelled: list[uuid.UUID] = []
+        monkeypatch.setattr(prefect.deployments, "run_deployment", self.run_deployment)
+        monkeypatch.setattr(servers, "flow_run_state", lambda fid: self.states[fid])
+        monkeypatch.setattr(servers, "cancel_flow_run", self.cancel)
+        monkeypatch.setattr(servers, "POLL_S", 0.05)
+
+    def run_deployment(self, name, parameters, timeout, work_queue_name, tags):
+        flow_run = SimpleNamespace(id=uuid.uuid4(), name=f"run: vLLM server {parameters['slot']}")
+        self.states[flow_run.id] = "SCHEDULED"
+        self.submitted.append({"name": name, "queue": work_queue_name, **parameters})
+        return flow_run
+
+    def cancel(self, flow_run_id):
+        self.cancelled.append(flow_run_id)
+        self.states[flow_run_id] = "CANCELLED"
+
+
+def _placed(tmp_path, startup_timeout_s: float = 5.0, queue: str = "host-1"):
+    storage = (str(tmp_path / "runs"), {})
+    server = servers.PlacedServer(
+        DEPLOYMENT,
+        queue,
+        "run",
+        1,
+        storage,
+        ("policy", 0),
+        {"reach": "10.0.0.1", "port": 0, "startup_timeout_s": startup_timeout_s},
+        api_key="key",
+        progress=lambda line: None,
+    )
+    server.startup_timeout_s = startup_timeout_s  # no placement allowance in a unit test
+    return server, RunStorage(*storage[:1], "run", storage[1])
+
+
+def _serving(storage: RunStorage, flow_run_id, url: str) -> None:
+    """What the server's flow run writes before vLLM starts."""
+    storage.write_json(servers.slot_file(1), {"flow_run_id": str(flow_run_id), "url": url})
+
+
+def test_a_placed_server_is_ready_once_its_own_flow_run_says_where_and_vllm_answers_there(
+    tmp_path, monkeypatch, health
+):
+    api = FakePrefect(monkeypatch)
+    server, storage = _placed(tmp_path)
+    server.spawn()
+    [asked] = api.submitted
+    assert (asked["name"], asked["queue"], asked["slot"], asked["model"]) == (
+        DEPLOYMENT,
+        "host-1",
+        1,
+        ["policy", 0],
+    )
+    assert "key" not in str(asked)  # the key travels through the run's storage, not the UI
+    api.states[server.flow_run_id] = "RUNNING"
+    _serving(storage, uuid.uuid4(), "http://10.9.9.9:1")  # an earlier flow run's: not this one
+    threading.Timer(0.3, _serving, (storage, server.flow_run_id, health)).start()
+    server.wait_ready()
+    assert server.url == health and server.is_alive()
+    assert server.settings["port"] == int(health.rsplit(":", 1)[1])  # a restart asks for it
+
+    # Stopped: its flow run cancelled; started again: submitted again, to the same port.
+    server.stop(timeout_s=1.0)
+    assert api.cancelled == [asked_id := server.flow_run_id] and not server.is_alive()
+    server.spawn()
+    assert server.flow_run_id != asked_id and api.submitted[-1]["server"]["port"] == int(
+        health.rsplit(":", 1)[1]
+    )
+
+
+def test_a_restart_that_comes_back_at_another_address_fails_naming_both(
+    tmp_path, monkeypatch, health
+):
+    api = FakePrefect(monkeypatch)
+    server, storage = _placed(tmp_path)
+    server.spawn()
+    api.states[server.flow_run_id] = "RUNNING"
+    _serving(storage, server.flow_run_id, health)
+    server.wait_ready()
+    server.stop(timeout_s=1.0)
+    server.spawn()
+    api.states[server.flow_run_id] = "RUNNING"
+    _serving(storage, server.flow_run_id, "http://10.0.0.7:8000")
+    with pytest.raises(
+        InferenceError, match=rf"came back at http://10.0.0.7:8000 but served at {health}"
+    ):
+        server.wait_ready()
+    assert api.states[server.flow_run_id] == "CANCELLED"  # nothing left running
+
+
+def test_a_server_no_worker_takes_fails_naming_the_deployment_and_queue(tmp_path, monkeypatch):
+    api = FakePrefect(monkeypatch)
+    server, _ = _placed(tmp_path, startup_timeout_s=0.3)
+    server.spawn()
+    with pytest.raises(
+        InferenceError, match=r"no worker of .*default's pool \(work queue 'host-1'\)"
+    ):
+        server.wait_ready()
+    assert api.cancelled == [server.flow_run_id]
+
+
+def test_a_server_whose_flow_run_failed_before_serving_says_so(tmp_path, monkeypatch):
+    api = FakePrefect(monkeypatch)
+    server, _ = _placed(tmp_path)
+    server.spawn()
+    api.states[server.flow_run_id] = "FAILED"
+    with pytest.raises(
+        InferenceError, match=r"vLLM server 1's flow run ended FAILED before it served"
+    ):
+        server.wait_ready()
+    assert not server.is_alive() and "ended FAILED" in server.ended()
+
+
+def test_a_server_flow_run_started_by_hand_without_the_runs_key_refuses(tmp_path, monkeypatch):
+    storage = RunStorage(str(tmp_path / "runs"), "run")
+    with pytest.raises(ServiceError, match=r"control/servers/key.json holds no server key"):
+        servers.serve("run", 0, storage, ("policy", 0), {"reach": "127.0.0.1"}, "id")
+    servers.publish_key(storage, "k")
+    assert servers._server_key(storage) == "k"
+    servers.withdraw_key(storage)
+    assert storage.read_json(servers.KEY_FILE) is None
+
+
+def test_server_queues_name_one_queue_per_slot_of_the_servers_deployment():
+    placed = _cfg(
+        "inference.max_servers=2",
+        f"inference.server_deployment='{DEPLOYMENT}'",
+        "inference.server_queues=['host-0', 'host-1']",
+        "trainer.master_addr='10.0.0.1'",
+    )
+    assert placed.inference.server_queues == ["host-0", "host-1"]
+    with pytest.raises(ConfigError, match=r"names 1 queue\(s\) for 2 server slot\(s\)"):
+        _cfg(
+            "inference.max_servers=2",
+            f"inference.server_deployment='{DEPLOYMENT}'",
+            "inference.server_queues=['host-0']",
+            "trainer.master_addr='10.0.0.1'",
+        )
+    with pytest.raises(ConfigError, match="inference.server_deployment is empty"):
+        _cfg("inference.server_queues=['host-0']")
+    with pytest.raises(ConfigError, match=r"trainer.master_addr = '127.0.0.1', a loopback"):
+        _cfg(f"inference.server_deployment='{DEPLOYMENT}'")
+    with pytest.raises(ConfigError, match=r"train.lora.sync = 'adapter' is not served there"):
+        _cfg(
+            f"inference.server_deployment='{DEPLOYMENT}'",
+            "trainer.master_addr='10.0.0.1'",
+            "train.lora={rank=8, sync='adapter'}",
+        )
+
+
+def test_placed_servers_leave_node_0s_gpus_to_the_trainer_and_join_at_its_address():
+    """Each placed server runs on a host of its own: the plan gives it that host's first GPUs,
+    all of node 0's go to the trainer, and the weight group's store is node 0's address."""
+    cfg = _cfg(
+        "inference.num_servers=2",
+        f"inference.server_deployment='{DEPLOYMENT}'",
+        "inference.server_queues=['gpu-a', 'gpu-b']",
+        "trainer.num_ranks=8",
+        "trainer.master_addr='10.0.0.1'",
+    )
+    plan = make_plan(cfg, Machine(gpus=8))
+    assert [(s.started_by, s.queue, s.gpus) for s in plan.servers] == [
+        ("prefect", "gpu-a", (0,)),
+        ("prefect", "gpu-b", (0,)),
+    ]
+    assert plan.trainer_nodes[0].gpus == tuple(range(8)) and plan.group_host == "10.0.0.1"
+    assert "queue gpu-b" in plan.render()
+    with pytest.raises(Exception, match="8 GPU"):  # not placed: the servers take two of them
+        make_plan(_cfg("inference.num_servers=2", "trainer.num_ranks=8"), Machine(gpus=8))
