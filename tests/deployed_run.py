@@ -3,8 +3,12 @@ a process worker, and ``prefect deployment run 'rl-run/quickstart' -p overrides=
 
 While it runs, the fleet's action (``rollflow-scale/fleet``) asks it for its one server, and once
 step 1 is committed its flow run's process is SIGKILLed (a lost process: its worker reports it
-Crashed); the heal automation reruns it (``rollflow-heal/crashed-run``), and the rerun resumes
-after step 1 and completes. The record is of the rerun, with the step flow runs of both.
+Crashed); the heal automation reruns it (``rollflow-heal/crashed-run``). Once the rerun runs (its
+first heartbeat), its host is lost: the worker and every process under it SIGKILLed at once, so
+nobody reports anything; the silent-run automation marks it Crashed after 3 missed heartbeats
+(``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` = 30 s, Prefect's least), the heal reruns it again, and a
+second worker (another host of the pool) runs that rerun, which resumes after step 1 and
+completes. The record is of the last rerun, with the step flow runs of all three.
 
 ``make_deployed_run`` does all of it once per test session (tests/conftest.py, ``deployed_run``),
 records what the tests check (the flow run, its artifacts read back through the client, the
@@ -34,6 +38,7 @@ from rollflow.infra.service import free_port
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
 RUN_DEADLINE_S = 420
+HEARTBEAT_S = 30  # the flow runs' heartbeat interval: Prefect's least
 # Quickstart made tiny: a smaller model, a short warm start, 2 steps of 8 prompts x 4 samples.
 TINY = [
     "run.num_steps=2",
@@ -63,6 +68,8 @@ class DeployedRun:
     deployments: list[str]  # flow/deployment names on the server after it
     scale_flow_run: dict = field(default_factory=dict)  # rollflow-scale/fleet's, during the run
     crashed: dict = field(default_factory=dict)  # the killed flow run: id, state, message
+    host_lost: dict = field(default_factory=dict)  # the rerun lost with its host: id, state,
+    # message, seconds from the loss to Crashed and to the next rerun's flow run
     heal_flow_runs: list[dict] = field(default_factory=list)  # rollflow-heal's: state, name
     reruns: int = 0  # flow runs started for the crash
     fleet_control: dict | None = None  # control/fleet.json after it
@@ -143,11 +150,13 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),  # and the silent-run automation's
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "PYTHONPATH": str(ROOT),
         "PYTHONUNBUFFERED": "1",
     }
     services: list[Service] = []
+    lost: list[Service] = []  # a worker lost with its host: no longer expected alive
     logs = lambda: "\n".join(s.tail() for s in services)  # noqa: E731
     record = None
     try:
@@ -167,23 +176,14 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         assert server.proc.poll() is None, f"prefect server exited\n{logs()}"
 
         deploy_output = rollflow_deploy(env, "configs/quickstart.toml")
-        worker = Service(
-            "worker",
-            [
-                *PREFECT,
-                "worker",
-                "start",
-                "--pool",
-                "rollflow-cpu",
-                "--type",
-                "process",
-                "--name",
-                "test-worker",
-            ],
-            tmp / "worker.log",
-            env,
-        )
-        services.append(worker)
+
+        def start_worker(name: str) -> Service:
+            argv = [*PREFECT, "worker", "start", "--pool", "rollflow-cpu", "--type", "process"]
+            worker = Service(name, [*argv, "--name", name], tmp / f"{name}.log", env)
+            services.append(worker)
+            return worker
+
+        worker = start_worker("test-worker")
 
         storage = tmp / "runs"
         overrides = [f"run.storage={storage}", f"model.cache_dir={tmp / 'models'}", *TINY]
@@ -193,7 +193,8 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
 
         def ended(run_id: str) -> dict | None:
             for service in services:
-                assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
+                if service not in lost:
+                    assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
             state = _read(api, f"/flow_runs/{run_id}")["state"]
             terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
             return state if state is not None and state["type"] in terminal else None
@@ -226,9 +227,38 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         rerun_tag = f"rollflow-rerun-of:{flow_run_id}"
         wait_until(lambda: _tagged(api, rerun_tag), 120, "the heal automation's rerun", logs)
         rerun_id = _tagged(api, rerun_tag)[0]["id"]
-        wait_until(lambda: ended(rerun_id), RUN_DEADLINE_S, "the rerun finished", logs)
+
+        # The rerun's host lost once it runs: its worker and everything under it at once.
+        wait_until(
+            lambda: _heartbeat_sent(api, rerun_id) or ended(rerun_id),
+            RUN_DEADLINE_S,
+            "the rerun's first heartbeat",
+            logs,
+        )
+        assert not ended(rerun_id), f"the rerun ended before its host could be lost\n{logs()}"
+        lost.append(worker)
+        _kill_host(worker)
+        lost_at = time.monotonic()
+        start_worker("test-worker-2")  # another host of the pool
+        silent_s = 3 * HEARTBEAT_S
+        wait_until(lambda: ended(rerun_id), silent_s + 90, "the lost rerun marked Crashed", logs)
+        crashed_after_s = time.monotonic() - lost_at
+        second_tag = f"rollflow-rerun-of:{rerun_id}"
+        wait_until(lambda: _tagged(api, second_tag), 120, "the rerun of the lost rerun", logs)
+        rerun_after_s = time.monotonic() - lost_at
+        last_id = _tagged(api, second_tag)[0]["id"]
+        wait_until(lambda: ended(last_id), RUN_DEADLINE_S, "the last rerun finished", logs)
         wait_until(lambda: ended(scale_run_id), 120, "the fleet action's flow run finished", logs)
-        record = _read_back(api, rerun_id, storage, deploy_output, earlier=[flow_run_id])
+        record = _read_back(api, last_id, storage, deploy_output, earlier=[flow_run_id, rerun_id])
+        lost_state = ended(rerun_id)
+        record.host_lost = {
+            "id": rerun_id,
+            "state": lost_state["type"],
+            "message": lost_state["message"],
+            "crashed_after_s": crashed_after_s,
+            "rerun_after_s": rerun_after_s,
+            "reruns": len(_tagged(api, second_tag)),
+        }
         assert record.flow_run["state"] == "COMPLETED", f"{record.flow_run}\n{logs()}"
         crashed = ended(flow_run_id)
         record.crashed = {
@@ -252,6 +282,36 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
     record.left_over = [" ".join(p.cmdline())[:200] for p in processes_marked(str(tmp))]
     record.groups_alive = [s.name for s in services if s.group_alive()]
     return record
+
+
+def _heartbeat_sent(api: str, flow_run_id: str) -> bool:
+    """Whether the flow run sent a heartbeat event (the silent-run automation waits for one)."""
+    response = http.client().post(
+        f"{api}/events/filter",
+        json={
+            "filter": {
+                "event": {"name": ["prefect.flow-run.heartbeat"]},
+                "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]},
+            },
+            "limit": 1,
+        },
+        timeout=10,
+    )
+    response.raise_for_status()
+    return bool(response.json()["events"])
+
+
+def _kill_host(worker: Service) -> None:
+    """A host lost: its worker and every process under it (the run's flow run, its services)
+    SIGKILLed at once; nothing is left to report."""
+    root = psutil.Process(worker.proc.pid)
+    every = [root, *root.children(recursive=True)]
+    for proc in every:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(every, timeout=10)
 
 
 def rollflow_deploy(env: dict[str, str], config: str | Path) -> str:

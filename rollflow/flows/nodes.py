@@ -152,6 +152,37 @@ class TrainerNodes:
                 )
         return states or {}
 
+    def check_running(self) -> None:
+        """Raise ``ServiceError`` naming a node whose flow run ended while the run goes on (its
+        ranks died, or its worker's host was lost and the flow run was marked Crashed). The
+        Prefect API not answering is no node's death: nothing is raised then."""
+        states = self._states_or_none()
+        for node, state in sorted((states or {}).items()):
+            if state in TERMINAL:
+                raise ServiceError(
+                    f"trainer node {node}'s flow run ({self.flow_runs[node]}) ended {state}; "
+                    "its log is the flow run's, in the Prefect UI"
+                )
+
+    def stop(self, timeout_s: float) -> dict[int, str]:
+        """Node 0 was lost and is restarted: cancel every node's flow run still running and wait
+        up to ``timeout_s`` for all to end (their ranks must leave the rendezvous before the new
+        ones join it); raise ``ServiceError`` naming those that did not."""
+        states = self.states()
+        self._cancel([n for n, s in states.items() if s not in TERMINAL])
+        deadline = time.monotonic() + timeout_s
+        while any(s not in TERMINAL for s in states.values()):
+            if time.monotonic() > deadline:
+                running = {n: s for n, s in states.items() if s not in TERMINAL}
+                raise ServiceError(
+                    f"trainer: node(s) {sorted(running)} still {sorted(set(running.values()))} "
+                    f"{timeout_s:.0f}s after their flow runs were cancelled; their workers "
+                    "did not stop them"
+                )
+            time.sleep(1.0)
+            states = self.states()
+        return states
+
     def _states_or_none(self) -> dict[int, str] | None:
         try:
             return self.states()

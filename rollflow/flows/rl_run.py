@@ -187,13 +187,15 @@ def _restart_trainer(
 ) -> int:
     """Heal a lost trainer: restart it from the last committed checkpoint (vLLM keeps serving);
     returns the step the run resumes after. Raises ``ServiceError`` when the run may not (its
-    ``trainer.max_restarts`` used, or a trainer on several nodes)."""
+    ``trainer.max_restarts`` used, or other nodes started by hand, which it cannot start)."""
     limit = cfg.trainer.max_restarts
-    if restarts >= limit or cfg.trainer.num_nodes > 1:
+    by_hand = cfg.trainer.num_nodes > 1 and not cfg.trainer.node_deployment
+    if restarts >= limit or by_hand:
         why = (
-            f"not restarted: {restarts} of trainer.max_restarts = {limit} used"
-            if cfg.trainer.num_nodes == 1
-            else "a trainer on several nodes is not restarted by the run"
+            "a trainer whose other nodes were started by hand is not restarted by the run (with "
+            "trainer.node_deployment set, the run submits them again)"
+            if by_hand
+            else f"not restarted: {restarts} of trainer.max_restarts = {limit} used"
         )
         raise ServiceError(_run_stops(lost, why)) from lost
     detected_at = time.time()

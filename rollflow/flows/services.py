@@ -292,22 +292,27 @@ class RunServices:
 
     def restart_trainer(self, policy_dir: str | Path, checkpoint_step: int | None) -> int:
         """Replace a lost trainer: stop what is left of it, start it again from ``policy_dir``
-        (``checkpoint_step``'s checkpoint; None: the run's starting policy), form the weight group
-        anew with every server and send them its weights. vLLM keeps running throughout; what it
+        (``checkpoint_step``'s checkpoint; None: the run's starting policy), its other nodes too
+        where they are flow runs (cancelled, then submitted again), form the weight group anew
+        with every server and send them its weights. vLLM keeps running throughout; what it
         serves afterwards is the checkpoint's policy (it may have served a later, uncommitted
         step's). Returns the version the servers serve: the checkpoint's step, 0 at the start.
 
         The lost trainer's log is kept beside the new one, as ``trainer.lost-N.log``.
         """
-        t = self.cfg.trainer  # one node: the run's caller checks (its other nodes are the user's)
+        t = self.cfg.trainer  # one node, or nodes this run submits (the caller checks)
         with self.weights_lock:  # no server restart re-forms the group meanwhile
             self.trainer_proc.stop(timeout_s=10.0)
+            if self.nodes is not None:  # the other nodes go with node 0, and are submitted anew
+                self.nodes.stop(timeout_s=TEARDOWN_DEADLINE_S)
             log = self.trainer_proc.process.log_path
             lost = len(list(log.parent.glob(f"{log.stem}.lost-*{log.suffix}")))
             if log.exists():
                 log.rename(log.with_name(f"{log.stem}.lost-{lost + 1}{log.suffix}"))
             self.policy_dir, self.checkpoint_step = str(policy_dir), checkpoint_step
             self._start_trainer()
+            if self.nodes is not None:
+                self._start_other_nodes()
             self.trainer_proc.wait_healthy()
             # A server's workers may still wait in the lost trainer's broadcast (on NCCL, up to
             # its timeout): leaving the group first waits that out, on every server.
@@ -513,8 +518,11 @@ class RunServices:
         )
 
     def _check_trainer(self) -> None:
-        """Raise ``ServiceError`` naming the trainer (and its dead rank) if it died or does not answer."""
+        """Raise ``ServiceError`` naming the trainer (and its dead rank) if it died or does not
+        answer, or naming its node whose flow run ended (where the run submitted them)."""
         self.trainer_proc.check_alive(timeout_s=HEALTH_PROBE_TIMEOUT_S)
+        if self.nodes is not None:
+            self.nodes.check_running()
 
     def dead_service(self, grace_s: float = 0.0) -> ServiceError | None:
         """After a failure: the error naming the service that died (``TrainerLost`` for the

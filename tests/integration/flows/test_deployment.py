@@ -100,7 +100,23 @@ def test_a_run_whose_process_was_killed_is_rerun_by_prefect_and_resumes(deployed
     assert heals and set(heals) == {"COMPLETED"}, deployed_run.heal_flow_runs
     assert deployed_run.reruns == 1
     assert deployed_run.flow_run["id"] != deployed_run.crashed["id"]
-    assert "rollflow-rerun:1" in deployed_run.flow_run["tags"]
+
+
+def test_a_run_whose_host_was_lost_with_its_worker_is_marked_crashed_and_rerun_elsewhere(
+    deployed_run,
+):
+    """The rerun above lost with its host (deployed_run.py: its worker and every process under it
+    SIGKILLed): nobody reports it, so the silent-run automation marks it Crashed after 3 missed
+    heartbeats, the heal reruns it once more, and another worker's rerun resumes and completes
+    (every step once: test_deployment_run_trains_and_commits_its_data)."""
+    lost = deployed_run.host_lost
+    print(f"host lost: {lost}")  # the recovery's seconds, for the fault table (-rP shows it)
+    assert lost["state"] == "CRASHED", lost
+    assert lost["message"] == "no heartbeat for 90 s: its host was lost", lost
+    assert lost["reruns"] == 1 and lost["id"] != deployed_run.flow_run["id"]
+    assert "rollflow-rerun:2" in deployed_run.flow_run["tags"]
+    # 3 heartbeats of 30 s after the last one sent; the automations are evaluated every few s.
+    assert 60 <= lost["crashed_after_s"] <= 150, lost
 
 
 def test_the_fleet_action_asks_the_running_run_through_prefect(deployed_run):

@@ -238,8 +238,24 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
                 terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
                 return state["type"] if state and state["type"] in terminal else None
 
+            # Node 1 lost mid-run: one of its ranks SIGKILLed once step 1 is committed.
+            fs = fsspec.filesystem(
+                "s3", endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False
+            )
+            run_key = f"rollflow/{tmp_path.name}/twonode"
+
+            def committed(step: int) -> bool:
+                return fs.exists(f"{run_key}/checkpoints/step={step}/_SUCCESS")
+
+            wait_until(lambda: committed(1) or ended(run_id), 600, "step 1 committed", logs)
+            [lost_node] = _flow_runs(api, "rollflow-trainer-node")
+            _a_rank_of(lost_node["id"]).send_signal(signal.SIGKILL)
+            assert not committed(4), "the run ended before node 1 could be lost"
+
             wait_until(lambda: ended(run_id), 600, "the two-host run finished", logs)
-            [node] = _flow_runs(api, "rollflow-trainer-node")
+            lost_node, node = sorted(
+                _flow_runs(api, "rollflow-trainer-node"), key=lambda r: r["expected_start_time"]
+            )
             wait_until(lambda: ended(node["id"]), 60, "node 1's flow run ended", logs)
             servers = sorted(_flow_runs(api, "rollflow-inference-server"), key=lambda r: r["name"])
             for server in servers:
@@ -250,6 +266,10 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             # Host 1's worker ran node 1, a child of the run's flow run.
             assert node["parent_task_run_id"] is not None and node["work_queue_name"] == "host-1"
             assert "twonode: trainer node 1" == node["name"]
+            # The lost node's flow run ended with its rank; the run restarted the trainer on both
+            # nodes from its last checkpoint (node 1 submitted again) and went on.
+            assert ended(lost_node["id"]) in ("FAILED", "CANCELLED"), lost_node
+            assert "trainer lost: trainer node 1's flow run" in out, out[-4000:]
             # One server on each host, each a child flow run, stopped with the run (cancelled),
             # its vLLM log in its flow run's log; each served at its own host's address.
             assert [(r["name"], r["work_queue_name"]) for r in servers] == [
@@ -269,9 +289,17 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             assert "1 rank(s) × 2 nodes" in out and "putting the policy in" in out
             assert "node 1 submitted as flow run" in out
             assert "is not on this host: copying policy/step=0" in node_log
-            fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
             run_dir = tmp_path / "copy" / "twonode"
             fs.get(f"rollflow/{tmp_path.name}/twonode/", str(run_dir), recursive=True)
+            events = [
+                json.loads(line)
+                for part in sorted((run_dir / "events").glob("part-*.jsonl"))
+                for line in part.read_text().splitlines()
+            ]
+            [restarted] = [e for e in events if e["event"] == "trainer_restarted"]
+            assert restarted["resumed_from"] >= 1, restarted
+            committed_steps = [e["step"] for e in events if e["event"] == "step_committed"]
+            assert sorted(committed_steps) == [1, 2, 3, 4], committed_steps  # each once
             # Both servers sampled: every step's rollouts came from a fleet of two.
             for step in range(1, 5):
                 metrics = pq.read_table(run_dir / "metrics" / f"step={step}.parquet").to_pylist()[0]
@@ -293,6 +321,31 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
         finally:
             for service in reversed(services):  # the workers before the server they report to
                 service.stop()
+
+
+def _a_rank_of(flow_run_id: str) -> psutil.Process:
+    """A trainer rank under the flow run ``flow_run_id``'s process (a trainer node's), on any
+    host: the namespaced hosts share the process table."""
+
+    def of_run(p: psutil.Process) -> bool:
+        try:
+            return p.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for proc in psutil.process_iter():
+            if of_run(proc) and not of_run(proc.parent()):
+                ranks = [
+                    p
+                    for p in proc.children(recursive=True)
+                    if "rollflow.trainer.service" in " ".join(p.cmdline())
+                ]
+                if ranks:
+                    return ranks[-1]
+        time.sleep(0.5)
+    raise AssertionError(f"no trainer rank under flow run {flow_run_id} within 60 s")
 
 
 def _flow_runs(api: str, flow_name: str) -> list[dict]:

@@ -112,3 +112,43 @@ def test_a_node_still_running_after_node_0_stopped_is_cancelled_and_a_failed_one
     monkeypatch.setattr(placed, "states", lambda: {1: "COMPLETED", 2: "COMPLETED"})
     cancelled.clear()
     assert placed.end(grace_s=5.0) == {1: "COMPLETED", 2: "COMPLETED"} and cancelled == []
+
+
+def test_a_restart_cancels_the_running_nodes_and_waits_for_their_end(monkeypatch):
+    """Node 0 was lost: the other nodes' flow runs are cancelled and waited for (their ranks
+    must leave the rendezvous before new ones join); one that does not end is named."""
+    placed = nodes.TrainerNodes("rollflow-trainer-node/default", [], progress=lambda _: None)
+    placed.flow_runs = {1: "id-1", 2: "id-2"}
+    states = {1: "RUNNING", 2: "FAILED"}
+    cancelled = []
+
+    def cancel(which):
+        cancelled.append(which)
+        states.update(dict.fromkeys(which, "CANCELLED"))
+
+    monkeypatch.setattr(placed, "states", lambda: dict(states))
+    monkeypatch.setattr(placed, "_cancel", cancel)
+    assert placed.stop(timeout_s=5.0) == {1: "CANCELLED", 2: "FAILED"} and cancelled == [[1]]
+
+    states[1] = "RUNNING"
+    monkeypatch.setattr(placed, "_cancel", lambda which: None)  # its worker never stops it
+    with pytest.raises(ServiceError, match=r"node\(s\) \[1\] still \['RUNNING'\] 0s after"):
+        placed.stop(timeout_s=0.0)
+
+
+def test_a_node_whose_flow_run_ended_while_the_run_goes_on_is_a_lost_trainer(monkeypatch):
+    said = []
+    placed = nodes.TrainerNodes("rollflow-trainer-node/default", [], progress=said.append)
+    placed.flow_runs = {1: "id-1"}
+    monkeypatch.setattr(placed, "states", lambda: {1: "RUNNING"})
+    placed.check_running()
+    monkeypatch.setattr(placed, "states", lambda: {1: "FAILED"})
+    with pytest.raises(ServiceError, match=r"trainer node 1's flow run \(id-1\) ended FAILED"):
+        placed.check_running()
+
+    def api_down():
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(placed, "states", api_down)
+    placed.check_running()  # the API's hiccup is no node's death
+    assert any("could not read the nodes' flow runs" in line for line in said)

@@ -89,7 +89,11 @@ def test_before_any_checkpoint_the_trainer_restarts_from_the_starting_policy(tmp
     [
         (["trainer.max_restarts=1"], 1, "not restarted: 1 of trainer.max_restarts = 1 used"),
         (["trainer.max_restarts=0"], 0, "not restarted: 0 of trainer.max_restarts = 0 used"),
-        (["trainer.num_nodes=2"], 0, "a trainer on several nodes is not restarted by the run"),
+        (
+            ["trainer.num_nodes=2"],
+            0,
+            "a trainer whose other nodes were started by hand is not restarted by the run",
+        ),
     ],
 )
 def test_a_trainer_that_may_not_restart_stops_the_run_saying_why(
@@ -103,6 +107,19 @@ def test_a_trainer_that_may_not_restart_stops_the_run_saying_why(
     line = one_line(failed.value)  # what the terminal and the Prefect log show
     assert "rank 1 (pid 7) died" in line and why in line and "rerun to resume" in line
     assert line.endswith("see runs/heal/logs/trainer.log")
+
+
+def test_a_trainer_whose_nodes_the_run_submits_is_restarted_whole(tmp_path):
+    """Nodes 1.. are flow runs of trainer.node_deployment: the run can submit them again, so a
+    lost node (or node 0) restarts the trainer on every node from the last checkpoint."""
+    cfg, storage = _setup(
+        tmp_path,
+        "trainer.num_nodes=2",
+        "trainer.node_deployment='rollflow-trainer-node/default'",
+    )
+    services = Services()
+    assert rl_run._restart_trainer(cfg, storage, services, LOST, restarts=0) == 2
+    assert len(services.calls) == 1
 
 
 def test_a_rerun_of_a_run_lost_after_its_last_commit_records_its_end(tmp_path, monkeypatch):
