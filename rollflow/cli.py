@@ -237,10 +237,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def render_plan(cfg, gpus: int | None = None, nodes: int | None = None) -> str:
     """The plan of ``cfg`` as ``rollflow plan`` prints it (raises ``PlanError`` if impossible)."""
-    from rollflow.infra.placement import Machine, make_plan
+    from rollflow.infra.placement import Machine, make_plan, resolve_addresses
     from rollflow.infra.storage import RunStorage
     from rollflow.tasks.train.launch import node_argv
 
+    cfg = resolve_addresses(cfg)
     here = Machine.here()
     machine = Machine(
         gpus=here.gpus if gpus is None else gpus,

@@ -93,8 +93,12 @@ def follow_log(path: Path, alive, out, interval_s: float = FOLLOW_INTERVAL_S) ->
 class TrainerNodes:
     """The flow runs of a run's trainer nodes 1.. (submitted by ``submit``), and their end."""
 
-    def __init__(self, deployment: str, queues: list[str], progress=print):
+    def __init__(self, deployment: str, queues: list[str], progress=print, gpus: int = 0):
+        """``gpus``: each node's GPUs (its ranks'), asked of a pool that places GPUs by job
+        variable (``gpu_request``)."""
         self.deployment, self.queues, self.progress = deployment, list(queues), progress
+        self.gpus = gpus
+        self.job_variables: set[str] = set()  # what its pool's template takes (``check``)
         self.flow_runs: dict[int, UUID] = {}
 
     def submit(self, run: str, commands: dict[int, tuple[list[str], dict[str, str]]]) -> None:
@@ -109,6 +113,7 @@ class TrainerNodes:
                 parameters={"run": run, "node": node, "argv": argv, "env": env},
                 timeout=0,  # submitted: the node joins the trainer's rendezvous when it starts
                 work_queue_name=queue,
+                job_variables=gpu_request(self.job_variables, self.gpus),
                 tags=["rollflow", f"rollflow-run:{run}", f"rollflow-trainer-node:{node}"],
             )
             self.flow_runs[node] = flow_run.id
@@ -119,7 +124,7 @@ class TrainerNodes:
 
     def check(self) -> None:
         """Raise ``ServiceError``, saying what to do, unless the Prefect API holds the deployment."""
-        check_deployment(
+        self.job_variables = check_deployment(
             self.deployment,
             "trainer.node_deployment",
             "or leave trainer.node_deployment empty to start the nodes by hand",
@@ -204,16 +209,27 @@ class TrainerNodes:
 # ------------------------------------------------- flow runs of a deployment, as processes
 
 
-def check_deployment(deployment: str, key: str, otherwise: str) -> None:
+def gpu_request(job_variables: set[str], gpus: int) -> dict[str, int] | None:
+    """The job variables that ask a pool for ``gpus`` GPUs per flow run: ``{"gpus": N}`` on a
+    pool whose template has that variable (prefect.yaml's Kubernetes and Docker pools: a pod's
+    ``nvidia.com/gpu`` limit, a container's device request), None elsewhere (a process pool's
+    host has its GPUs)."""
+    return {"gpus": gpus} if gpus and "gpus" in job_variables else None
+
+
+def check_deployment(deployment: str, key: str, otherwise: str) -> set[str]:
     """Raise ``ServiceError`` naming config key ``key`` and what to do (``otherwise``: the
-    alternative) unless the Prefect API holds ``deployment``."""
+    alternative) unless the Prefect API holds ``deployment``; returns the job variables its
+    work pool's template takes."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
     with get_client(sync_client=True) as client:
         try:
-            client.read_deployment_by_name(deployment)
+            found = client.read_deployment_by_name(deployment)
+            template = client.read_work_pool(found.work_pool_name).base_job_template
+            return set(((template or {}).get("variables") or {}).get("properties") or {})
         except ObjectNotFound:
             raise ServiceError(
                 f"{key} = {deployment!r}: no such deployment on the Prefect API at "

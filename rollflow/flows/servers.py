@@ -169,9 +169,12 @@ class PlacedServer:
         settings: dict[str, Any],
         api_key: str,
         progress=print,
+        job_variables: dict[str, Any] | None = None,
     ):
         """``storage``: the run's storage root and options as its config gives them (without
-        credentials: the server's host has its own, as the trainer's nodes do)."""
+        credentials: the server's host has its own, as the trainer's nodes do);
+        ``job_variables``: what its flow runs ask of the pool (its GPUs: ``nodes.gpu_request``)."""
+        self.job_variables = job_variables
         self.deployment, self.queue, self.run, self.slot = deployment, queue, run, slot
         self.storage_root, self.storage_options = storage
         self.storage, self.model = RunStorage(storage[0], run, storage[1]), model
@@ -244,6 +247,7 @@ class PlacedServer:
             },
             timeout=0,
             work_queue_name=self.queue or None,
+            job_variables=self.job_variables,
             tags=["rollflow", f"rollflow-run:{self.run}", f"rollflow-server:{self.slot}"],
         )
         self.flow_run_id, self.flow_run_name = flow_run.id, flow_run.name

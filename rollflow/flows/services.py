@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from rollflow.flows.nodes import TrainerNodes, check_deployment
+from rollflow.flows.nodes import TrainerNodes, check_deployment, gpu_request
 from rollflow.flows.servers import PlacedServer, publish_key, withdraw_key
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError, TrainerLost, WeightSyncError
@@ -42,7 +42,7 @@ from rollflow.infra.inference.supervisor import (
     WeightLink,
     max_model_len,
 )
-from rollflow.infra.placement import Machine, make_plan
+from rollflow.infra.placement import Machine, make_plan, resolve_addresses
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
 from rollflow.tasks.sync.weights import GroupSpec
@@ -73,6 +73,9 @@ class RunServices:
         machine: Machine | None = None,
         base_model: str | Path | None = None,
     ):
+        if cfg.trainer.master_addr == "auto":
+            cfg = resolve_addresses(cfg)
+            progress(f"services: trainer.master_addr = auto: {cfg.trainer.master_addr}")
         self.cfg, self.policy_dir, self.checkpoint_step = cfg, str(policy_dir), checkpoint_step
         # The model before any training (policy_dir is a checkpoint's merged model on resume):
         # what vLLM serves under an adapter sync.
@@ -101,6 +104,7 @@ class RunServices:
         # vLLM servers as flow runs on other hosts (flows/servers.py), where so placed
         self.placed = bool(cfg.inference.server_deployment)
         self._served_model: tuple[str, int] = ("policy", 0)  # what placed servers load
+        self._server_pool_variables: set[str] = set()  # the job variables of their pool
 
     def _model_in_storage(self, checkpoint_step: int | None) -> tuple[str, int]:
         """Where processes on other hosts (trainer nodes, placed vLLM servers) find the policy
@@ -147,11 +151,14 @@ class RunServices:
         start = time.perf_counter()
         if cfg.trainer.node_deployment and cfg.trainer.num_nodes > 1:
             self.nodes = TrainerNodes(
-                cfg.trainer.node_deployment, cfg.trainer.node_queues, self.progress
+                cfg.trainer.node_deployment,
+                cfg.trainer.node_queues,
+                self.progress,
+                gpus=len(self.plan.trainer_nodes[-1].gpus),
             )
             self.nodes.check()  # before any process starts
         if self.placed:
-            check_deployment(
+            self._server_pool_variables = check_deployment(
                 cfg.inference.server_deployment,
                 "inference.server_deployment",
                 "or leave inference.server_deployment empty to run the servers on this host",
@@ -262,6 +269,7 @@ class RunServices:
             },
             api_key=self.token,
             progress=self.progress,
+            job_variables=gpu_request(self._server_pool_variables, len(planned.gpus)),
         )
 
     def _link(self) -> WeightLink:

@@ -69,6 +69,22 @@ def route_source(master_addr: str) -> str:
         return probe.getsockname()[0]
 
 
+def own_address() -> str:
+    """This host's address as other hosts reach it: the source of its default route, else its
+    first IPv4 address that is neither loopback nor link-local (a host whose only link is a
+    private one), else 127.0.0.1. What ``trainer.master_addr = "auto"`` becomes."""
+    try:
+        return route_source("192.0.2.1")  # TEST-NET-1: only the route is looked up
+    except OSError:
+        pass
+    for addresses in _host_interfaces().values():
+        for address in addresses:
+            ip = ipaddress.ip_address(address.split("%")[0])
+            if ip.version == 4 and not (ip.is_loopback or ip.is_link_local):
+                return address
+    return "127.0.0.1"
+
+
 def _host_interfaces() -> dict[str, list[str]]:
     import psutil
 

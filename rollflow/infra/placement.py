@@ -222,6 +222,17 @@ class Plan:
         return "\n".join(lines)
 
 
+def resolve_addresses(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``trainer.master_addr = "auto"`` made this host's own address
+    (``network.own_address``): what the other hosts are given. Other configs as they are."""
+    if cfg.trainer.master_addr != "auto":
+        return cfg
+    from rollflow.infra.network import own_address
+
+    trainer = cfg.trainer.model_copy(update={"master_addr": own_address()})
+    return cfg.model_copy(update={"trainer": trainer})
+
+
 def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
     """Place the run's processes on ``machine``; raise ``PlanError`` naming the fix if impossible."""
     inf, tr = cfg.inference, cfg.trainer

@@ -118,7 +118,8 @@ class RunConfig(Section):
             raise ValueError(
                 f"inference.server_deployment places the vLLM servers on other hosts, which join "
                 f"the weight group at trainer.master_addr = {tr.master_addr!r}, a loopback "
-                "address: set it to this host's address as the servers' hosts reach it"
+                "address: set it to this host's address as the servers' hosts reach it, or to "
+                "'auto' (this host's own, found at start)"
             )
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):

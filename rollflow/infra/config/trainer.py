@@ -54,7 +54,9 @@ class TrainerSection(Section):
     )
     master_addr: str = Field(
         "127.0.0.1",
-        description="Address of trainer node 0 as the other nodes reach it (rendezvous, weights).",
+        description="Address of trainer node 0 as the other nodes and placed vLLM servers reach "
+        "it (rendezvous, weights); auto: this host's own (its default route's source, else its "
+        "first non-loopback IPv4), for a pool that places node 0 (Kubernetes, Docker).",
     )
     master_port: int = Field(
         29400, ge=1, le=65535, description="Rendezvous port on node 0 when num_nodes > 1."

@@ -58,10 +58,12 @@ class FakePrefect:
         monkeypatch.setattr(servers, "cancel_flow_run", self.cancel)
         monkeypatch.setattr(servers, "POLL_S", 0.05)
 
-    def run_deployment(self, name, parameters, timeout, work_queue_name, tags):
+    def run_deployment(self, name, parameters, timeout, work_queue_name, tags, job_variables):
         flow_run = SimpleNamespace(id=uuid.uuid4(), name=f"run: vLLM server {parameters['slot']}")
         self.states[flow_run.id] = "SCHEDULED"
-        self.submitted.append({"name": name, "queue": work_queue_name, **parameters})
+        self.submitted.append(
+            {"name": name, "queue": work_queue_name, "job_variables": job_variables, **parameters}
+        )
         return flow_run
 
     def cancel(self, flow_run_id):
@@ -69,7 +71,7 @@ class FakePrefect:
         self.states[flow_run_id] = "CANCELLED"
 
 
-def _placed(tmp_path, startup_timeout_s: float = 5.0, queue: str = "host-1"):
+def _placed(tmp_path, startup_timeout_s: float = 5.0, queue: str = "host-1", gpus=None):
     storage = (str(tmp_path / "runs"), {})
     server = servers.PlacedServer(
         DEPLOYMENT,
@@ -81,6 +83,7 @@ def _placed(tmp_path, startup_timeout_s: float = 5.0, queue: str = "host-1"):
         {"reach": "10.0.0.1", "port": 0, "startup_timeout_s": startup_timeout_s},
         api_key="key",
         progress=lambda line: None,
+        job_variables=gpus,
     )
     server.startup_timeout_s = startup_timeout_s  # no placement allowance in a unit test
     return server, RunStorage(*storage[:1], "run", storage[1])
@@ -95,9 +98,10 @@ def test_a_placed_server_is_ready_once_its_own_flow_run_says_where_and_vllm_answ
     tmp_path, monkeypatch, health
 ):
     api = FakePrefect(monkeypatch)
-    server, storage = _placed(tmp_path)
+    server, storage = _placed(tmp_path, gpus={"gpus": 2})
     server.spawn()
     [asked] = api.submitted
+    assert asked["job_variables"] == {"gpus": 2}  # its pool places its GPUs
     assert (asked["name"], asked["queue"], asked["slot"], asked["model"]) == (
         DEPLOYMENT,
         "host-1",
@@ -220,3 +224,36 @@ def test_placed_servers_leave_node_0s_gpus_to_the_trainer_and_join_at_its_addres
     assert "queue gpu-b" in plan.render()
     with pytest.raises(Exception, match="8 GPU"):  # not placed: the servers take two of them
         make_plan(_cfg("inference.num_servers=2", "trainer.num_ranks=8"), Machine(gpus=8))
+
+
+def test_a_pool_that_places_gpus_by_job_variable_is_asked_for_each_flow_runs_gpus(monkeypatch):
+    """prefect.yaml's Kubernetes and Docker pools take ``gpus`` (a pod's nvidia.com/gpu limit):
+    each server's flow run asks for its tensor-parallel GPUs, each node's for its ranks'; a
+    process pool, whose host has its GPUs, is asked nothing."""
+    import prefect.client.orchestration
+
+    from rollflow.flows import nodes
+
+    pools = {
+        "k8s": {"variables": {"properties": {"image": {}, "gpus": {}}}},
+        "proc": {"variables": {"properties": {"working_dir": {}}}},
+    }
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read_deployment_by_name(self, name):
+            return SimpleNamespace(work_pool_name=name.split("/")[1])
+
+        def read_work_pool(self, name):
+            return SimpleNamespace(base_job_template=pools[name])
+
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda **kw: Client())
+    on_k8s = nodes.check_deployment("rollflow-inference-server/k8s", "k", "")
+    on_hosts = nodes.check_deployment("rollflow-inference-server/proc", "k", "")
+    assert nodes.gpu_request(on_k8s, 2) == {"gpus": 2}
+    assert nodes.gpu_request(on_hosts, 2) is None and nodes.gpu_request(on_k8s, 0) is None

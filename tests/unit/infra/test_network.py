@@ -79,3 +79,29 @@ def test_an_unreachable_master_leaves_torch_its_default(monkeypatch):
     monkeypatch.setattr(network, "route_source", no_route)
     assert bind_gloo_interface("10.1.9.9") is None
     assert "GLOO_SOCKET_IFNAME" not in network.os.environ
+
+
+def test_auto_master_addr_is_this_hosts_own_address(monkeypatch):
+    """``trainer.master_addr = "auto"``: the default route's source; on a host whose only link
+    is a private one (no default route), its first IPv4 that is not loopback or link-local."""
+    from rollflow.infra.config import load_config
+    from rollflow.infra.placement import resolve_addresses
+
+    monkeypatch.setattr(network, "route_source", lambda addr: "192.0.2.9")
+    assert network.own_address() == "192.0.2.9"
+
+    def no_route(addr):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(network, "route_source", no_route)
+    monkeypatch.setattr(
+        network,
+        "_host_interfaces",
+        lambda: {"lo": ["127.0.0.1", "::1"], "eth0": ["fe80::1", "169.254.3.3", "10.231.7.1"]},
+    )
+    assert network.own_address() == "10.231.7.1"
+    cfg = load_config(
+        None, ["model.path='/m'", "envs=[{name='sort_letters'}]", "trainer.master_addr=auto"]
+    )
+    assert resolve_addresses(cfg).trainer.master_addr == "10.231.7.1"
+    assert cfg.trainer.master_addr == "auto"  # what config.json keeps: a rerun resolves anew
