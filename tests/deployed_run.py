@@ -2,13 +2,13 @@
 a process worker, and ``prefect deployment run 'rl-run/quickstart' -p overrides=[...]``.
 
 While it runs, the fleet's action (``rollflow-scale/fleet``) asks it for its one server, and once
-step 1 is committed its flow run's process is SIGKILLed (a lost process: its worker reports it
-Crashed); the heal automation reruns it (``rollflow-heal/crashed-run``). Once the rerun runs (its
-first heartbeat), its host is lost: the worker and every process under it SIGKILLed at once, so
-nobody reports anything; the silent-run automation marks it Crashed after 3 missed heartbeats
-(``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` = 30 s, Prefect's least), the heal reruns it again, and a
-second worker (another host of the pool) runs that rerun, which resumes after step 1 and
-completes. The record is of the last rerun, with the step flow runs of all three.
+step 1 is committed its host is lost: the worker and every process under it SIGKILLed at once,
+so nobody reports anything. The silent-run automation marks the flow run Crashed after 3 missed
+heartbeats (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` = 30 s, Prefect's least), the heal automation
+reruns it (``rollflow-heal/crashed-run``), and a second worker (another host of the pool) runs
+the rerun, which resumes after step 1 and completes. The record is of the rerun, with the step
+flow runs of both. (A process lost without its host, e.g. OOM-killed, is reported Crashed by its
+worker at once, Prefect's own doing; the heal chain after it is the same.)
 
 ``make_deployed_run`` does all of it once per test session (tests/conftest.py, ``deployed_run``),
 records what the tests check (the flow run, its artifacts read back through the client, the
@@ -67,9 +67,9 @@ class DeployedRun:
     redeploy_output: list[str]  # a second `rollflow deploy`, after the run
     deployments: list[str]  # flow/deployment names on the server after it
     scale_flow_run: dict = field(default_factory=dict)  # rollflow-scale/fleet's, during the run
-    crashed: dict = field(default_factory=dict)  # the killed flow run: id, state, message
-    host_lost: dict = field(default_factory=dict)  # the rerun lost with its host: id, state,
-    # message, seconds from the loss to Crashed and to the next rerun's flow run
+    # the flow run lost with its host: id, state, message, seconds from the loss to Crashed and
+    # to the rerun's flow run
+    crashed: dict = field(default_factory=dict)
     heal_flow_runs: list[dict] = field(default_factory=list)  # rollflow-heal's: state, name
     reruns: int = 0  # flow runs started for the crash
     fleet_control: dict | None = None  # control/fleet.json after it
@@ -210,61 +210,41 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             env, "rollflow-scale/fleet", "run=quickstart", "servers=1", f"storage={storage}"
         )
 
-        # The run flow's process killed once step 1's flow run completed (its checkpoint is
-        # committed before the flow run ends: a kill in between left it unfinished); its
-        # services die with it. Found before: a scan of the processes takes long enough for a
-        # tiny step to commit (a kill after the last commit is met by the rerun as well).
-        run_process = _flow_run_process(str(tmp), flow_run_id)
+        # The run's host lost once step 1's flow run completed (its checkpoint is committed
+        # before the flow run ends: a kill in between left it unfinished): its worker and every
+        # process under it (the run flow's, its services) SIGKILLed at once, so nobody reports
+        # anything. (A kill after the last commit is met by the rerun as well.)
         wait_until(
             lambda: _step_completed(api, flow_run_id, "quickstart-step-1") or finished(),
             RUN_DEADLINE_S,
             "step 1's flow run completed",
             logs,
         )
-        assert not ended(flow_run_id), f"the run ended before it could be killed\n{logs()}"
-        run_process.send_signal(signal.SIGKILL)
-        wait_until(lambda: ended(flow_run_id), 60, "the killed flow run reported", logs)
-        rerun_tag = f"rollflow-rerun-of:{flow_run_id}"
-        wait_until(lambda: _tagged(api, rerun_tag), 120, "the heal automation's rerun", logs)
-        rerun_id = _tagged(api, rerun_tag)[0]["id"]
-
-        # The rerun's host lost once it runs: its worker and everything under it at once.
-        wait_until(
-            lambda: _heartbeat_sent(api, rerun_id) or ended(rerun_id),
-            RUN_DEADLINE_S,
-            "the rerun's first heartbeat",
-            logs,
-        )
-        assert not ended(rerun_id), f"the rerun ended before its host could be lost\n{logs()}"
+        assert _heartbeat_sent(api, flow_run_id), "the run sent no heartbeat: nothing to miss"
+        assert not ended(flow_run_id), f"the run ended before its host could be lost\n{logs()}"
         lost.append(worker)
         _kill_host(worker)
         lost_at = time.monotonic()
         start_worker("test-worker-2")  # another host of the pool
         silent_s = 3 * HEARTBEAT_S
-        wait_until(lambda: ended(rerun_id), silent_s + 90, "the lost rerun marked Crashed", logs)
+        wait_until(lambda: ended(flow_run_id), silent_s + 90, "the lost run marked Crashed", logs)
         crashed_after_s = time.monotonic() - lost_at
-        second_tag = f"rollflow-rerun-of:{rerun_id}"
-        wait_until(lambda: _tagged(api, second_tag), 120, "the rerun of the lost rerun", logs)
+        rerun_tag = f"rollflow-rerun-of:{flow_run_id}"
+        wait_until(lambda: _tagged(api, rerun_tag), 120, "the heal automation's rerun", logs)
         rerun_after_s = time.monotonic() - lost_at
-        last_id = _tagged(api, second_tag)[0]["id"]
-        wait_until(lambda: ended(last_id), RUN_DEADLINE_S, "the last rerun finished", logs)
+        rerun_id = _tagged(api, rerun_tag)[0]["id"]
+        wait_until(lambda: ended(rerun_id), RUN_DEADLINE_S, "the rerun finished", logs)
         wait_until(lambda: ended(scale_run_id), 120, "the fleet action's flow run finished", logs)
-        record = _read_back(api, last_id, storage, deploy_output, earlier=[flow_run_id, rerun_id])
-        lost_state = ended(rerun_id)
-        record.host_lost = {
-            "id": rerun_id,
-            "state": lost_state["type"],
-            "message": lost_state["message"],
-            "crashed_after_s": crashed_after_s,
-            "rerun_after_s": rerun_after_s,
-            "reruns": len(_tagged(api, second_tag)),
-        }
+        record = _read_back(api, rerun_id, storage, deploy_output, earlier=[flow_run_id])
         assert record.flow_run["state"] == "COMPLETED", f"{record.flow_run}\n{logs()}"
         crashed = ended(flow_run_id)
         record.crashed = {
             "id": flow_run_id,
             "state": crashed["type"],
             "message": crashed["message"],
+            "crashed_after_s": crashed_after_s,
+            "rerun_after_s": rerun_after_s,
+            "rerun_worker": _read(api, f"/flow_runs/{rerun_id}").get("work_queue_name"),
         }
         record.heal_flow_runs = _heal_flow_runs(api)
         record.reruns = len(_tagged(api, rerun_tag))
@@ -346,22 +326,6 @@ def _deployment_run(env: dict[str, str], deployment: str, *params: str) -> str:
         [*PREFECT, "deployment", "run", deployment, *(a for p in params for a in ("-p", p))], env
     )
     return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-
-
-def _flow_run_process(marker: str, flow_run_id: str) -> psutil.Process:
-    """The process a worker started for flow run ``flow_run_id`` (its services, which inherit
-    its environment, are its descendants)."""
-
-    def of_run(p: psutil.Process) -> bool:
-        try:
-            return p.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id
-        except psutil.Error:
-            return False
-
-    found = [p for p in processes_marked(marker) if of_run(p)]
-    roots = [p for p in found if not of_run(p.parent())]
-    assert len(roots) == 1, [" ".join(p.cmdline())[:120] for p in found]
-    return roots[0]
 
 
 def _step_completed(api: str, parent_id: str, name: str) -> bool:

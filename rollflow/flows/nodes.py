@@ -56,15 +56,23 @@ def _run_node(run: str, node: int, argv: list[str], env: dict[str, str] | None =
     proc = ManagedProcess(f"trainer-node-{node}", argv, log_path, env=env)
     say(f"trainer node {node} of run {run}: starting; its log on this host: {log_path}")
     proc.start()
+    code = follow_to_its_end(proc, f"trainer node {node} of run {run}")
+    say(f"trainer node {node} of run {run}: ended with the run's trainer")
+    return {"run": run, "node": node, "exit_code": code}
+
+
+def follow_to_its_end(proc: ManagedProcess, what: str) -> int:
+    """Say each line of the started ``proc``'s log until it exits, stop what is left of it;
+    return its exit code 0, else raise ``ServiceError`` naming ``what``, the code and the log's
+    last lines (its flow run ends Failed)."""
     try:
-        follow_log(log_path, proc.is_alive, say)
+        follow_log(proc.log_path, proc.is_alive, say)
     finally:
         proc.stop()
     code = proc.returncode
     if code != 0:
-        raise proc.error(f"trainer node {node} of run {run} exited with code {code}")
-    say(f"trainer node {node} of run {run}: ended with the run's trainer")
-    return {"run": run, "node": node, "exit_code": code}
+        raise proc.error(f"{what} exited with code {code}")
+    return code
 
 
 def follow_log(path: Path, alive, out, interval_s: float = FOLLOW_INTERVAL_S) -> None:

@@ -33,7 +33,7 @@ import httpx
 from prefect import flow
 
 from rollflow.flows.deploy import SERVER_FLOW_NAME
-from rollflow.flows.nodes import TERMINAL, cancel_flow_run, flow_run_state, follow_log
+from rollflow.flows.nodes import TERMINAL, cancel_flow_run, flow_run_state, follow_to_its_end
 from rollflow.flows.terminal import PrefectRunLog, say
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference import auth
@@ -117,12 +117,9 @@ def serve(
     say(f"vLLM server {slot} of run {run}: starting at {server.url}; its log here: {log_path}")
     server.spawn()
     try:
-        follow_log(log_path, server.is_alive, say)
+        code = follow_to_its_end(server.process, f"vLLM server {slot} of run {run}")
     finally:
-        server.stop()
-    code = server.returncode
-    if code != 0:
-        raise ServiceError(f"vLLM server {slot} of run {run} exited with code {code}")
+        server.stop()  # and its LoRA folder, were there one
     say(f"vLLM server {slot} of run {run}: ended")
     return {"run": run, "slot": slot, "url": server.url, "exit_code": code}
 
@@ -293,15 +290,9 @@ class PlacedServer:
         if not isinstance(where, dict) or where.get("flow_run_id") != str(self.flow_run_id):
             return None
         url = where["url"].rstrip("/")
-        if self._url is not None and url != self._url:
-            raise InferenceError(
-                f"vLLM server {self.slot} came back at {url} but served at {self._url}: its "
-                "clients and gate follow one URL; give each slot a work queue of one host "
-                "(inference.server_queues)"
-            )
-        if self._url is None:
+        if url != self._url:  # its first start, or a restart placed on another host
             self._url = url
-            self.settings["port"] = int(url.rsplit(":", 1)[1])  # a restart comes back there
+            self.settings["port"] = int(url.rsplit(":", 1)[1])  # a restart asks for it again
             auth.register(url, self.api_key)
         return url
 

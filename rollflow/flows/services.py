@@ -273,7 +273,13 @@ class RunServices:
         )
 
     def _link(self) -> WeightLink:
-        return WeightLink(rejoin=self._rejoin, lock=self.weights_lock)
+        return WeightLink(rejoin=self._rejoin, lock=self.weights_lock, moved=self._moved)
+
+    def _moved(self, slot: int, url: str) -> None:
+        """Server ``slot`` came back at ``url`` after a restart (a pool placed its flow run on
+        another host): the fleet follows it (under the group's lock, which the restart holds)."""
+        self.fleet.add(slot, url)
+        self._record_fleet()
 
     def _first_size(self) -> int:
         """How many servers the run starts with: the size last asked of the fleet

@@ -208,6 +208,11 @@ class InferenceServer:
             raise InferenceError(str(exc)) from None
         return self
 
+    @property
+    def process(self) -> ManagedProcess | None:
+        """The server's process once spawned (its log, its exit, its guard)."""
+        return self._proc
+
     def is_alive(self) -> bool:
         """Whether the server process is running (not whether it is healthy)."""
         return self._proc is not None and self._proc.is_alive()

@@ -59,6 +59,9 @@ class WeightLink:
 
     rejoin: Callable[[], int]
     lock: threading.Lock
+    # A restarted server came back at another URL (slot, URL), called under ``lock``: the fleet
+    # follows it (a pool that places each flow run anew; flows/servers.py).
+    moved: Callable[[int, str], None] = lambda slot, url: None
 
 
 class InferenceSupervisor:
@@ -198,12 +201,15 @@ class InferenceSupervisor:
             f"inference: {reason}; restarting it ({self.restarts + 1}/"
             f"{self.cfg.inference.max_restarts}); {logs}"
         )
-        start = time.monotonic()
+        start, served_at = time.monotonic(), self.url
         try:
             self.server.stop(timeout_s=10)
             self.server.start()
-            with self.gate.weights_turn(self.cfg.trainer.weight_sync_timeout_s, when_open=False):
+            gate = self.gate
+            with gate.weights_turn(self.cfg.trainer.weight_sync_timeout_s, when_open=False):
                 version = self.link.rejoin()
+                if self.url != served_at:
+                    self._follow_move(gate)
         except Exception as exc:
             message = f"{reason} and could not be restarted: {exc}; {logs}"
             self.gate.fail(message)
@@ -217,12 +223,24 @@ class InferenceSupervisor:
             "detected_at": detected_at,
             "restart_s": time.monotonic() - start,
             "version": version,
+            "url": self.url,
         }
         self.on_restart(info)
         self.progress(
             f"inference: restarted in {info['restart_s']:.0f}s, serving policy version "
             f"{version} again"
         )
+
+    def _follow_move(self, old: ServingGate) -> None:
+        """The restarted server serves at another URL (its flow run placed on another host):
+        under the group's lock, a gate for the new URL (its restarts carried over) and the
+        fleet's entry move to it; the old gate's waiters are sent on to a member (retried)."""
+        self.gate = register_gate(self.url, self.link.lock)
+        self.gate.restarts = old.restarts
+        self.link.moved(self.index, self.url)
+        old.retire(f"{self.name} moved to {self.url}")
+        unregister_gate(old)
+        self.progress(f"inference: {self.name} came back at {self.url} (it served at {old.url})")
 
     # -------------------------------------------------------------------- stop
 

@@ -15,6 +15,7 @@ import pytest
 from rollflow.flows import servers
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import ConfigError, InferenceError, ServiceError
+from rollflow.infra.inference import auth
 from rollflow.infra.placement import Machine, make_plan
 from rollflow.infra.service import free_port
 from rollflow.infra.storage import RunStorage
@@ -125,24 +126,23 @@ def test_a_placed_server_is_ready_once_its_own_flow_run_says_where_and_vllm_answ
     )
 
 
-def test_a_restart_that_comes_back_at_another_address_fails_naming_both(
-    tmp_path, monkeypatch, health
-):
+def test_a_restart_placed_on_another_host_serves_at_its_new_address(tmp_path, monkeypatch, health):
+    """A pool that places each flow run anew (Kubernetes) may run the restart elsewhere: the
+    server is ready at the address its new flow run wrote, with the run's key registered there
+    (the supervisor then moves its gate and fleet entry: test_supervisor_moves.py)."""
     api = FakePrefect(monkeypatch)
     server, storage = _placed(tmp_path)
     server.spawn()
     api.states[server.flow_run_id] = "RUNNING"
-    _serving(storage, server.flow_run_id, health)
-    server.wait_ready()
+    _serving(storage, server.flow_run_id, "http://10.0.0.7:8000")
+    assert server._url_of_this_run() == "http://10.0.0.7:8000"
     server.stop(timeout_s=1.0)
     server.spawn()
+    assert api.submitted[-1]["server"]["port"] == 8000  # asked for again
     api.states[server.flow_run_id] = "RUNNING"
-    _serving(storage, server.flow_run_id, "http://10.0.0.7:8000")
-    with pytest.raises(
-        InferenceError, match=rf"came back at http://10.0.0.7:8000 but served at {health}"
-    ):
-        server.wait_ready()
-    assert api.states[server.flow_run_id] == "CANCELLED"  # nothing left running
+    _serving(storage, server.flow_run_id, health)
+    server.wait_ready()
+    assert server.url == health and auth.auth_headers(health) == auth.auth_headers(health, "key")
 
 
 def test_a_server_no_worker_takes_fails_naming_the_deployment_and_queue(tmp_path, monkeypatch):
@@ -226,33 +226,18 @@ def test_placed_servers_leave_node_0s_gpus_to_the_trainer_and_join_at_its_addres
         make_plan(_cfg("inference.num_servers=2", "trainer.num_ranks=8"), Machine(gpus=8))
 
 
-def test_a_pool_that_places_gpus_by_job_variable_is_asked_for_each_flow_runs_gpus(monkeypatch):
+def test_a_pool_that_places_gpus_by_job_variable_is_asked_for_each_flow_runs_gpus(prefect_pools):
     """prefect.yaml's Kubernetes and Docker pools take ``gpus`` (a pod's nvidia.com/gpu limit):
     each server's flow run asks for its tensor-parallel GPUs, each node's for its ranks'; a
     process pool, whose host has its GPUs, is asked nothing."""
-    import prefect.client.orchestration
-
     from rollflow.flows import nodes
 
-    pools = {
-        "k8s": {"variables": {"properties": {"image": {}, "gpus": {}}}},
-        "proc": {"variables": {"properties": {"working_dir": {}}}},
-    }
-
-    class Client:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def read_deployment_by_name(self, name):
-            return SimpleNamespace(work_pool_name=name.split("/")[1])
-
-        def read_work_pool(self, name):
-            return SimpleNamespace(base_job_template=pools[name])
-
-    monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda **kw: Client())
+    prefect_pools(
+        {
+            "k8s": {"variables": {"properties": {"image": {}, "gpus": {}}}},
+            "proc": {"variables": {"properties": {"working_dir": {}}}},
+        }
+    )
     on_k8s = nodes.check_deployment("rollflow-inference-server/k8s", "k", "")
     on_hosts = nodes.check_deployment("rollflow-inference-server/proc", "k", "")
     assert nodes.gpu_request(on_k8s, 2) == {"gpus": 2}

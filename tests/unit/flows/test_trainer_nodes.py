@@ -77,22 +77,9 @@ def test_node_queues_name_one_queue_per_node_of_the_nodes_deployment():
         _cfg("trainer.num_nodes=2", "trainer.node_queues=['host-1']")
 
 
-def test_a_node_deployment_the_api_does_not_hold_is_said_before_anything_starts(monkeypatch):
+def test_a_node_deployment_the_api_does_not_hold_is_said_before_anything_starts(prefect_pools):
     """``RunServices.start`` checks it first; the error names the key and what to do."""
-    import prefect.client.orchestration
-    from prefect.exceptions import ObjectNotFound
-
-    class Client:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def read_deployment_by_name(self, name):
-            raise ObjectNotFound(http_exc=Exception(name))
-
-    monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda **kw: Client())
+    prefect_pools({"default": {}})
     placed = nodes.TrainerNodes("rollflow-trainer-node/gpu", [], progress=lambda _: None)
     with pytest.raises(
         ServiceError, match=r"trainer.node_deployment = 'rollflow-trainer-node/gpu'"
