@@ -11,6 +11,10 @@ code and the log's last lines otherwise. Everything the node needs travels in it
 (the launcher command, with the trainer's arguments in it: what the run prints when it places
 nodes by hand) and the run's object storage (the policy, checkpoints): no shared file system.
 
+A node whose flow run ends while the run goes on is a lost trainer (``TrainerNodes.check_running``,
+asked by the run's health check): the run restarts the trainer on every node, the nodes' flow
+runs cancelled and waited for (``stop``), then submitted again.
+
 Which host takes which node: a deployment's pool, and a work queue per node where the config
 names them (``trainer.node_queues``): a process pool on bare hosts has a queue per host, each
 host's worker started with ``--work-queue``; a Kubernetes or Docker pool places the job itself.

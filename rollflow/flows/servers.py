@@ -14,8 +14,8 @@ finds it.
 On the run's side a ``PlacedServer`` stands where a local ``InferenceServer`` does, under the
 same supervisor (``infra/inference/supervisor.py``): alive while its flow run is not over;
 stopped by cancelling the flow run; restarted by submitting the slot again to the same queue
-with the same port, so that it comes back at the same URL (a restart that comes back elsewhere
-fails, naming both addresses). The server's key (every vLLM route's, and the weight group's
+with the same port, so that on a queue of one host it comes back at the same URL (one that a
+pool placed elsewhere is followed there: the supervisor's ``_follow_move``). The server's key (every vLLM route's, and the weight group's
 secret) is not a parameter, which the Prefect UI shows: it is read from the run's storage
 (``control/servers/key.json``), written there by the run for its lifetime.
 This module imports no torch: a worker starts the flow in seconds.
