@@ -19,6 +19,9 @@ next ``trainer.num_ranks``). Other trainer nodes give their first ``num_ranks`` 
 trainer. Colocated mode (``inference.colocate``) puts vLLM on the trainer's GPUs with its memory
 share capped, for one-GPU nodes; its weight group meets on gloo (NCCL refuses two members on one
 GPU), and a ``--gpu-memory-utilization`` in ``inference.extra_args`` may not override the share.
+Servers placed by Prefect (``inference.server_deployment``) run on hosts of their own: each
+gets its host's first ``tensor_parallel_size`` GPUs (or its slice of ``inference.devices``),
+node 0's all go to the trainer, and the group's store is ``trainer.master_addr``.
 
 ``choose_backend`` is the single decision of the weight group's transport: both the trainer's
 sender and every vLLM worker take backend and device from the plan, never from a default.
