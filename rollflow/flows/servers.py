@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-import httpx
 from prefect import flow
 
 from rollflow.flows.deploy import SERVER_FLOW_NAME
@@ -37,15 +36,13 @@ from rollflow.flows.nodes import TERMINAL, cancel_flow_run, flow_run_state, foll
 from rollflow.flows.terminal import PrefectRunLog, say
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference import auth
-from rollflow.infra.storage import RunStorage
+from rollflow.infra.storage import LOCAL_CHECKPOINTS, RunStorage
 
 KEY_FILE = "control/servers/key.json"  # the run's server key, for its servers' flow runs
 # Beyond vLLM's own start-up deadline: a worker's poll, the flow run's start, the policy's copy.
 PLACEMENT_S = 120.0
 STATE_TTL_S = 0.5  # how long a read flow-run state is taken as current
 POLL_S = 1.0
-# Where a server's host keeps its copy of the policy (beside the trainer nodes' checkpoints).
-LOCAL_POLICIES = Path("~/.cache/rollflow/checkpoints").expanduser()
 
 
 def slot_file(slot: int) -> str:
@@ -98,7 +95,7 @@ def serve(
     port = settings.get("port") or free_port(address)
     kind, step = model
     say(f"vLLM server {slot} of run {run}: copying {kind}/step={step} from {storage.uri}")
-    model_dir = storage.local_copy(kind, step, LOCAL_POLICIES)
+    model_dir = storage.local_copy(kind, step, LOCAL_CHECKPOINTS)
     log_path = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-vllm-{slot}-")) / "vllm.log"
     server = InferenceServer(
         model_dir,
@@ -197,12 +194,6 @@ class PlacedServer:
             return f"the flow runs of {self.deployment} in the Prefect UI"
         return f"the log of flow run {self.flow_run_name!r} ({self.flow_run_id}) in the Prefect UI"
 
-    @property
-    def returncode(self) -> str | None:
-        """How its flow run ended (``FAILED``, ``CRASHED``, ...), None while it runs."""
-        state = self.state()
-        return state if state in TERMINAL else None
-
     def ended(self) -> str:
         """How it ended, for messages."""
         return f"its flow run {self.flow_run_name!r} ended {self.state()}"
@@ -263,6 +254,8 @@ class PlacedServer:
     def wait_ready(self) -> PlacedServer:
         """Wait until the flow run says where it serves and vLLM answers there; raise
         ``InferenceError`` naming what did not happen otherwise (the flow run cancelled)."""
+        from rollflow.infra.inference.server import answers_health  # torch: not at import
+
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             while True:
@@ -272,7 +265,7 @@ class PlacedServer:
                         f"vLLM server {self.slot}'s flow run ended {state} before it served; "
                         f"see {self.log_path}"
                     )
-                if self._url_of_this_run() is not None and self._healthy():
+                if self._url_of_this_run() is not None and answers_health(self._url, timeout_s=2.0):
                     return self
                 if time.monotonic() > deadline:
                     raise InferenceError(self._late(state))
@@ -295,17 +288,6 @@ class PlacedServer:
             self.settings["port"] = int(url.rsplit(":", 1)[1])  # a restart asks for it again
             auth.register(url, self.api_key)
         return url
-
-    def _healthy(self) -> bool:
-        from rollflow.infra.http import client
-
-        try:
-            response = client().get(
-                f"{self._url}/health", headers=auth.auth_headers(self._url), timeout=2.0
-            )
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
 
     def _late(self, state: str) -> str:
         waited = f"{self.startup_timeout_s:.0f}s"

@@ -40,6 +40,9 @@ from rollflow.infra.faults import fault_point
 from rollflow.infra.secrets import merge, secret_storage_options
 
 SUCCESS = "_SUCCESS"
+# Where a host keeps its local copies of committed step folders (``local_copy``): the trainer's
+# ranks and nodes (checkpoints, the policy) and placed vLLM servers (the policy) alike.
+LOCAL_CHECKPOINTS = Path("~/.cache/rollflow/checkpoints").expanduser()
 _STEP_DIR = re.compile(r"step=(\d+)$")
 _STEP_FILE = re.compile(r"step=(\d+)\.parquet$")
 _SEGMENT = re.compile(r"part-(\d+)\.jsonl$")

@@ -19,12 +19,10 @@ from pathlib import Path
 import fsspec
 
 from rollflow.infra.errors import StorageError
-from rollflow.infra.storage import RunStorage
+from rollflow.infra.storage import LOCAL_CHECKPOINTS, RunStorage
 from rollflow.trainer.control import ControlGroup, pid_alive
 from rollflow.trainer.protocol import ExportHF, Gradients, StepRef
 from rollflow.trainer.trainer import Trainer
-
-LOCAL_CHECKPOINTS = Path("~/.cache/rollflow/checkpoints").expanduser()
 
 
 def assign_uploads(listings: list[list[str]]) -> list[list[str]]:

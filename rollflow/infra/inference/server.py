@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
+import httpx
+
 from rollflow.infra import http
 from rollflow.infra.config import VLLM_MAX_LORA_RANKS, vllm_flag
 from rollflow.infra.errors import InferenceError, ServiceError
@@ -193,14 +195,7 @@ class InferenceServer:
         """Wait until the spawned server is healthy; raise ``InferenceError`` otherwise."""
         try:
             self._proc.wait_healthy(
-                # The process's shared client: httpx.get builds a TLS context per call (~70 ms
-                # of CPU), 4 times a second for the whole start-up.
-                lambda: (
-                    http.client()
-                    .get(f"{self.url}/health", headers=auth.auth_headers(self.url), timeout=2.0)
-                    .status_code
-                    == 200
-                ),
+                lambda: answers_health(self.url, timeout_s=2.0),
                 self.startup_timeout_s,
             )
         except ServiceError as exc:
@@ -248,6 +243,18 @@ class InferenceServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def answers_health(url: str, timeout_s: float) -> bool:
+    """Whether the vLLM server at ``url`` answers ``/health`` with 200 (sent with its key), on
+    the process's shared client: httpx.get builds a TLS context per call (~70 ms of CPU)."""
+    try:
+        response = http.client().get(
+            f"{url}/health", headers=auth.auth_headers(url), timeout=timeout_s
+        )
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
 
 
 def _on_cpu() -> bool:

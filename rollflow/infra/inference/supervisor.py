@@ -15,7 +15,9 @@ weight plane's part (``tasks/sync/weights.py``).
 Sampling requests that were in flight on the dead server fail and are retried by the Sampler;
 new and retried requests wait at the gate (``gate.py``), so none is served by the weights the
 new server loaded from disk. A step's weight sync that was cut by the death is synced again
-once the gate opens (``tasks/sync``). The URL never changes, so every client follows.
+once the gate opens (``tasks/sync``). The URL stays the same, so every client follows; a
+server placed by Prefect that a pool restarted on another host is followed to its new URL
+(``_follow_move``: its gate and fleet entry move, under the weight group's lock).
 
 ``check()`` runs on the thread that started the server (the run's main thread): services die
 with the thread that spawned them (``service.py``), so a restart must happen there too.
@@ -35,14 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError
-from rollflow.infra.http import client
-from rollflow.infra.inference.auth import auth_headers
 from rollflow.infra.inference.gate import ServingGate, register_gate, unregister_gate
-from rollflow.infra.inference.server import InferenceServer
+from rollflow.infra.inference.server import InferenceServer, answers_health
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 UNHEALTHY_PROBES_BEFORE_RESTART = 2  # one slow answer is not a death
@@ -149,7 +147,7 @@ class InferenceSupervisor:
     def _failure(self) -> str | None:
         if not self.server.is_alive():
             return f"{self.name} died ({self.server.ended()})"
-        healthy = self._answers_health(HEALTH_PROBE_TIMEOUT_S)
+        healthy = answers_health(self.url, HEALTH_PROBE_TIMEOUT_S)
         self._unhealthy_probes = 0 if healthy else self._unhealthy_probes + 1
         if self._unhealthy_probes >= UNHEALTHY_PROBES_BEFORE_RESTART:
             return (
@@ -160,16 +158,7 @@ class InferenceSupervisor:
     def serving(self, timeout_s: float = 2.0) -> bool:
         """Whether the server runs and answers ``/health`` (a preempted one does neither; its
         process may take a moment to be seen dead)."""
-        return self.server.is_alive() and self._answers_health(timeout_s)
-
-    def _answers_health(self, timeout_s: float) -> bool:
-        try:
-            response = client().get(
-                f"{self.url}/health", headers=auth_headers(self.url), timeout=timeout_s
-            )
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return self.server.is_alive() and answers_health(self.url, timeout_s)
 
     def restart_deadline_s(self) -> float:
         """The longest a restart may take: start, weight group, the trainer's step, one sync."""
