@@ -38,7 +38,7 @@ module needs ``openai_harmony``: the venv has it, from vLLM's ``oss-harmony``; i
 few minutes on 2026-11-25 while the venv was resynced, which is why the first runs installed
 ``openai-harmony`` beside TRL.)
 
-Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1: prompt order and sampling; (a), (c) 3,
+Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1, from ``--first-seed``: prompt order and sampling; (a), (c) 3,
 (b) 1) and the ratios of the median times and of the median optimizer steps are printed: one
 run's crossing of the threshold is noisy. Extra ``key=value`` overrides go to both sides' config;
 those TRL has no counterpart for (``train.mini_batch_split``, ``train.old_logprobs``,
@@ -561,6 +561,13 @@ def main() -> None:
         help="runs per side, run.seed = 0..N-1, and the medians' ratio; " + per_workload("seeds"),
     )
     parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="the first run.seed (default 0): --first-seed 5 --seeds 5 runs seeds 5..9, to add "
+        "seeds to an earlier --json-out (--compare reads both files of a side)",
+    )
+    parser.add_argument(
         "--trl-path",
         default=os.environ.get("ROLLFLOW_TRL_PATH"),
         help="a folder holding TRL, on the TRL child's PYTHONPATH only (default: $ROLLFLOW_TRL_PATH)",
@@ -633,9 +640,9 @@ def main() -> None:
         if args.json_out:
             Path(args.json_out).write_text(json.dumps({"spec": spec, "results": results}))
 
-    for seed in range(
-        seeds
-    ):  # a fresh storage and Prefect home per seed (the same run name resumes)
+    first = args.first_seed
+    # a fresh storage and Prefect home per seed (the same run name resumes)
+    for seed in range(first, first + seeds):
         run = {
             **spec,
             "extra": [*args.overrides, f"run.seed={seed}"],
@@ -673,7 +680,7 @@ def main() -> None:
         f"{cfg.train.mini_batch_size} prompts per optimizer step, {args.minibatches} optimizer step(s) per "
         f"generation batch, lr {cfg.train.lr:g}, threshold "
         f"{spec['threshold']} held-out reward (the env's: {cfg.envs[0].name}); rollflow max_staleness "
-        f"{args.staleness}; seeds 0..{seeds - 1}"
+        f"{args.staleness}; seeds {first}..{first + seeds - 1}"
     )
     print(machine.line() + "\n")
     trl = {r["seed"]: r["train_s"] for r in results if r["side"] == "TRL"}
