@@ -26,6 +26,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 from prefect import flow
@@ -37,6 +38,10 @@ from rollflow.infra.service import ManagedProcess
 
 FOLLOW_INTERVAL_S = 0.5
 TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+NODE_0_FILE = "control/trainer/node-0.json"  # where node 0's flow run serves, in run storage
+# Beyond the trainer's own start-up deadline: a worker's poll, the flow run's start.
+PLACEMENT_S = 120.0
+DRIVER_CHECK_S = 10.0  # how often a node reads its run's flow run's state
 
 
 @flow(
@@ -45,34 +50,130 @@ TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
     persist_result=False,
     validate_parameters=False,
 )
-def trainer_node(run: str, node: int, argv: list[str], env: dict[str, str] | None = None) -> dict:
-    """Run trainer node ``node`` of run ``run``: the launcher ``argv`` (with ``env``) to its end."""
+def trainer_node(
+    run: str,
+    node: int,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    serve: dict[str, Any] | None = None,
+    driver: str | None = None,
+) -> dict:
+    """Run trainer node ``node`` of run ``run``: the launcher ``argv`` (with ``env``) to its end;
+    node 0 (``serve``: ``PlacedTrainer``'s settings) starts its own launcher, serving the
+    trainer's API. ``driver``: the run's flow run, whose end ends the node (``DriverWatch``)."""
     from prefect.context import get_run_context
 
-    with PrefectRunLog(get_run_context().flow_run.id):
-        return _run_node(run, node, argv, env)
+    flow_run_id = get_run_context().flow_run.id
+    watch = DriverWatch(driver)
+    with PrefectRunLog(flow_run_id):
+        if serve is not None:
+            return _serve_node_0(run, serve, env or {}, flow_run_id, watch)
+        return _run_node(run, node, argv, env, watch)
 
 
-def _run_node(run: str, node: int, argv: list[str], env: dict[str, str] | None = None) -> dict:
+class DriverWatch:
+    """Whether the run's flow run (the node's driver) is over, read every ``interval_s``: a node
+    on a host of its own outlives a run whose host was lost, its ranks idle for good and holding
+    their devices, unless it ends with it. The Prefect API not answering is no end."""
+
+    def __init__(self, driver: str | None, interval_s: float = DRIVER_CHECK_S):
+        self.driver, self.interval_s = driver, interval_s
+        self.ended: str | None = None  # the driver's terminal state, once seen
+        self._read_at = time.monotonic()
+
+    def over(self) -> bool:
+        if self.driver is None or self.ended is not None:
+            return self.ended is not None
+        if time.monotonic() - self._read_at >= self.interval_s:
+            self._read_at = time.monotonic()
+            try:
+                state = flow_run_state(UUID(self.driver))
+            except Exception:  # noqa: BLE001 - the API's hiccup: read again later
+                return False
+            if state in TERMINAL:
+                self.ended = state
+        return self.ended is not None
+
+
+def _serve_node_0(
+    run: str, serve: dict[str, Any], env: dict[str, str], flow_run_id, watch: DriverWatch
+) -> dict:
+    """Node 0's body: its launcher, bound to the address its host reaches the run's host from
+    (``serve["reach"]``), ``trainer.master_addr = "auto"`` made that address; where it serves
+    and meets the other nodes written to the run's storage (``NODE_0_FILE``) before it starts;
+    its log said line by line, to its end."""
+    from rollflow.flows.servers import read_key
+    from rollflow.infra.network import route_source
+    from rollflow.infra.service import free_port
+    from rollflow.infra.storage import RunStorage
+    from rollflow.tasks.train.launch import TrainerProcess
+    from rollflow.trainer.protocol import ServiceArgs
+
+    storage = RunStorage(serve["storage"], run, serve.get("storage_options") or {})
+    address = route_source(serve["reach"])
+    args = ServiceArgs.model_validate_json(serve["args"])
+    tr = args.trainer
+    if tr.master_addr == "auto":
+        tr = tr.model_copy(update={"master_addr": address})
+    args = args.model_copy(update={"trainer": tr, "host": address, "port": free_port(address)})
+    log_dir = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-node-0-"))
+    trainer = TrainerProcess(
+        args,
+        token=read_key(storage),
+        log_dir=log_dir,
+        device_env=env,
+        cpus=tuple(serve.get("cpus") or ()),
+    )
+    where = {
+        "flow_run_id": str(flow_run_id),
+        "url": trainer.endpoint.url,
+        "master_addr": tr.master_addr,
+        "started_at": time.time(),
+    }
+    storage.write_json(NODE_0_FILE, where)
+    say(
+        f"trainer node 0 of run {run}: serving at {trainer.endpoint.url}, the other nodes meet it "
+        f"at {tr.master_addr}; its log on this host: {trainer.process.log_path}"
+    )
+    trainer.start()
+    code = follow_to_its_end(trainer.process, f"trainer node 0 of run {run}", watch)
+    say(f"trainer node 0 of run {run}: ended with the run's trainer")
+    return {"run": run, "node": 0, "url": trainer.endpoint.url, "exit_code": code}
+
+
+def _run_node(
+    run: str,
+    node: int,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    watch: DriverWatch | None = None,
+) -> dict:
     """The node's launcher under the guard, each of its log lines said (``say``: the flow run's
     log and the worker's output), to its end."""
     log_path = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-node-{node}-")) / "trainer-node.log"
     proc = ManagedProcess(f"trainer-node-{node}", argv, log_path, env=env)
     say(f"trainer node {node} of run {run}: starting; its log on this host: {log_path}")
     proc.start()
-    code = follow_to_its_end(proc, f"trainer node {node} of run {run}")
+    code = follow_to_its_end(proc, f"trainer node {node} of run {run}", watch)
     say(f"trainer node {node} of run {run}: ended with the run's trainer")
     return {"run": run, "node": node, "exit_code": code}
 
 
-def follow_to_its_end(proc: ManagedProcess, what: str) -> int:
-    """Say each line of the started ``proc``'s log until it exits, stop what is left of it;
-    return its exit code 0, else raise ``ServiceError`` naming ``what``, the code and the log's
-    last lines (its flow run ends Failed)."""
+def follow_to_its_end(proc: ManagedProcess, what: str, watch: DriverWatch | None = None) -> int:
+    """Say each line of the started ``proc``'s log until it exits (or ``watch`` sees the run's
+    flow run over), stop what is left of it; return its exit code 0, else raise
+    ``ServiceError`` naming ``what``, the code and the log's last lines (its flow run ends
+    Failed)."""
+    over = watch.over if watch is not None else lambda: False
     try:
-        follow_log(proc.log_path, proc.is_alive, say)
+        follow_log(proc.log_path, lambda: proc.is_alive() and not over(), say)
     finally:
         proc.stop()
+    if watch is not None and watch.ended is not None:
+        raise ServiceError(
+            f"{what}: stopped, its run's flow run ({watch.driver}) ended {watch.ended} (its host "
+            "lost, or the run stopped without ending its nodes); a rerun submits the node again"
+        )
     code = proc.returncode
     if code != 0:
         raise proc.error(f"{what} exited with code {code}")
@@ -113,16 +214,27 @@ class TrainerNodes:
         self.job_variables: set[str] = set()  # what its pool's template takes (``check``)
         self.flow_runs: dict[int, UUID] = {}
 
-    def submit(self, run: str, commands: dict[int, tuple[list[str], dict[str, str]]]) -> None:
+    def submit(
+        self,
+        run: str,
+        commands: dict[int, tuple[list[str], dict[str, str]]],
+        serve: dict[str, Any] | None = None,
+    ) -> None:
         """Submit node k's flow run for each ``k -> (argv, env)`` of ``commands``, as children
-        of the calling flow run, each to its queue (``trainer.node_queues``) where named."""
+        of the calling flow run, each to its queue (``trainer.node_queues``) where named; node
+        0's with ``serve`` (``PlacedTrainer``'s settings: it starts its own launcher)."""
         from prefect.deployments import run_deployment
+        from prefect.runtime import flow_run as this_run
 
-        for i, (node, (argv, env)) in enumerate(sorted(commands.items())):
-            queue = self.queues[i] if self.queues else None
+        driver = this_run.get_id()  # the run's flow run (None outside one): the nodes end with it
+        for node, (argv, env) in sorted(commands.items()):
+            queue = self.queues[node] if self.queues else None
+            parameters = {"run": run, "node": node, "argv": argv, "env": env, "driver": driver}
+            if node == 0:
+                parameters["serve"] = serve
             flow_run = run_deployment(
                 self.deployment,
-                parameters={"run": run, "node": node, "argv": argv, "env": env},
+                parameters=parameters,
                 timeout=0,  # submitted: the node joins the trainer's rendezvous when it starts
                 work_queue_name=queue,
                 job_variables=gpu_request(self.job_variables, self.gpus),
@@ -216,6 +328,177 @@ class TrainerNodes:
                 )
             except Exception as exc:  # noqa: BLE001 - best effort, said
                 self.progress(f"trainer: could not cancel node {node}'s flow run: {exc}")
+
+
+class PlacedTrainer:
+    """Trainer node 0 as a flow run of ``trainer.node_deployment`` (one of ``nodes``'): what the
+    run asks of a ``TrainerProcess`` (start, wait_healthy, check_alive, is_alive, stop, client),
+    over the Prefect API and the run's storage. Where it serves, and the address the other nodes
+    and the weight group meet it at, are known once its flow run says so (``wait_placed``)."""
+
+    def __init__(
+        self,
+        nodes: TrainerNodes,
+        run: str,
+        args,
+        token: str,
+        storage,
+        settings: dict[str, Any],
+        progress=print,
+    ):
+        """``args``: the trainer's ``ServiceArgs`` (host and port are node 0's to choose);
+        ``storage``: the run's ``RunStorage``; ``settings``: ``storage`` (root and options as
+        the config gives them, without credentials: node 0's host has its own), ``reach`` (the
+        run's host, which node 0 serves toward), ``env`` (its devices), ``cpus``."""
+        self.nodes, self.run, self.args, self.token = nodes, run, args, token
+        self.storage, self.settings, self.progress = storage, dict(settings), progress
+        self.startup_timeout_s = args.trainer.startup_timeout_s + PLACEMENT_S
+        self.args_file = Path("trainer-args.json")  # (a name only: nothing is written here)
+        self.client = None
+        self.endpoint = None
+        self.master_addr: str | None = None
+        self.ranks: list[dict[str, Any]] = []
+
+    @property
+    def flow_run_id(self) -> UUID | None:
+        return self.nodes.flow_runs.get(0)
+
+    @property
+    def log_path(self) -> str:
+        """Where its log is: its flow run's (shown by ``see ...`` in messages)."""
+        return f"the log of trainer node 0's flow run ({self.flow_run_id}) in the Prefect UI"
+
+    def state(self) -> str:
+        return "CANCELLED" if self.flow_run_id is None else flow_run_state(self.flow_run_id)
+
+    def is_alive(self) -> bool:
+        """Whether its flow run is not over (not whether the trainer answers)."""
+        return self.flow_run_id is not None and self.state() not in TERMINAL
+
+    def start(self) -> PlacedTrainer:
+        """Submit node 0's flow run and return (the trainer loads while the rest starts)."""
+        root, options = self.settings["storage"]
+        serve = {
+            "storage": root,
+            "storage_options": options,
+            "args": self.args.model_dump_json(),
+            "reach": self.settings["reach"],
+            "cpus": list(self.settings.get("cpus") or ()),
+        }
+        self.client = self.endpoint = self.master_addr = None
+        self.nodes.submit(self.run, {0: ([], dict(self.settings.get("env") or {}))}, serve)
+        return self
+
+    def wait_placed(self) -> str:
+        """Wait until node 0's flow run says where it serves; return the address the other
+        nodes and the weight group meet it at. Raise ``ServiceError`` naming what did not
+        happen (no worker took it, it ended first) within the deadline."""
+        from rollflow.infra.http import Endpoint
+        from rollflow.tasks.train.client import TrainerClient
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            state = self.state()
+            if state in TERMINAL:
+                raise ServiceError(
+                    f"trainer node 0's flow run ended {state} before it served; see {self.log_path}"
+                )
+            try:
+                where = self.storage.read_json(NODE_0_FILE)
+            except ValueError:
+                where = None  # being written
+            if isinstance(where, dict) and where.get("flow_run_id") == str(self.flow_run_id):
+                self.endpoint = Endpoint("trainer", where["url"].rstrip("/"), self.token)
+                self.client = TrainerClient(self.endpoint, self.args.trainer.request_timeout_s)
+                self.master_addr = where["master_addr"]
+                self.progress(
+                    f"trainer: node 0 serves at {self.endpoint.url}, meets the other nodes at "
+                    f"{self.master_addr}"
+                )
+                return self.master_addr
+            if time.monotonic() > deadline:
+                queue = self.nodes.queues[0] if self.nodes.queues else ""
+                where_ = f"work queue {queue!r}" if queue else "its work queue"
+                raise ServiceError(
+                    f"trainer node 0's flow run ({self.flow_run_id}) was {state} "
+                    f"{self.startup_timeout_s:.0f}s after it was submitted and did not say where "
+                    f"it serves: start a worker of {self.nodes.deployment}'s pool ({where_}) on "
+                    "node 0's host (`prefect worker start --pool ... --work-queue ...`)"
+                    if state in ("SCHEDULED", "PENDING")
+                    else f"trainer node 0's flow run ({state}) did not say where it serves "
+                    f"within {self.startup_timeout_s:.0f}s; see {self.log_path}"
+                )
+            time.sleep(1.0)
+
+    def wait_healthy(self) -> None:
+        """Block until node 0's rank 0 answers, all ranks up; raise ``ServiceError`` if its flow
+        run ends first or the deadline passes."""
+        if self.client is None:
+            self.wait_placed()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                health = self.client.health(timeout_s=2)
+                self.ranks = health["ranks"]
+                if health["ok"]:
+                    return
+            except ServiceError:
+                pass  # not answering yet
+            state = self.state()
+            if state in TERMINAL:
+                raise ServiceError(f"trainer node 0's flow run ended {state}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise ServiceError(
+                    f"the trainer at {self.endpoint.url} did not become healthy within "
+                    f"{self.startup_timeout_s:.0f}s; see {self.log_path}"
+                )
+            time.sleep(0.5)
+
+    def check_alive(self, timeout_s: float = 10.0) -> None:
+        """Raise ``ServiceError`` if node 0's flow run ended or the trainer does not answer
+        (``timeout_s``: the probe's); naming the dead rank where rank 0 says."""
+        state = self.state()
+        if state in TERMINAL:
+            raise ServiceError(
+                f"trainer node 0's flow run ({self.flow_run_id}) ended {state}; see {self.log_path}"
+            )
+        try:
+            self.client.health(timeout_s=timeout_s)
+        except ServiceError as exc:
+            if exc.status is None:
+                raise ServiceError(
+                    f"the trainer does not answer at {self.endpoint.url}: {exc}"
+                ) from None
+            raise ServiceError(f"the trainer is unhealthy: {exc}", exc.status) from None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask every rank to shut down cleanly and wait for node 0's flow run to end with them;
+        cancel it where it did not (its worker stops the process)."""
+        if self.flow_run_id is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        clean = min(deadline, time.monotonic() + 15.0)  # its ranks' own teardown
+        try:
+            if self.client is not None and self.state() not in TERMINAL:
+                self.client.shutdown(timeout_s=min(10.0, timeout_s))
+            while self.state() not in TERMINAL and time.monotonic() < clean:
+                time.sleep(0.5)
+            if self.state() in TERMINAL:
+                return
+            cancel_flow_run(self.flow_run_id)
+            while self.state() not in TERMINAL and time.monotonic() < deadline:
+                time.sleep(0.5)
+        except Exception as exc:  # noqa: BLE001 - the API gone: nothing more to ask of it
+            self.progress(f"trainer: could not stop node 0's flow run: {exc}")
+            return
+        if self.state() not in TERMINAL:
+            self.progress(
+                f"trainer: node 0's flow run ({self.flow_run_id}) was cancelled but has not "
+                f"ended after {timeout_s:.0f}s; its worker stops it"
+            )
+
+    def set_aside_log(self) -> None:
+        """A lost trainer's log stays in its flow run's (nothing on this host to keep)."""
 
 
 # ------------------------------------------------- flow runs of a deployment, as processes

@@ -32,13 +32,19 @@ from uuid import UUID
 from prefect import flow
 
 from rollflow.flows.deploy import SERVER_FLOW_NAME
-from rollflow.flows.nodes import TERMINAL, cancel_flow_run, flow_run_state, follow_to_its_end
+from rollflow.flows.nodes import (
+    TERMINAL,
+    DriverWatch,
+    cancel_flow_run,
+    flow_run_state,
+    follow_to_its_end,
+)
 from rollflow.flows.terminal import PrefectRunLog, say
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference import auth
 from rollflow.infra.storage import LOCAL_CHECKPOINTS, RunStorage
 
-KEY_FILE = "control/servers/key.json"  # the run's server key, for its servers' flow runs
+KEY_FILE = "control/servers/key.json"  # the run's key, for its placed processes' flow runs
 # Beyond vLLM's own start-up deadline: a worker's poll, the flow run's start, the policy's copy.
 PLACEMENT_S = 120.0
 STATE_TTL_S = 0.5  # how long a read flow-run state is taken as current
@@ -63,15 +69,23 @@ def inference_server(
     storage_options: dict[str, Any],
     model: tuple[str, int],
     server: dict[str, Any],
+    driver: str | None = None,
 ) -> dict:
     """Serve vLLM server ``slot`` of run ``run``, loading ``model`` (kind, step) from the run's
-    ``storage``, with ``server``'s settings (``PlacedServer.settings``), until vLLM ends."""
+    ``storage``, with ``server``'s settings (``PlacedServer.settings``), until vLLM ends or the
+    run's flow run ``driver`` does (``nodes.DriverWatch``)."""
     from prefect.context import get_run_context
 
     flow_run_id = get_run_context().flow_run.id
     with PrefectRunLog(flow_run_id):
         return serve(
-            run, slot, RunStorage(storage, run, storage_options), model, server, flow_run_id
+            run,
+            slot,
+            RunStorage(storage, run, storage_options),
+            model,
+            server,
+            flow_run_id,
+            DriverWatch(driver),
         )
 
 
@@ -82,6 +96,7 @@ def serve(
     model: tuple[str, int],
     settings: dict[str, Any],
     flow_run_id: UUID | str,
+    watch: DriverWatch | None = None,
 ) -> dict:
     """The flow's body: the policy copied here, vLLM started under the guard on this host's
     address toward the run's host, where it serves written to the run's storage, its log said
@@ -90,7 +105,7 @@ def serve(
     from rollflow.infra.network import route_source
     from rollflow.infra.service import free_port
 
-    key = _server_key(storage)
+    key = read_key(storage)
     address = route_source(settings["reach"])  # as the run's host reaches this host
     port = settings.get("port") or free_port(address)
     kind, step = model
@@ -114,33 +129,36 @@ def serve(
     say(f"vLLM server {slot} of run {run}: starting at {server.url}; its log here: {log_path}")
     server.spawn()
     try:
-        code = follow_to_its_end(server.process, f"vLLM server {slot} of run {run}")
+        code = follow_to_its_end(server.process, f"vLLM server {slot} of run {run}", watch)
     finally:
         server.stop()  # and its LoRA folder, were there one
     say(f"vLLM server {slot} of run {run}: ended")
     return {"run": run, "slot": slot, "url": server.url, "exit_code": code}
 
 
-def _server_key(storage: RunStorage) -> str:
+def read_key(storage: RunStorage) -> str:
+    """The run's key (its servers' and trainer's API key), as the run published it."""
     try:
         record = storage.read_json(KEY_FILE)
     except ValueError:
         record = None
     if not isinstance(record, dict) or not record.get("key"):
         raise ServiceError(
-            f"{storage.path(KEY_FILE)} holds no server key: the run writes it when it starts its "
-            "servers; was this flow run started by hand? Start the run instead"
+            f"{storage.path(KEY_FILE)} holds no key: the run writes it when it starts the flow "
+            "runs of its servers and trainer nodes; was this flow run started by hand? Start "
+            "the run instead"
         )
     return record["key"]
 
 
 def publish_key(storage: RunStorage, key: str) -> None:
-    """Give the run's servers their key through the run's storage (see the module docstring)."""
+    """Give the run's placed servers and trainer node 0 their key through the run's storage
+    (see the module docstring)."""
     storage.write_json(KEY_FILE, {"key": key})
 
 
 def withdraw_key(storage: RunStorage) -> None:
-    """The run's servers are gone: their key leaves the storage (best effort)."""
+    """The run's placed processes are gone: their key leaves the storage (best effort)."""
     try:
         storage.fs.rm(storage.path(KEY_FILE))
     except (FileNotFoundError, OSError):
@@ -220,6 +238,7 @@ class PlacedServer:
     def spawn(self) -> None:
         """Submit the slot's flow run (as a child of the calling flow run) and return."""
         from prefect.deployments import run_deployment
+        from prefect.runtime import flow_run as this_run
 
         if self.is_alive() and not self._cancelled:
             return
@@ -232,6 +251,7 @@ class PlacedServer:
                 "storage_options": self.storage_options,
                 "model": list(self.model),
                 "server": self.settings,
+                "driver": this_run.get_id(),  # the run's flow run: the server ends with it
             },
             timeout=0,
             work_queue_name=self.queue or None,

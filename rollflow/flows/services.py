@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from rollflow.flows.nodes import TrainerNodes, check_deployment, gpu_request
+from rollflow.flows.nodes import PlacedTrainer, TrainerNodes, check_deployment, gpu_request
 from rollflow.flows.servers import PlacedServer, publish_key, withdraw_key
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError, TrainerLost, WeightSyncError
@@ -73,7 +73,10 @@ class RunServices:
         machine: Machine | None = None,
         base_model: str | Path | None = None,
     ):
-        if cfg.trainer.master_addr == "auto":
+        # Trainer node 0 a flow run on a host of its own (trainer.node_deployment): "auto" is
+        # its host's address, which its flow run finds and says (``PlacedTrainer.wait_placed``).
+        self.node0_placed = bool(cfg.trainer.node_deployment)
+        if cfg.trainer.master_addr == "auto" and not self.node0_placed:
             cfg = resolve_addresses(cfg)
             progress(f"services: trainer.master_addr = auto: {cfg.trainer.master_addr}")
         self.cfg, self.policy_dir, self.checkpoint_step = cfg, str(policy_dir), checkpoint_step
@@ -90,8 +93,8 @@ class RunServices:
         # What every server serves, and so what the trainer sends (one device for all servers).
         self.weight_dtype = self.plan.serving_dtype
         self.weights_lock = threading.Lock()
-        self.trainer_proc: TrainerProcess | None = None
-        self.nodes: TrainerNodes | None = None  # trainer nodes 1.. as flow runs, where so placed
+        self.trainer_proc: TrainerProcess | PlacedTrainer | None = None
+        self.nodes: TrainerNodes | None = None  # the trainer's nodes as flow runs, where so placed
         self.supervisors: list[InferenceSupervisor] = []  # the fleet's, in slot order
         self.fleet = Fleet()
         self._served: tuple[str, Path | None] = (self.policy_dir, None)  # what vLLM loads
@@ -149,7 +152,7 @@ class RunServices:
     def start(self) -> RunServices:
         cfg = self.cfg
         start = time.perf_counter()
-        if cfg.trainer.node_deployment and cfg.trainer.num_nodes > 1:
+        if self.node0_placed:
             self.nodes = TrainerNodes(
                 cfg.trainer.node_deployment,
                 cfg.trainer.node_queues,
@@ -157,13 +160,14 @@ class RunServices:
                 gpus=len(self.plan.trainer_nodes[-1].gpus),
             )
             self.nodes.check()  # before any process starts
+        if self.placed or self.node0_placed:
+            publish_key(self.storage, self.token)  # before any flow run asks for it
         if self.placed:
             self._server_pool_variables = check_deployment(
                 cfg.inference.server_deployment,
                 "inference.server_deployment",
                 "or leave inference.server_deployment empty to run the servers on this host",
             )
-            publish_key(self.storage, self.token)  # before any server's flow run asks for it
             self._served_model = self._model_in_storage(self.checkpoint_step)
         self._start_trainer()  # loads while vLLM starts
         self._start_other_nodes()
@@ -197,24 +201,29 @@ class RunServices:
         return self
 
     def _start_other_nodes(self) -> None:
-        """Trainer nodes 1..: flow runs of ``trainer.node_deployment`` (``nodes.py``), or the
-        commands a person runs on their hosts, printed."""
+        """Trainer nodes 1..: flow runs of ``trainer.node_deployment`` (``nodes.py``), meeting
+        node 0 where it said (``self._group.host``), or the commands a person runs on their
+        hosts, printed."""
         cfg = self.cfg
+        tr = cfg.trainer.model_copy(update={"master_addr": self._group.host})  # found, if auto
+        args = self.trainer_proc.args.model_copy(update={"trainer": tr})
         commands = {}
         for node in self.plan.trainer_nodes[1:]:
             commands[node.node] = (
                 node_argv(
-                    cfg.trainer,
+                    tr,
                     node.node,
                     self.trainer_proc.args_file,
                     cfg.trainer.master_port,
                     node.env,  # DeepSpeed names that node's GPUs with --include
                     # The arguments themselves: the node may be another host, without our files.
-                    service_args=self.trainer_proc.args.model_dump_json(),
+                    service_args=args.model_dump_json(),
                 ),
                 dict(node.env),
             )
         wait = f"trainer: waiting up to {cfg.trainer.startup_timeout_s:.0f}s for node"
+        if not commands:
+            return
         if self.nodes is not None:
             self.nodes.submit(cfg.run.name, commands)
             self.progress(f"{wait}s {', '.join(map(str, commands))} to join")
@@ -259,7 +268,7 @@ class RunServices:
             (cfg.run.storage, cfg.run.storage_options),
             self._served_model,
             {
-                "reach": self.plan.group_host,  # it binds the address that reaches this host
+                "reach": self._group.host,  # it binds the address that reaches node 0's host
                 "port": inf.port + slot if inf.port else 0,
                 "max_model_len": max_model_len(self.policy_dir),
                 "startup_timeout_s": inf.startup_timeout_s,
@@ -287,12 +296,35 @@ class RunServices:
         return self._asked() or self.cfg.inference.num_servers
 
     def _start_trainer(self) -> None:
-        """Start node 0 of the trainer from ``policy_dir`` (``checkpoint_step``'s, on resume)."""
+        """Start node 0 of the trainer from ``policy_dir`` (``checkpoint_step``'s, on resume):
+        here, or as a flow run (``PlacedTrainer``), waited for until it says where it serves and
+        meets the other nodes (the weight group's host from then on)."""
         cfg, node = self.cfg, self.plan.trainer_nodes[0]
         args = trainer_args(cfg, self.policy_dir, self.checkpoint_step, self.weight_dtype)
-        if cfg.trainer.num_nodes > 1:
+        if cfg.trainer.num_nodes > 1 or self.node0_placed:
             stored = self._model_in_storage(self.checkpoint_step)
             args = args.model_copy(update={"model_in_storage": stored})
+        if self.node0_placed:
+            from rollflow.infra.network import own_address
+
+            self.trainer_proc = PlacedTrainer(
+                self.nodes,
+                cfg.run.name,
+                args,
+                self.token,
+                self.storage,
+                {
+                    "storage": (cfg.run.storage, cfg.run.storage_options),
+                    "reach": own_address(),  # node 0 serves toward this host
+                    "env": dict(node.env),
+                    "cpus": list(node.cpus),
+                },
+                progress=self.progress,
+            ).start()
+            master = self.trainer_proc.wait_placed()
+            self._group = dataclasses.replace(self._group, host=master)
+            self.trainer = self.trainer_proc.client
+            return
         self.trainer_proc = TrainerProcess(
             args,
             token=self.token,
@@ -312,17 +344,15 @@ class RunServices:
         serves afterwards is the checkpoint's policy (it may have served a later, uncommitted
         step's). Returns the version the servers serve: the checkpoint's step, 0 at the start.
 
-        The lost trainer's log is kept beside the new one, as ``trainer.lost-N.log``.
+        The lost trainer's log is kept beside the new one, as ``trainer.lost-N.log`` (a placed
+        node 0's stays in its flow run's log).
         """
         t = self.cfg.trainer  # one node, or nodes this run submits (the caller checks)
         with self.weights_lock:  # no server restart re-forms the group meanwhile
             self.trainer_proc.stop(timeout_s=10.0)
-            if self.nodes is not None:  # the other nodes go with node 0, and are submitted anew
+            if self.nodes is not None:  # every node goes with node 0, and is submitted anew
                 self.nodes.stop(timeout_s=TEARDOWN_DEADLINE_S)
-            log = self.trainer_proc.process.log_path
-            lost = len(list(log.parent.glob(f"{log.stem}.lost-*{log.suffix}")))
-            if log.exists():
-                log.rename(log.with_name(f"{log.stem}.lost-{lost + 1}{log.suffix}"))
+            self.trainer_proc.set_aside_log()
             self.policy_dir, self.checkpoint_step = str(policy_dir), checkpoint_step
             self._start_trainer()
             if self.nodes is not None:
@@ -552,7 +582,7 @@ class RunServices:
                     self._check_trainer()
             except ServiceError as exc:
                 trainer_error = TrainerLost(str(exc))
-                if not self.trainer_proc.process.is_alive():
+                if not self.trainer_proc.is_alive():
                     return trainer_error
             for sup in self.supervisors:
                 server = sup.server
@@ -587,7 +617,7 @@ class RunServices:
             self.trainer_proc.stop(timeout_s=max(1.0, deadline - time.monotonic()))
         if self.nodes is not None:  # their ranks end with node 0's; a node that did not: cancelled
             self.nodes.end(grace_s=max(5.0, deadline - time.monotonic()))
-        if self.placed:
+        if self.placed or self.node0_placed:
             withdraw_key(self.storage)
 
     def __enter__(self) -> RunServices:

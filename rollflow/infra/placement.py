@@ -21,7 +21,10 @@ share capped, for one-GPU nodes; its weight group meets on gloo (NCCL refuses tw
 GPU), and a ``--gpu-memory-utilization`` in ``inference.extra_args`` may not override the share.
 Servers placed by Prefect (``inference.server_deployment``) run on hosts of their own: each
 gets its host's first ``tensor_parallel_size`` GPUs (or its slice of ``inference.devices``),
-node 0's all go to the trainer, and the group's store is ``trainer.master_addr``.
+node 0's all go to the trainer, and the group's store is ``trainer.master_addr``. Trainer
+nodes placed by Prefect (``trainer.node_deployment``), node 0 included, are hosts of their own
+too: each gives the trainer its first ``num_ranks`` GPUs (or ``trainer.devices``), and node 0's
+address (``trainer.master_addr``; ``auto``: found by node 0's flow run) holds the group's store.
 
 ``choose_backend`` is the single decision of the weight group's transport: both the trainer's
 sender and every vLLM worker take backend and device from the plan, never from a default.
@@ -252,7 +255,12 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
             inf_device = "cuda"
     else:
         inf_device = _device("inference", inf.device, inf.devices, machine)
-    tr_device = _device("trainer", tr.device, tr.devices, machine)
+    if tr.node_deployment:  # node 0's host is the pool's too: as for placed servers
+        tr_device: Device = "cpu" if tr.device == "auto" and not machine.gpus else tr.device
+        if tr_device == "auto":
+            tr_device = "cuda"
+    else:
+        tr_device = _device("trainer", tr.device, tr.devices, machine)
     choose_backend(tr_device, inf_device, tr.weight_backend)  # a bad pair fails before the GPUs
     _check_tensor_parallel(cfg, tp)
 
@@ -274,11 +282,12 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         elif inf.devices is None:  # each its host's first ones
             gpus = list(range(tp)) * n_servers
         inference_gpus = [tuple(gpus[i * tp : (i + 1) * tp]) for i in range(n_servers)]
+    node0_placed = bool(tr.node_deployment)  # node 0 a flow run on a host of its own too
     if tr_device == "cuda":
-        used = set() if placed else {g for server in inference_gpus for g in server}
+        used = set() if placed or node0_placed else {g for s in inference_gpus for g in s}
         if tr.devices is not None:
             trainer_gpus = tuple(tr.devices)
-        elif inf.colocate:
+        elif inf.colocate or node0_placed:  # a placed node 0: its host's first ones
             trainer_gpus = tuple(range(tr.num_ranks))
         else:
             free = [g for g in range(machine.gpus) if g not in used]
@@ -290,7 +299,8 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                 f"lower trainer.num_ranks or {_servers_key(inf)} / tensor_parallel_size, list "
                 "trainer.devices, or set inference.colocate = true to share GPUs"
             )
-        _check_exist("trainer.devices", trainer_gpus, machine)
+        if not node0_placed:
+            _check_exist("trainer.devices", trainer_gpus, machine)
         overlap = used & set(trainer_gpus)
         if overlap and not inf.colocate:
             raise PlanError(
@@ -301,6 +311,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
     # The weight group's members on node 0: trainer rank 0 (its first GPU) and every vLLM worker.
     shared = (
         not placed
+        and not node0_placed
         and bool(trainer_gpus)
         and any(trainer_gpus[0] in server for server in inference_gpus)
     )
@@ -329,8 +340,9 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
             )
         )
     for node in range(tr.num_nodes):
-        gpus = trainer_gpus if node == 0 or tr.devices is not None else tuple(range(tr.num_ranks))
-        if tr_device == "cuda" and node > 0:
+        here = node == 0 and not node0_placed  # on this machine, beside the run
+        gpus = trainer_gpus if here or tr.devices is not None else tuple(range(tr.num_ranks))
+        if tr_device == "cuda" and not here and not node0_placed:  # (placed: not this machine)
             _check_exist("trainer.devices", gpus, machine)
         processes.append(
             PlannedProcess(
@@ -344,12 +356,12 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
                     tr_device,
                     gpus if tr_device == "cuda" else (),
                     # this process's CUDA_VISIBLE_DEVICES says nothing of another node's GPUs
-                    visible=machine.visible if node == 0 else None,
+                    visible=machine.visible if here else None,
                 ),
-                started_by="rollflow" if node == 0 else "prefect" if tr.node_deployment else "you",
-                queue=None if node == 0 or not tr.node_deployment else _queue(tr, node),
+                started_by="prefect" if node0_placed else "rollflow" if here else "you",
+                queue=_queue(tr, node) if node0_placed else None,
                 # another node is another host, whose cores this plan does not know
-                cpus=tuple(tr.cpus) if tr.cpus and tr_device == "cpu" and node == 0 else (),
+                cpus=tuple(tr.cpus) if tr.cpus and tr_device == "cpu" and here else (),
             )
         )
     memory = inf.gpu_memory_utilization
@@ -362,7 +374,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         weight_world_size=rank,
         wire=wire,
         # other hosts join the weight group's store: node 0's address as they reach it
-        group_host=tr.master_addr if tr.num_nodes > 1 or placed else "127.0.0.1",
+        group_host=tr.master_addr if tr.num_nodes > 1 or placed or node0_placed else "127.0.0.1",
         colocated=inf.colocate,
         tensor_parallel_size=tp,
         gpu_memory_utilization=memory,
@@ -430,8 +442,8 @@ def _threads_bind(cores: tuple[int, ...], tp: int) -> str:
 
 
 def _queue(tr, node: int) -> str:
-    """The work queue of trainer node ``node`` > 0 ("": the deployment's)."""
-    return tr.node_queues[node - 1] if tr.node_queues else ""
+    """The work queue of trainer node ``node`` ("": the deployment's)."""
+    return tr.node_queues[node] if tr.node_queues else ""
 
 
 def _device(section: str, value: str, devices, machine: Machine) -> Device:

@@ -107,12 +107,22 @@ class RunConfig(Section):
                 "remove it or set trainer.backend = 'deepspeed'"
             )
         inf = self.inference
-        if inf.server_deployment and t.lora is not None and t.lora.sync == "adapter":
+        placing = (
+            "inference.server_deployment" if inf.server_deployment else "trainer.node_deployment"
+        )
+        if (inf.server_deployment or tr.node_deployment) and t.lora and t.lora.sync == "adapter":
             raise ValueError(
-                "inference.server_deployment places the vLLM servers on other hosts, which load "
-                "the policy from the run's storage; train.lora.sync = 'adapter' is not served "
-                "there yet: set train.lora.sync = 'merged', or leave inference.server_deployment "
-                "empty"
+                f"{placing} places the trainer and vLLM on different hosts, which share only the "
+                "run's storage; train.lora.sync = 'adapter' is not served there yet (the servers "
+                "load adapter files the trainer writes): set train.lora.sync = 'merged', or "
+                f"leave {placing} empty"
+            )
+        if tr.node_deployment and _is_loopback(tr.master_addr):
+            raise ValueError(
+                f"trainer.node_deployment places the trainer's nodes on hosts of their own, which "
+                f"meet node 0 (and vLLM its weight group) at trainer.master_addr = "
+                f"{tr.master_addr!r}, a loopback address: set it to 'auto' (node 0's flow run "
+                "finds its host's address) or to node 0's host as the others reach it"
             )
         if inf.server_deployment and _is_loopback(tr.master_addr):
             raise ValueError(

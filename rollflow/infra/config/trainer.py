@@ -36,27 +36,31 @@ class TrainerSection(Section):
     num_nodes: int = Field(
         1,
         ge=1,
-        description="Trainer nodes; rollflow starts node 0, the rest are flow runs of "
-        "trainer.node_deployment or started by hand (`rollflow plan` prints their commands).",
+        description="Trainer nodes; with trainer.node_deployment set every node (node 0 too) is "
+        "a flow run of it; otherwise rollflow starts node 0 beside the run and the rest are "
+        "started by hand (`rollflow plan` prints their commands).",
     )
     node_deployment: str = Field(
         "",
-        description="The Prefect deployment whose flow runs are trainer nodes 1.. (e.g. "
-        "`rollflow-trainer-node/default` of prefect.yaml): the run submits one per node to its work "
-        "pool, a worker on the node's host runs it; empty: start the nodes by hand with the "
-        "command the run prints (`rollflow plan`).",
+        description="The Prefect deployment whose flow runs are the trainer's nodes, node 0 "
+        "included (e.g. `rollflow-trainer-node/default` of prefect.yaml): the run submits one per "
+        "node to its work pool, a worker on the node's host runs it, and the run keeps no trainer "
+        "process of its own; empty: node 0 runs beside the run and nodes 1.. are started by hand "
+        "with the command the run prints (`rollflow plan`).",
     )
     node_queues: list[str] = Field(
         [],
-        description="The work queue of nodes 1.. in turn, one per node (a queue per host on a "
-        "process pool, its worker started with --work-queue); empty: the deployment's queue "
+        description="The work queue of each node, node 0 first, one per node (a queue per host "
+        "on a process pool, its worker started with --work-queue); empty: the deployment's queue "
         "(a Kubernetes or Docker pool places each job).",
     )
     master_addr: str = Field(
         "127.0.0.1",
         description="Address of trainer node 0 as the other nodes and placed vLLM servers reach "
-        "it (rendezvous, weights); auto: this host's own (its default route's source, else its "
-        "first non-loopback IPv4), for a pool that places node 0 (Kubernetes, Docker).",
+        "it (rendezvous, weights); auto: node 0's host's own (its default route's source, else "
+        "its first non-loopback IPv4), found by node 0 itself (its flow run's, with "
+        "trainer.node_deployment; the run's otherwise), for a pool that places each job "
+        "(Kubernetes, Docker).",
     )
     master_port: int = Field(
         29400, ge=1, le=65535, description="Rendezvous port on node 0 when num_nodes > 1."
@@ -98,11 +102,12 @@ class TrainerSection(Section):
 
     @model_validator(mode="after")
     def _a_queue_per_node(self) -> TrainerSection:
-        if self.node_queues and len(self.node_queues) != self.num_nodes - 1:
+        if self.node_queues and len(self.node_queues) != self.num_nodes:
             raise ValueError(
                 f"trainer.node_queues names {len(self.node_queues)} queue(s) for "
-                f"{self.num_nodes - 1} node(s) after node 0 (trainer.num_nodes = {self.num_nodes}): "
-                "name one per node, or none (the deployment's queue)"
+                f"trainer.num_nodes = {self.num_nodes} node(s): name one per node, node 0's "
+                "first (node 0 is a flow run of trainer.node_deployment too), or none (the "
+                "deployment's queue)"
             )
         if self.node_queues and not self.node_deployment:
             raise ValueError(

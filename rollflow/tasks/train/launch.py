@@ -279,6 +279,17 @@ class TrainerProcess:
                 ) from None
             raise ServiceError(f"the trainer is unhealthy: {exc}", exc.status) from None
 
+    def is_alive(self) -> bool:
+        """Whether its launcher still runs."""
+        return self.process.is_alive()
+
+    def set_aside_log(self) -> None:
+        """A lost trainer's log: kept beside the next one's, as ``trainer.lost-N.log``."""
+        log = self.process.log_path
+        lost = len(list(log.parent.glob(f"{log.stem}.lost-*{log.suffix}")))
+        if log.exists():
+            log.rename(log.with_name(f"{log.stem}.lost-{lost + 1}{log.suffix}"))
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ask every rank to shut down cleanly, then signal whatever is left."""
         if self.process.is_alive():

@@ -168,13 +168,17 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
     other's files), a real ``prefect server`` on host 0 and a process worker on each, its own
     work queue; ``rollflow deploy``, then ``prefect deployment run`` of a run whose trainer has
     two nodes and whose fleet has two vLLM servers, nothing started by hand. The run flow (host
-    0's worker) starts node 0, submits node 1 as a flow run of ``rollflow-trainer-node/default``
-    to host 1's queue and each server as a flow run of ``rollflow-inference-server/default``,
-    server 0 to host 0's queue and server 1 to host 1's; the workers run them, they get their
-    arguments from the flow runs' parameters and the policy from the run's storage (S3 on host
-    0's address, the only thing the hosts share), each server serves at its own host's address
-    and joins the weight group there, and the run completes, each step once, sampled by both
-    servers; every flow run holds its process's log lines in the Prefect API. The run is also
+    0's worker) keeps no process of its own: it submits each trainer node as a flow run of
+    ``rollflow-trainer-node/default``, node 0 to host 1's queue (so the run drives the trainer's
+    API and node 1 meets node 0 across hosts, at the address node 0's flow run found and said)
+    and node 1 to host 0's, and each server as a flow run of
+    ``rollflow-inference-server/default``, server 0 to host 0's queue and server 1 to host 1's;
+    the workers run them, they get their arguments from the flow runs' parameters and the policy
+    from the run's storage (S3 on host 0's address, the only thing the hosts share), each server
+    serves at its own host's address and joins the weight group on node 0's host, and the run
+    completes, each step once, sampled by both servers; every flow run holds its process's log
+    lines in the Prefect API. A trainer node is lost mid-run (the seed picks which node, which
+    process and when) and the trainer is restarted on both nodes. The run is also
     the suite's check of the documented layout, `rollflow status` and the rerun of a finished
     run (``run_support.assert_documented_layout``)."""
     import fsspec
@@ -223,10 +227,10 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             overrides = [
                 "trainer.num_nodes=2",
                 "trainer.num_ranks=1",
-                "trainer.master_addr=auto",  # host 0's own address, as a pool's pod learns it
+                "trainer.master_addr=auto",  # node 0's host's own, as a pool's pod learns it
                 f"trainer.master_port={free_port(host0.address)}",
                 "trainer.node_deployment=rollflow-trainer-node/default",
-                "trainer.node_queues=['host-1']",
+                "trainer.node_queues=['host-1', 'default']",  # node 0 on host 1
                 "inference.num_servers=2",
                 "inference.server_deployment=rollflow-inference-server/default",
                 "inference.server_queues=['default', 'host-1']",
@@ -241,11 +245,13 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
                 terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
                 return state["type"] if state and state["type"] in terminal else None
 
-            # Node 1 lost mid-run, a fault of the chaos campaign (its seed picks when and what):
-            # once step 1 or 2 is committed, its rank or its flow run's process SIGKILLed.
+            # A node lost mid-run, a fault of the chaos campaign (its seed picks which node, when
+            # and what): once step 1 or 2 is committed, its rank or its flow run's process
+            # SIGKILLed.
             chaos = random.Random(SEED)
             after, victim = chaos.choice((1, 2)), chaos.choice(("rank", "flow run process"))
-            print(f"chaos seed {SEED}: node 1's {victim} SIGKILLed after step {after}")
+            lost = chaos.choice((0, 1))
+            print(f"chaos seed {SEED}: node {lost}'s {victim} SIGKILLed after step {after}")
             fs = fsspec.filesystem(
                 "s3", endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False
             )
@@ -255,35 +261,46 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
                 return fs.exists(f"{run_key}/checkpoints/step={step}/_SUCCESS")
 
             # Found first: a scan of the processes takes long enough for a tiny step to commit.
-            wait_until(lambda: _flow_runs(api, "rollflow-trainer-node"), 300, "node 1's flow run")
-            [lost_node] = _flow_runs(api, "rollflow-trainer-node")
+            def node_runs(node: int) -> list[dict]:
+                runs = _flow_runs(api, "rollflow-trainer-node")
+                mine = [r for r in runs if r["name"] == f"twonode: trainer node {node}"]
+                return sorted(mine, key=lambda r: r["expected_start_time"])
+
+            wait_until(lambda: node_runs(lost), 300, f"node {lost}'s flow run")
+            [lost_node] = node_runs(lost)
             rank = _a_rank_of(lost_node["id"])
             target = rank if victim == "rank" else _flow_run_root(rank)
             wait_until(lambda: committed(after) or ended(run_id), 600, f"step {after}", logs)
             target.send_signal(signal.SIGKILL)
-            assert not committed(4), "the run ended before node 1 could be lost"
+            assert not committed(4), f"the run ended before node {lost} could be lost"
 
             wait_until(lambda: ended(run_id), 600, "the two-host run finished", logs)
-            lost_node, node = sorted(
-                _flow_runs(api, "rollflow-trainer-node"), key=lambda r: r["expected_start_time"]
-            )
-            wait_until(lambda: ended(node["id"]), 60, "node 1's flow run ended", logs)
+            (first0, node0), (first1, node) = node_runs(0), node_runs(1)
+            lost_node = (first0, first1)[lost]
+            for run in (node0, node):
+                wait_until(lambda: ended(run["id"]), 60, f"{run['name']} ended", logs)  # noqa: B023
             servers = sorted(_flow_runs(api, "rollflow-inference-server"), key=lambda r: r["name"])
             for server in servers:
                 wait_until(lambda: ended(server["id"]), 60, f"{server['name']} ended", logs)  # noqa: B023
-            out, node_log = _flow_run_log(api, run_id), _flow_run_log(api, node["id"])
+            out, node0_log = _flow_run_log(api, run_id), _flow_run_log(api, node0["id"])
             assert ended(run_id) == "COMPLETED", f"{out[-4000:]}\n{logs()}"
-            assert ended(node["id"]) == "COMPLETED", node_log[-4000:]
-            # Host 1's worker ran node 1, a child of the run's flow run.
-            assert node["parent_task_run_id"] is not None and node["work_queue_name"] == "host-1"
-            assert "twonode: trainer node 1" == node["name"]
+            assert ended(node0["id"]) == "COMPLETED", node0_log[-4000:]
+            assert ended(node["id"]) == "COMPLETED", _flow_run_log(api, node["id"])[-4000:]
+            # Host 1's worker ran node 0 and host 0's node 1, children of the run's flow run.
+            assert [
+                (r["work_queue_name"], r["parent_task_run_id"] is not None) for r in (node0, node)
+            ] == [
+                ("host-1", True),
+                ("default", True),
+            ]
             # The lost node's flow run ended with its rank; the run restarted the trainer on both
-            # nodes from its last checkpoint (node 1 submitted again) and went on.
+            # nodes from its last checkpoint (both submitted again) and went on.
             assert ended(lost_node["id"]) in ("FAILED", "CANCELLED", "CRASHED"), lost_node
             # (Noticed by whichever comes first: node 0's rank 0 losing its peer, or the health
             # check reading node 1's flow run ended.)
             assert "trainer lost: " in out and "restarting it from committed step" in out, out
             assert out.count("trainer: node 1 submitted as flow run") == 2, out[-4000:]
+            assert out.count("trainer: node 0 submitted as flow run") == 2, out[-4000:]
             print(next(line for line in out.splitlines() if "trainer: restarted in" in line))
             # One server on each host, each a child flow run, stopped with the run (cancelled),
             # its vLLM log in its flow run's log; each served at its own host's address.
@@ -302,12 +319,15 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             # Each process's lines are in its flow run's log: node 1 had no copy of the policy and
             # loaded the one the run put in its storage.
             assert "1 rank(s) × 2 nodes" in out and "putting the policy in" in out
-            assert f"trainer.master_addr = auto: {host0.address}" in out
-            assert "node 1 submitted as flow run" in out
-            # (the restarted node 1 the checkpoint it resumes from)
-            assert "is not on this host: copying checkpoints/step=" in node_log, node_log[-4000:]
-            lost_log = _flow_run_log(api, lost_node["id"])
-            assert "is not on this host: copying policy/step=0" in lost_log, lost_log[-4000:]
+            # Node 0, on host 1, found its own address and said it; the run met it there.
+            said = f"trainer: node 0 serves at http://{host1.address}:"
+            assert said in out and f"meets the other nodes at {host1.address}" in out, out[-4000:]
+            assert f"serving at http://{host1.address}:" in node0_log, node0_log[-4000:]
+            # (the restarted node 0 the checkpoint it resumes from: host 1 has none of the run's
+            # files; its first flow run copied the policy)
+            assert "is not on this host: copying checkpoints/step=" in node0_log, node0_log[-4000:]
+            first0_log = _flow_run_log(api, first0["id"])
+            assert "is not on this host: copying policy/step=0" in first0_log, first0_log[-4000:]
             run_dir = tmp_path / "copy" / "twonode"
             fs.get(f"rollflow/{tmp_path.name}/twonode/", str(run_dir), recursive=True)
             events = [

@@ -170,10 +170,10 @@ def test_a_server_whose_flow_run_failed_before_serving_says_so(tmp_path, monkeyp
 
 def test_a_server_flow_run_started_by_hand_without_the_runs_key_refuses(tmp_path, monkeypatch):
     storage = RunStorage(str(tmp_path / "runs"), "run")
-    with pytest.raises(ServiceError, match=r"control/servers/key.json holds no server key"):
+    with pytest.raises(ServiceError, match=r"control/servers/key.json holds no key"):
         servers.serve("run", 0, storage, ("policy", 0), {"reach": "127.0.0.1"}, "id")
     servers.publish_key(storage, "k")
-    assert servers._server_key(storage) == "k"
+    assert servers.read_key(storage) == "k"
     servers.withdraw_key(storage)
     assert storage.read_json(servers.KEY_FILE) is None
 

@@ -1,18 +1,22 @@
-"""Trainer nodes 1.. as flow runs (flows/nodes.py): the node's flow body, the log it forwards,
-and the config that places them. The whole path (a run submitting node 1 to a worker on another
+"""Trainer nodes as flow runs (flows/nodes.py): the node's flow body, the log it forwards,
+node 0's side of the run (``PlacedTrainer``), and the config that places them. The whole path (a run submitting node 1 to a worker on another
 host, through a real Prefect server) is tests/integration/flows/test_scale_out.py's two-node run."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
+import uuid
+from types import SimpleNamespace
 
 import pytest
 
 from rollflow.flows import nodes
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import ConfigError, ServiceError
+from rollflow.infra.placement import Machine, make_plan
 
 
 def test_the_log_is_followed_line_by_line_to_the_end(tmp_path):
@@ -56,6 +60,30 @@ def test_a_node_that_fails_fails_its_flow_run_naming_the_node_and_its_last_lines
     assert "rendezvous timed out" in str(err.value) and "rendezvous timed out" in flow_logger
 
 
+def test_a_node_whose_runs_flow_run_ended_stops_with_it(flow_logger, monkeypatch):
+    """The run's host lost: its flow run is marked Crashed, and a node on another host (whose
+    ranks would idle for good, holding their devices) stops within its next read of it; the
+    Prefect API not answering is no end."""
+    driver, reads = str(uuid.uuid4()), []
+
+    def state(flow_run_id):
+        reads.append(flow_run_id)
+        if len(reads) == 1:
+            raise OSError("connection refused")  # a hiccup: the node goes on
+        return "RUNNING" if len(reads) < 3 else "CRASHED"
+
+    monkeypatch.setattr(nodes, "flow_run_state", state)
+    idle = "import time; print('rank 0 idle', flush=True); time.sleep(60)"
+    start = time.monotonic()
+    with pytest.raises(ServiceError, match=rf"its run's flow run \({driver}\) ended CRASHED"):
+        nodes._run_node(
+            "r", 1, [sys.executable, "-c", idle], None, nodes.DriverWatch(driver, interval_s=0.2)
+        )
+    assert time.monotonic() - start < 30 and len(reads) == 3 and str(reads[0]) == driver
+    assert "rank 0 idle" in flow_logger
+    assert not nodes.DriverWatch(None).over()  # a node started outside a run's flow run
+
+
 def _cfg(*overrides: str):
     return load_config(None, ["model.path='/m'", "envs=[{name='sort_letters'}]", *overrides])
 
@@ -63,18 +91,55 @@ def _cfg(*overrides: str):
 def test_node_queues_name_one_queue_per_node_of_the_nodes_deployment():
     placed = _cfg(
         "trainer.num_nodes=3",
+        "trainer.master_addr=auto",
         "trainer.node_deployment='rollflow-trainer-node/default'",
-        "trainer.node_queues=['host-1', 'host-2']",
+        "trainer.node_queues=['host-0', 'host-1', 'host-2']",
     )
-    assert placed.trainer.node_queues == ["host-1", "host-2"]
-    with pytest.raises(ConfigError, match=r"names 1 queue\(s\) for 2 node\(s\) after node 0"):
+    assert placed.trainer.node_queues == ["host-0", "host-1", "host-2"]
+    # The queues of nodes 1.. only (what they named before node 0 was a flow run too).
+    with pytest.raises(
+        ConfigError,
+        match=r"names 2 queue\(s\) for trainer.num_nodes = 3 .*"
+        "node 0's first",
+    ):
         _cfg(
             "trainer.num_nodes=3",
+            "trainer.master_addr=auto",
             "trainer.node_deployment='rollflow-trainer-node/default'",
-            "trainer.node_queues=['host-1']",
+            "trainer.node_queues=['host-1', 'host-2']",
         )
     with pytest.raises(ConfigError, match="trainer.node_deployment is empty"):
-        _cfg("trainer.num_nodes=2", "trainer.node_queues=['host-1']")
+        _cfg("trainer.num_nodes=2", "trainer.node_queues=['host-0', 'host-1']")
+    # The nodes meet node 0 on another host: not at a loopback address.
+    with pytest.raises(ConfigError, match=r"trainer.master_addr = '127.0.0.1', a loopback .*auto"):
+        _cfg("trainer.node_deployment='rollflow-trainer-node/default'")
+
+
+def test_every_node_of_a_trainer_placed_by_prefect_is_a_flow_run_with_its_hosts_gpus():
+    """Node 0 too: started by Prefect on its queue, its GPUs its own host's first ones (none of
+    this machine's, which may have none), the weight group's store at its address."""
+    cfg = _cfg(
+        "trainer.num_nodes=2",
+        "trainer.num_ranks=2",
+        "trainer.device='cuda'",
+        "inference.device='cpu'",
+        "trainer.master_addr='node-0.svc'",
+        "trainer.node_deployment='rollflow-trainer-node/gpu'",
+        "trainer.node_queues=['a', 'b']",
+    )
+    plan = make_plan(cfg, Machine(gpus=0, nodes=2))
+    assert [(p.node, p.started_by, p.queue, p.gpus) for p in plan.trainer_nodes] == [
+        (0, "prefect", "a", (0, 1)),
+        (1, "prefect", "b", (0, 1)),
+    ]
+    assert plan.group_host == "node-0.svc"
+    here = make_plan(
+        _cfg("trainer.num_nodes=2", "trainer.master_addr='10.0.0.1'"), Machine(gpus=0, nodes=2)
+    )
+    assert [(p.started_by, p.queue) for p in here.trainer_nodes] == [
+        ("rollflow", None),
+        ("you", None),
+    ]
 
 
 def test_a_node_deployment_the_api_does_not_hold_is_said_before_anything_starts(prefect_pools):
@@ -139,3 +204,134 @@ def test_a_node_whose_flow_run_ended_while_the_run_goes_on_is_a_lost_trainer(mon
     monkeypatch.setattr(placed, "states", api_down)
     placed.check_running()  # the API's hiccup is no node's death
     assert any("could not read the nodes' flow runs" in line for line in said)
+
+
+class _Api:
+    """The Prefect API as the run's side sees it: node flow runs submitted, their states."""
+
+    def __init__(self, monkeypatch):
+        import prefect.deployments
+
+        self.states: dict = {}
+        self.submitted: list[dict] = []
+        self.cancelled: list = []
+        monkeypatch.setattr(prefect.deployments, "run_deployment", self.run_deployment)
+        monkeypatch.setattr(nodes, "flow_run_state", lambda fid: self.states[fid])
+        monkeypatch.setattr(nodes, "cancel_flow_run", self.cancel)
+        sleep = time.sleep  # (the module's: patched for every caller while the test runs)
+        monkeypatch.setattr(nodes.time, "sleep", lambda s: sleep(min(s, 0.02)))
+
+    def run_deployment(self, name, parameters, timeout, work_queue_name, tags, job_variables):
+        flow_run = SimpleNamespace(id=uuid.uuid4(), name=f"run: trainer node {parameters['node']}")
+        self.states[flow_run.id] = "SCHEDULED"
+        self.submitted.append({"queue": work_queue_name, **parameters})
+        return flow_run
+
+    def cancel(self, flow_run_id):
+        self.cancelled.append(flow_run_id)
+        self.states[flow_run_id] = "CANCELLED"
+
+
+def _node_0(tmp_path, startup_timeout_s: float = 5.0):
+    from rollflow.flows.services import trainer_args
+    from rollflow.infra.storage import RunStorage
+
+    cfg = _cfg(
+        "trainer.num_nodes=2",
+        "trainer.master_addr=auto",
+        "trainer.node_deployment='rollflow-trainer-node/gpu'",
+        "trainer.node_queues=['host-1', 'host-0']",
+        f"trainer.startup_timeout_s={startup_timeout_s}",
+    )
+    storage = RunStorage(str(tmp_path / "runs"), "run")
+    placed = nodes.TrainerNodes(
+        cfg.trainer.node_deployment, cfg.trainer.node_queues, lambda _: None
+    )
+    trainer = nodes.PlacedTrainer(
+        placed,
+        "run",
+        trainer_args(cfg, "/m", None),
+        "key",
+        storage,
+        {"storage": (storage.root, {}), "reach": "10.0.0.9", "env": {"X": "1"}, "cpus": []},
+        progress=lambda _: None,
+    )
+    trainer.startup_timeout_s = startup_timeout_s  # no placement allowance in a unit test
+    return trainer, storage
+
+
+def test_node_0_as_a_flow_run_is_met_where_its_own_flow_run_says_it_serves(tmp_path, monkeypatch):
+    """``PlacedTrainer``: node 0 submitted to its queue (its settings, never the key, in the
+    parameters), then met at the URL and address its own flow run wrote (an earlier flow run's
+    record is not its own); stopped: shut down over its API, cancelled when it does not end."""
+    api = _Api(monkeypatch)
+    trainer, storage = _node_0(tmp_path)
+    trainer.start()
+    [asked] = api.submitted
+    assert (asked["node"], asked["queue"], asked["argv"], asked["env"]) == (
+        0,
+        "host-1",
+        [],
+        {"X": "1"},
+    )
+    assert asked["serve"]["reach"] == "10.0.0.9" and "key" not in str(asked)
+    args = json.loads(asked["serve"]["args"])
+    assert args["trainer"]["master_addr"] == "auto"  # node 0's flow run finds its address
+    api.states[trainer.flow_run_id] = "RUNNING"
+    storage.write_json(
+        nodes.NODE_0_FILE, {"flow_run_id": "earlier", "url": "http://x:1", "master_addr": "x"}
+    )
+    threading.Timer(
+        0.2,
+        storage.write_json,
+        (
+            nodes.NODE_0_FILE,
+            {
+                "flow_run_id": str(trainer.flow_run_id),
+                "url": "http://10.0.0.7:4242/",
+                "master_addr": "10.0.0.7",
+            },
+        ),
+    ).start()
+    assert trainer.wait_placed() == "10.0.0.7"
+    assert trainer.client.url == "http://10.0.0.7:4242" and trainer.is_alive()
+
+    shut = []
+    monkeypatch.setattr(trainer.client, "shutdown", lambda timeout_s: shut.append(timeout_s))
+    trainer.stop(timeout_s=0.5)  # asked to shut down; its flow run never ended: cancelled
+    assert shut and api.cancelled == [trainer.flow_run_id] and not trainer.is_alive()
+
+
+def test_node_0_no_worker_takes_or_that_ends_first_fails_the_start_naming_it(tmp_path, monkeypatch):
+    api = _Api(monkeypatch)
+    trainer, _ = _node_0(tmp_path, startup_timeout_s=0.1)
+    trainer.start()
+    with pytest.raises(
+        ServiceError,
+        match=r"was SCHEDULED .* start a worker of "
+        r"rollflow-trainer-node/gpu's pool \(work queue 'host-1'\) on node 0's host",
+    ):
+        trainer.wait_placed()
+    trainer.start()
+    api.states[trainer.flow_run_id] = "FAILED"
+    with pytest.raises(
+        ServiceError, match="trainer node 0's flow run ended FAILED before it served"
+    ):
+        trainer.wait_placed()
+    with pytest.raises(ServiceError, match=r"node 0's flow run \(.*\) ended FAILED; see the log"):
+        trainer.check_alive()
+
+
+def test_node_0_started_by_hand_without_the_runs_key_refuses(tmp_path):
+    """The flow body reads the trainer's key from the run's storage, not a UI-visible parameter."""
+    from rollflow.flows.services import trainer_args
+
+    cfg = _cfg("trainer.master_addr=auto", "trainer.node_deployment='rollflow-trainer-node/gpu'")
+    serve = {
+        "storage": str(tmp_path / "runs"),
+        "storage_options": {},
+        "args": trainer_args(cfg, "/m", None).model_dump_json(),
+        "reach": "127.0.0.1",
+    }
+    with pytest.raises(ServiceError, match=r"control/servers/key.json holds no key"):
+        nodes._serve_node_0("run", serve, {}, "id", nodes.DriverWatch(None))

@@ -110,12 +110,13 @@ def test_a_trainer_that_may_not_restart_stops_the_run_saying_why(
 
 
 def test_a_trainer_whose_nodes_the_run_submits_is_restarted_whole(tmp_path):
-    """Nodes 1.. are flow runs of trainer.node_deployment: the run can submit them again, so a
-    lost node (or node 0) restarts the trainer on every node from the last checkpoint."""
+    """The nodes are flow runs of trainer.node_deployment: the run can submit them again, so a
+    lost node (node 0 too) restarts the trainer on every node from the last checkpoint."""
     cfg, storage = _setup(
         tmp_path,
         "trainer.num_nodes=2",
         "trainer.node_deployment='rollflow-trainer-node/default'",
+        "trainer.master_addr=auto",
     )
     services = Services()
     assert rl_run._restart_trainer(cfg, storage, services, LOST, restarts=0) == 2
