@@ -27,7 +27,7 @@ SCALE_ENTRYPOINT = "rollflow/flows/scale.py:scale_fleet"
 # Machine loss (heal.py): `rollflow-heal/crashed-run`, which the heal automations run.
 HEAL_FLOW_NAME = "rollflow-heal"
 HEAL_ENTRYPOINT = "rollflow/flows/heal.py:heal_crashed_run"
-# Trainer nodes 1.. of a run on several hosts (nodes.py): `rollflow-trainer-node/default`,
+# The trainer nodes of a run placed by Prefect, node 0 included (nodes.py): `rollflow-trainer-node/default`,
 # submitted by the run flow (trainer.node_deployment).
 NODE_FLOW_NAME = "rollflow-trainer-node"
 NODE_ENTRYPOINT = "rollflow/flows/nodes.py:trainer_node"

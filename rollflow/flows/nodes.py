@@ -1,4 +1,5 @@
-"""Trainer nodes as Prefect flow runs: node k > 0 of a trainer on several hosts is a flow run of
+"""Trainer nodes as Prefect flow runs: with ``trainer.node_deployment`` set, every node of the
+trainer, node 0 included (``PlacedTrainer``, below), is a flow run of
 a ``rollflow-trainer-node`` deployment that the run flow submits (``TrainerNodes.submit``) to
 that deployment's work pool, where a worker on the node's host runs it: nobody starts a command
 on the other hosts.
@@ -11,9 +12,16 @@ code and the log's last lines otherwise. Everything the node needs travels in it
 (the launcher command, with the trainer's arguments in it: what the run prints when it places
 nodes by hand) and the run's object storage (the policy, checkpoints): no shared file system.
 
+Node 0 serves the trainer's API: its body starts its own launcher, bound to the address its
+host reaches the run's host from, and writes where it serves and where the other nodes meet it
+(``trainer.master_addr``, ``auto``: that address) to the run's storage (``NODE_0_FILE``); the
+run, which keeps no trainer process then, waits for that record (``PlacedTrainer.wait_placed``)
+before it submits nodes 1.. with that address.
+
 A node whose flow run ends while the run goes on is a lost trainer (``TrainerNodes.check_running``,
 asked by the run's health check): the run restarts the trainer on every node, the nodes' flow
-runs cancelled and waited for (``stop``), then submitted again.
+runs cancelled and waited for (``stop``), then submitted again. A node whose run's flow run
+ended (its host lost: marked Crashed) stops with it (``DriverWatch``).
 
 Which host takes which node: a deployment's pool, and a work queue per node where the config
 names them (``trainer.node_queues``): a process pool on bare hosts has a queue per host, each
@@ -204,7 +212,7 @@ def follow_log(path: Path, alive, out, interval_s: float = FOLLOW_INTERVAL_S) ->
 
 
 class TrainerNodes:
-    """The flow runs of a run's trainer nodes 1.. (submitted by ``submit``), and their end."""
+    """The flow runs of a run's trainer nodes (submitted by ``submit``), and their end."""
 
     def __init__(self, deployment: str, queues: list[str], progress=print, gpus: int = 0):
         """``gpus``: each node's GPUs (its ranks'), asked of a pool that places GPUs by job
