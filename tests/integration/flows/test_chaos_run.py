@@ -38,7 +38,9 @@ from rollflow.cli import main as rollflow
 from chaos_support import SEED, STEPS, Campaign, open_campaign, service_process, service_processes
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
-FLEET_LAUNCH = ("inference.max_servers=2",)  # room for the fleet's second server (slot 1)
+# Room for the fleet's second server (slot 1); a preemption that lands mid-sync waits for the
+# weight group's deadline (as on NCCL): 30 s, not the default 120 s, bounds that wait here.
+FLEET_LAUNCH = ("inference.max_servers=2", "trainer.weight_sync_timeout_s=30")
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +190,9 @@ def test_the_fleet_grows_and_shrinks_with_a_preemption_and_the_run_goes_on(campa
     assert rollflow([*scale, "1"]) == 0
     server1.send_signal(signal.SIGKILL)
     # Within the health check's 5 s, unless a sync was under way to the killed server: then its
-    # broadcast first meets the weight group's deadline (trainer.weight_sync_timeout_s, 120 s).
-    c.wait_for(proc, lambda: fleet_event("left") is not None, "server 1 left", timeout_s=180)
+    # broadcast first meets the weight group's deadline (trainer.weight_sync_timeout_s, 30 s in
+    # FLEET_LAUNCH; it was 120 s, and a suite's fleet test took 177 s instead of 68 s for it).
+    c.wait_for(proc, lambda: fleet_event("left") is not None, "server 1 left", timeout_s=120)
     left = fleet_event("left")
     assert (left["servers"], left["left"], left["preempted"]) == (1, 1, True)
     c.wait_for(
