@@ -493,17 +493,14 @@ class PlacedTrainer:
                 time.sleep(0.5)
             if self.state() in TERMINAL:
                 return
-            cancel_flow_run(self.flow_run_id)
-            while self.state() not in TERMINAL and time.monotonic() < deadline:
-                time.sleep(0.5)
-        except Exception as exc:  # noqa: BLE001 - the API gone: nothing more to ask of it
-            self.progress(f"trainer: could not stop node 0's flow run: {exc}")
-            return
-        if self.state() not in TERMINAL:
-            self.progress(
-                f"trainer: node 0's flow run ({self.flow_run_id}) was cancelled but has not "
-                f"ended after {timeout_s:.0f}s; its worker stops it"
-            )
+        except Exception:  # noqa: BLE001 - a hung rank, or the API's hiccup: cancelled below
+            pass
+        cancel_and_wait(
+            self.flow_run_id,
+            max(1.0, deadline - time.monotonic()),
+            "trainer: node 0",
+            self.progress,
+        )
 
     def set_aside_log(self) -> None:
         """A lost trainer's log stays in its flow run's (nothing on this host to keep)."""
@@ -540,6 +537,29 @@ def check_deployment(deployment: str, key: str, otherwise: str) -> set[str]:
                 f"against the server whose workers run on the other hosts (PREFECT_API_URL), "
                 f"{otherwise}"
             ) from None
+
+
+def cancel_and_wait(flow_run_id: UUID, timeout_s: float, what: str, progress=print) -> None:
+    """Cancel the flow run (of ``what``, for messages) and wait up to ``timeout_s`` for its end
+    (its worker stops the process, the guard takes the children); said when it could not be
+    cancelled or has not ended by then. The Prefect API's hiccup is read through."""
+    try:
+        cancel_flow_run(flow_run_id)
+    except Exception as exc:  # noqa: BLE001 - the API gone: said, nothing more to do here
+        progress(f"{what}: could not cancel its flow run ({flow_run_id}): {exc}")
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if flow_run_state(flow_run_id) in TERMINAL:
+                return
+        except Exception:  # noqa: BLE001 - read again until the deadline
+            pass
+        time.sleep(0.5)
+    progress(
+        f"{what}: its flow run ({flow_run_id}) was cancelled but has not ended after "
+        f"{timeout_s:.0f}s; its worker stops it"
+    )
 
 
 def flow_run_state(flow_run_id: UUID) -> str:

@@ -35,7 +35,7 @@ from rollflow.flows.deploy import SERVER_FLOW_NAME
 from rollflow.flows.nodes import (
     TERMINAL,
     DriverWatch,
-    cancel_flow_run,
+    cancel_and_wait,
     flow_run_state,
     follow_to_its_end,
 )
@@ -336,20 +336,7 @@ class PlacedServer:
         if self.flow_run_id is None or self.state(fresh=True) in TERMINAL:
             return
         self._cancelled = True
-        try:
-            cancel_flow_run(self.flow_run_id)
-        except Exception as exc:  # noqa: BLE001 - the API gone: said, nothing more to do here
-            self.progress(f"inference: could not cancel server {self.slot}'s flow run: {exc}")
-            return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if self.state(fresh=True) in TERMINAL:
-                    return
-            except Exception:  # noqa: BLE001 - read again until the deadline
-                pass
-            time.sleep(0.5)
-        self.progress(
-            f"inference: server {self.slot}'s flow run ({self.flow_run_id}) was cancelled but "
-            f"has not ended after {timeout_s:.0f}s; its worker stops it"
+        cancel_and_wait(
+            self.flow_run_id, timeout_s, f"inference: server {self.slot}", self.progress
         )
+        self._state = (0.0, "PENDING")  # read afresh: not taken from before the cancel

@@ -55,8 +55,11 @@ class FakePrefect:
         self.submitted: list[dict] = []
         self.cancelled: list[uuid.UUID] = []
         monkeypatch.setattr(prefect.deployments, "run_deployment", self.run_deployment)
-        monkeypatch.setattr(servers, "flow_run_state", lambda fid: self.states[fid])
-        monkeypatch.setattr(servers, "cancel_flow_run", self.cancel)
+        from rollflow.flows import nodes  # where the cancel-and-wait of a flow run reads
+
+        for module in (servers, nodes):
+            monkeypatch.setattr(module, "flow_run_state", lambda fid: self.states[fid])
+        monkeypatch.setattr(nodes, "cancel_flow_run", self.cancel)
         monkeypatch.setattr(servers, "POLL_S", 0.05)
 
     def run_deployment(self, name, parameters, timeout, work_queue_name, tags, job_variables):
