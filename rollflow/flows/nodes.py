@@ -470,14 +470,9 @@ class PlacedTrainer:
             raise ServiceError(
                 f"trainer node 0's flow run ({self.flow_run_id}) ended {state}; see {self.log_path}"
             )
-        try:
-            self.client.health(timeout_s=timeout_s)
-        except ServiceError as exc:
-            if exc.status is None:
-                raise ServiceError(
-                    f"the trainer does not answer at {self.endpoint.url}: {exc}"
-                ) from None
-            raise ServiceError(f"the trainer is unhealthy: {exc}", exc.status) from None
+        from rollflow.tasks.train.launch import probe_health
+
+        probe_health(self.client, timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ask every rank to shut down cleanly and wait for node 0's flow run to end with them;

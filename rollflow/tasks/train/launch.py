@@ -270,14 +270,7 @@ class TrainerProcess:
                 f"{': ' + cause if cause else ''}; last lines of {self.process.log_path}:\n"
                 f"{log_tail(self.process.log_path, 15)}"
             )
-        try:
-            self.client.health(timeout_s=timeout_s)
-        except ServiceError as exc:
-            if exc.status is None:
-                raise ServiceError(
-                    f"the trainer does not answer at {self.endpoint.url}: {exc}"
-                ) from None
-            raise ServiceError(f"the trainer is unhealthy: {exc}", exc.status) from None
+        probe_health(self.client, timeout_s)
 
     def is_alive(self) -> bool:
         """Whether its launcher still runs."""
@@ -299,6 +292,17 @@ class TrainerProcess:
             except Exception:  # a dead or hung rank: the signals below end it
                 pass
         self.process.stop(timeout_s=timeout_s)
+
+
+def probe_health(client: TrainerClient, timeout_s: float) -> None:
+    """Raise ``ServiceError`` if the trainer at ``client`` does not answer, or answers unhealthy
+    (rank 0 names a dead rank), within ``timeout_s``."""
+    try:
+        client.health(timeout_s=timeout_s)
+    except ServiceError as exc:
+        if exc.status is None:
+            raise ServiceError(f"the trainer does not answer at {client.url}: {exc}") from None
+        raise ServiceError(f"the trainer is unhealthy: {exc}", exc.status) from None
 
 
 def _failure_in_log(path: Path) -> str | None:
