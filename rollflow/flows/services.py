@@ -76,7 +76,7 @@ class RunServices:
         # Trainer node 0 a flow run on a host of its own (trainer.node_deployment): "auto" is
         # its host's address, which its flow run finds and says (``PlacedTrainer.wait_placed``).
         self.node0_placed = bool(cfg.trainer.node_deployment)
-        if cfg.trainer.master_addr == "auto" and not self.node0_placed:
+        if cfg.trainer.master_addr == "auto" and not self.node0_placed:  # (placed: node 0's)
             cfg = resolve_addresses(cfg)
             progress(f"services: trainer.master_addr = auto: {cfg.trainer.master_addr}")
         self.cfg, self.policy_dir, self.checkpoint_step = cfg, str(policy_dir), checkpoint_step

@@ -218,7 +218,7 @@ class Plan:
         mode = ", vLLM colocated with the trainer" if self.colocated else ""
         lines.append(
             f"weight group: {self.weight_world_size} ranks over {self.wire.describe()}, "
-            f"store on {self.group_host}{mode}"
+            f"store on {_found(self.group_host)}{mode}"
         )
         for p in self.processes:
             if p.started_by == "you" and p.name in commands:
@@ -230,8 +230,10 @@ class Plan:
 
 def resolve_addresses(cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``trainer.master_addr = "auto"`` made this host's own address
-    (``network.own_address``): what the other hosts are given. Other configs as they are."""
-    if cfg.trainer.master_addr != "auto":
+    (``network.own_address``): what the other hosts are given. Other configs as they are, and
+    one whose node 0 is a flow run (``trainer.node_deployment``): its flow run finds the address
+    of its own host."""
+    if cfg.trainer.master_addr != "auto" or cfg.trainer.node_deployment:
         return cfg
     from rollflow.infra.network import own_address
 
@@ -439,6 +441,11 @@ def _threads_bind(cores: tuple[int, ...], tp: int) -> str:
     """vLLM's CPU thread binding for one server on ``cores``: its workers' shares, "|"-separated."""
     share = len(cores) // tp
     return "|".join(",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(tp))
+
+
+def _found(host: str) -> str:
+    """The group's host as the plan shows it: ``auto`` is found by node 0's flow run."""
+    return "node 0's host (auto: its flow run finds the address)" if host == "auto" else host
 
 
 def _queue(tr, node: int) -> str:

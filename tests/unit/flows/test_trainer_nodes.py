@@ -16,7 +16,7 @@ import pytest
 from rollflow.flows import nodes
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import ConfigError, ServiceError
-from rollflow.infra.placement import Machine, make_plan
+from rollflow.infra.placement import Machine, make_plan, resolve_addresses
 
 
 def test_the_log_is_followed_line_by_line_to_the_end(tmp_path):
@@ -133,6 +133,13 @@ def test_every_node_of_a_trainer_placed_by_prefect_is_a_flow_run_with_its_hosts_
         (1, "prefect", "b", (0, 1)),
     ]
     assert plan.group_host == "node-0.svc"
+    # "auto" is node 0's own host's address, which its flow run finds: not this host's.
+    auto = cfg.model_copy(
+        update={"trainer": cfg.trainer.model_copy(update={"master_addr": "auto"})}
+    )
+    assert resolve_addresses(auto) is auto
+    shown = make_plan(auto, Machine(gpus=0, nodes=2)).render()
+    assert "store on node 0's host (auto: its flow run finds the address)" in shown
     here = make_plan(
         _cfg("trainer.num_nodes=2", "trainer.master_addr='10.0.0.1'"), Machine(gpus=0, nodes=2)
     )
