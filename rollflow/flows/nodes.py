@@ -366,6 +366,7 @@ class PlacedTrainer:
         self.endpoint = None
         self.master_addr: str | None = None
         self.ranks: list[dict[str, Any]] = []
+        self._state = "PENDING"
 
     @property
     def flow_run_id(self) -> UUID | None:
@@ -377,7 +378,15 @@ class PlacedTrainer:
         return f"the log of trainer node 0's flow run ({self.flow_run_id}) in the Prefect UI"
 
     def state(self) -> str:
-        return "CANCELLED" if self.flow_run_id is None else flow_run_state(self.flow_run_id)
+        """Its flow run's state type; the last one read while the Prefect API does not answer
+        (its hiccup is no node's death)."""
+        if self.flow_run_id is None:
+            return "CANCELLED"
+        try:
+            self._state = flow_run_state(self.flow_run_id)
+        except Exception:  # noqa: BLE001 - read again at the next ask
+            pass
+        return self._state
 
     def is_alive(self) -> bool:
         """Whether its flow run is not over (not whether the trainer answers)."""
@@ -394,6 +403,7 @@ class PlacedTrainer:
             "cpus": list(self.settings.get("cpus") or ()),
         }
         self.client = self.endpoint = self.master_addr = None
+        self._state = "PENDING"
         self.nodes.submit(self.run, {0: ([], dict(self.settings.get("env") or {}))}, serve)
         return self
 

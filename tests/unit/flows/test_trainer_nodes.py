@@ -342,3 +342,37 @@ def test_node_0_started_by_hand_without_the_runs_key_refuses(tmp_path):
     }
     with pytest.raises(ServiceError, match=r"control/servers/key.json holds no key"):
         nodes._serve_node_0("run", serve, {}, "id", nodes.DriverWatch(None))
+
+
+def test_a_prefect_api_hiccup_is_no_death_of_a_placed_node_0_or_server(tmp_path, monkeypatch):
+    """The run's health check asks every 5 s whether node 0 (and each placed server) lives: a
+    Prefect API that does not answer once leaves the last state read, it does not fail the run."""
+    from rollflow.flows import servers
+
+    api = _Api(monkeypatch)
+    trainer, _ = _node_0(tmp_path)
+    trainer.start()
+    api.states[trainer.flow_run_id] = "RUNNING"
+    assert trainer.is_alive()
+    server = servers.PlacedServer(
+        "rollflow-inference-server/default",
+        "",
+        "run",
+        0,
+        (str(tmp_path), {}),
+        ("policy", 0),
+        {"reach": "127.0.0.1", "startup_timeout_s": 1},
+        api_key="k",
+        progress=lambda _: None,
+    )
+    server.flow_run_id = uuid.uuid4()
+    monkeypatch.setattr(servers, "flow_run_state", lambda fid: "RUNNING")
+    assert server.is_alive()
+
+    def down(flow_run_id):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(nodes, "flow_run_state", down)
+    monkeypatch.setattr(servers, "flow_run_state", down)
+    assert trainer.is_alive() and trainer.state() == "RUNNING"
+    assert server.state(fresh=True) == "RUNNING" and server.is_alive()
