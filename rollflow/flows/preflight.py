@@ -184,6 +184,21 @@ class Preflight:
             key, what = outcome
             value = run.storage_options.get("endpoint_url") if key.endswith("url") else run.storage
             self.fail(key, value, what)
+        placing = [
+            key
+            for key, value in (
+                ("trainer.node_deployment", self.cfg.trainer.node_deployment),
+                ("inference.server_deployment", self.cfg.inference.server_deployment),
+            )
+            if value
+        ]
+        if placing and "://" not in run.storage:
+            self.note(
+                f"warning: run.storage = {_show(run.storage)} is a folder of this host, and "
+                f"{' and '.join(placing)} place processes on other hosts, which get the policy, "
+                "the checkpoints and the run's key from it: they find it only if every host "
+                "mounts it at that path; use object storage (s3://...) otherwise"
+            )
 
     # ------------------------------------------------------ envs, sinks, disk
 

@@ -265,3 +265,17 @@ def test_free_disk_for_a_checkpoint(local_storage, tiny_model_dir, monkeypatch):
     assert any(
         n.startswith("warning: run.storage = ") and "raise run.checkpoint_every" in n for n in notes
     )
+
+
+def test_processes_placed_on_other_hosts_with_a_folder_for_storage_are_warned(local_storage):
+    """Placed trainer nodes or servers get the policy, checkpoints and key from run.storage: a
+    folder of this host is there only if every host mounts it (a warning, not a failure)."""
+    notes: list[str] = []
+    placed = ["trainer.master_addr=auto", "trainer.node_deployment=rollflow-trainer-node/default"]
+    assert problems([*local_storage, *placed], notes=notes) == []
+    [note] = [n for n in notes if "place processes on other hosts" in n]
+    assert note.startswith("warning: run.storage = ") and "trainer.node_deployment" in note
+    assert "use object storage (s3://...)" in note
+    notes.clear()
+    assert problems(local_storage, notes=notes) == []
+    assert not [n for n in notes if "other hosts" in n]  # nothing placed: nothing to warn of
