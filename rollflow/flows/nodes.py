@@ -47,7 +47,8 @@ from rollflow.infra.service import ManagedProcess
 FOLLOW_INTERVAL_S = 0.5
 TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 NODE_0_FILE = "control/trainer/node-0.json"  # where node 0's flow run serves, in run storage
-# Beyond the trainer's own start-up deadline: a worker's poll, the flow run's start.
+# Beyond a placed process's own start-up deadline: a worker's poll, the flow run's start (a
+# placed server's: the policy's copy too).
 PLACEMENT_S = 120.0
 DRIVER_CHECK_S = 10.0  # how often a node reads its run's flow run's state
 

@@ -15,9 +15,10 @@ On the run's side a ``PlacedServer`` stands where a local ``InferenceServer`` do
 same supervisor (``infra/inference/supervisor.py``): alive while its flow run is not over;
 stopped by cancelling the flow run; restarted by submitting the slot again to the same queue
 with the same port, so that on a queue of one host it comes back at the same URL (one that a
-pool placed elsewhere is followed there: the supervisor's ``_follow_move``). The server's key (every vLLM route's, and the weight group's
-secret) is not a parameter, which the Prefect UI shows: it is read from the run's storage
-(``control/servers/key.json``), written there by the run for its lifetime.
+pool placed elsewhere is followed there: the supervisor's ``_follow_move``). The server's key
+(every vLLM route's, and the weight group's secret) is not a parameter, which the Prefect UI
+shows: it is read from the run's storage (``control/servers/key.json``), written there by the
+run for its lifetime.
 This module imports no torch: a worker starts the flow in seconds.
 """
 
@@ -33,6 +34,7 @@ from prefect import flow
 
 from rollflow.flows.deploy import SERVER_FLOW_NAME
 from rollflow.flows.nodes import (
+    PLACEMENT_S,
     TERMINAL,
     DriverWatch,
     cancel_and_wait,
@@ -45,8 +47,6 @@ from rollflow.infra.inference import auth
 from rollflow.infra.storage import LOCAL_CHECKPOINTS, RunStorage
 
 KEY_FILE = "control/servers/key.json"  # the run's key, for its placed processes' flow runs
-# Beyond vLLM's own start-up deadline: a worker's poll, the flow run's start, the policy's copy.
-PLACEMENT_S = 120.0
 STATE_TTL_S = 0.5  # how long a read flow-run state is taken as current
 POLL_S = 1.0
 
@@ -192,6 +192,8 @@ class PlacedServer:
         self.storage, self.model = RunStorage(storage[0], run, storage[1]), model
         self.settings = dict(settings)  # its "port" is set once it served: restarts keep it
         self.api_key, self.progress = api_key, progress
+        # Beyond vLLM's own start-up deadline: a worker's poll, the flow run's start, the
+        # policy's copy.
         self.startup_timeout_s = float(settings["startup_timeout_s"]) + PLACEMENT_S
         self.flow_run_id: UUID | None = None
         self.flow_run_name = ""
@@ -342,4 +344,4 @@ class PlacedServer:
         cancel_and_wait(
             self.flow_run_id, timeout_s, f"inference: server {self.slot}", self.progress
         )
-        self._state = (0.0, "PENDING")  # read afresh: not taken from before the cancel
+        self.state(fresh=True)  # what it is now, not what it was before the cancel

@@ -251,18 +251,17 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
             f"lower trainer.num_nodes or plan with --nodes {tr.num_nodes}"
         )
     placed = bool(inf.server_deployment)  # each server a flow run on a host of its own
-    if placed:  # its host's GPUs, not this machine's: only the config can say
-        inf_device: Device = "cpu" if inf.device == "auto" and not machine.gpus else inf.device
-        if inf_device == "auto":
-            inf_device = "cuda"
-    else:
-        inf_device = _device("inference", inf.device, inf.devices, machine)
-    if tr.node_deployment:  # node 0's host is the pool's too: as for placed servers
-        tr_device: Device = "cpu" if tr.device == "auto" and not machine.gpus else tr.device
-        if tr_device == "auto":
-            tr_device = "cuda"
-    else:
-        tr_device = _device("trainer", tr.device, tr.devices, machine)
+    node0_placed = bool(tr.node_deployment)  # node 0 a flow run on a host of its own too
+    inf_device = (
+        _placed_device(inf.device, machine)
+        if placed
+        else _device("inference", inf.device, inf.devices, machine)
+    )
+    tr_device = (
+        _placed_device(tr.device, machine)
+        if node0_placed
+        else _device("trainer", tr.device, tr.devices, machine)
+    )
     choose_backend(tr_device, inf_device, tr.weight_backend)  # a bad pair fails before the GPUs
     _check_tensor_parallel(cfg, tp)
 
@@ -284,7 +283,6 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         elif inf.devices is None:  # each its host's first ones
             gpus = list(range(tp)) * n_servers
         inference_gpus = [tuple(gpus[i * tp : (i + 1) * tp]) for i in range(n_servers)]
-    node0_placed = bool(tr.node_deployment)  # node 0 a flow run on a host of its own too
     if tr_device == "cuda":
         used = set() if placed or node0_placed else {g for s in inference_gpus for g in s}
         if tr.devices is not None:
@@ -344,7 +342,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
     for node in range(tr.num_nodes):
         here = node == 0 and not node0_placed  # on this machine, beside the run
         gpus = trainer_gpus if here or tr.devices is not None else tuple(range(tr.num_ranks))
-        if tr_device == "cuda" and not here and not node0_placed:  # (placed: not this machine)
+        if tr_device == "cuda" and node > 0 and not node0_placed:  # (placed: not this machine)
             _check_exist("trainer.devices", gpus, machine)
         processes.append(
             PlannedProcess(
@@ -451,6 +449,14 @@ def _found(host: str) -> str:
 def _queue(tr, node: int) -> str:
     """The work queue of trainer node ``node`` ("": the deployment's)."""
     return tr.node_queues[node] if tr.node_queues else ""
+
+
+def _placed_device(value: str, machine: Machine) -> Device:
+    """The device of a process placed on a host of its own, whose GPUs only the config can say:
+    ``auto`` is CPU where this machine has no GPUs either, CUDA otherwise."""
+    if value == "auto":
+        return "cpu" if not machine.gpus else "cuda"
+    return value
 
 
 def _device(section: str, value: str, devices, machine: Machine) -> Device:
