@@ -8,9 +8,9 @@ from __future__ import annotations
 import http.server
 import threading
 import uuid
-from types import SimpleNamespace
 
 import pytest
+from placed_support import FakeFlowRuns
 
 from rollflow.flows import servers
 from rollflow.infra.config import load_config
@@ -45,34 +45,12 @@ def health():
     server.shutdown()
 
 
-class FakePrefect:
-    """The Prefect API as the run's side sees it: submitted flow runs and their states."""
+class FakePrefect(FakeFlowRuns):
+    """The submitted servers' flow runs, polled at once."""
 
     def __init__(self, monkeypatch):
-        import prefect.deployments
-
-        self.states: dict[uuid.UUID, str] = {}
-        self.submitted: list[dict] = []
-        self.cancelled: list[uuid.UUID] = []
-        monkeypatch.setattr(prefect.deployments, "run_deployment", self.run_deployment)
-        from rollflow.flows import nodes  # where the cancel-and-wait of a flow run reads
-
-        for module in (servers, nodes):
-            monkeypatch.setattr(module, "flow_run_state", lambda fid: self.states[fid])
-        monkeypatch.setattr(nodes, "cancel_flow_run", self.cancel)
+        super().__init__(monkeypatch)
         monkeypatch.setattr(servers, "POLL_S", 0.05)
-
-    def run_deployment(self, name, parameters, timeout, work_queue_name, tags, job_variables):
-        flow_run = SimpleNamespace(id=uuid.uuid4(), name=f"run: vLLM server {parameters['slot']}")
-        self.states[flow_run.id] = "SCHEDULED"
-        self.submitted.append(
-            {"name": name, "queue": work_queue_name, "job_variables": job_variables, **parameters}
-        )
-        return flow_run
-
-    def cancel(self, flow_run_id):
-        self.cancelled.append(flow_run_id)
-        self.states[flow_run_id] = "CANCELLED"
 
 
 def _placed(tmp_path, startup_timeout_s: float = 5.0, queue: str = "host-1", gpus=None):

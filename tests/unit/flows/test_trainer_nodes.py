@@ -9,9 +9,9 @@ import sys
 import threading
 import time
 import uuid
-from types import SimpleNamespace
 
 import pytest
+from placed_support import FakeFlowRuns
 
 from rollflow.flows import nodes
 from rollflow.infra.config import load_config
@@ -213,30 +213,13 @@ def test_a_node_whose_flow_run_ended_while_the_run_goes_on_is_a_lost_trainer(mon
     assert any("could not read the nodes' flow runs" in line for line in said)
 
 
-class _Api:
-    """The Prefect API as the run's side sees it: node flow runs submitted, their states."""
+class _Api(FakeFlowRuns):
+    """The submitted nodes' flow runs, their waits cut short."""
 
     def __init__(self, monkeypatch):
-        import prefect.deployments
-
-        self.states: dict = {}
-        self.submitted: list[dict] = []
-        self.cancelled: list = []
-        monkeypatch.setattr(prefect.deployments, "run_deployment", self.run_deployment)
-        monkeypatch.setattr(nodes, "flow_run_state", lambda fid: self.states[fid])
-        monkeypatch.setattr(nodes, "cancel_flow_run", self.cancel)
+        super().__init__(monkeypatch)
         sleep = time.sleep  # (the module's: patched for every caller while the test runs)
         monkeypatch.setattr(nodes.time, "sleep", lambda s: sleep(min(s, 0.02)))
-
-    def run_deployment(self, name, parameters, timeout, work_queue_name, tags, job_variables):
-        flow_run = SimpleNamespace(id=uuid.uuid4(), name=f"run: trainer node {parameters['node']}")
-        self.states[flow_run.id] = "SCHEDULED"
-        self.submitted.append({"queue": work_queue_name, **parameters})
-        return flow_run
-
-    def cancel(self, flow_run_id):
-        self.cancelled.append(flow_run_id)
-        self.states[flow_run_id] = "CANCELLED"
 
 
 def _node_0(tmp_path, startup_timeout_s: float = 5.0):
