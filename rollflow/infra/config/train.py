@@ -114,8 +114,9 @@ class TrainSection(Section):
         "mini_batch",
         description="What an optimizer step's summed token loss is divided by: the loss tokens of "
         "its own mini-batch, or those of the step's whole batch over its number of mini-batches, "
-        "the same for every optimizer step of the step (TRL's loss_type='dapo', which divides by "
-        "the generation batch's tokens). The two agree with one mini-batch per step.",
+        "the same for every optimizer step of the step, counting the tokens of the groups that "
+        "filter_zero_advantage left out (TRL's loss_type='dapo', which divides by the generation "
+        "batch's tokens). The two agree with one mini-batch per step and nothing filtered.",
     )
     lr_warmup_steps: int = Field(
         0, ge=0, description="Linear learning-rate warm-up, in optimizer steps."

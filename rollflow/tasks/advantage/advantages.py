@@ -166,6 +166,7 @@ class BatchStats:
     num_samples_kept: int = 0
     num_failed_samples: int = 0
     num_zero_advantage_groups: int = 0
+    num_zero_advantage_tokens: int = 0  # loss tokens of the groups that filter dropped
     num_truncated: int = 0  # samples marked truncated (dropped with Overlong "drop" or "mask")
     failure_reasons: Counter = field(default_factory=Counter)
 
@@ -223,14 +224,28 @@ def build_batch(
             continue
         if filter_zero_advantage and all(abs(a) < 1e-9 for _, a in trained):
             stats.num_zero_advantage_groups += 1
+            stats.num_zero_advantage_tokens += sum(sum(loss_mask(r)) for r, _ in trained)
             continue
         stats.num_groups_kept += 1
         kept.extend({**r, "advantage": float(a)} for r, a in trained)
     stats.num_samples_kept = len(kept)
-    return pa.Table.from_pylist(kept, schema=rollouts.schema), stats
+    batch = pa.Table.from_pylist(kept, schema=rollouts.schema)
+    metadata = {
+        **(batch.schema.metadata or {}),
+        FILTERED_TOKENS: str(stats.num_zero_advantage_tokens),
+    }
+    return batch.replace_schema_metadata(metadata), stats
+
+
+# The batch table's record of the loss tokens its zero-advantage filter left out: a resumed step
+# divides by the same step total as the step that wrote it.
+FILTERED_TOKENS = b"rollflow.num_zero_advantage_tokens"
 
 
 def num_loss_tokens(batch: pa.Table) -> int:
-    """The loss tokens of a training batch: the model's tokens of every row (``loss_mask``)."""
+    """The step's loss tokens: the model's tokens (``loss_mask``) of every row of the training
+    batch, and of the rows of the groups whose advantages were all zero, which the filter left out
+    of it (their loss is zero either way; TRL's ``loss_type="dapo"`` counts them too)."""
     columns = [c for c in ("completion_ids", "completion_mask") if c in batch.column_names]
-    return sum(sum(loss_mask(row)) for row in batch.select(columns).to_pylist())
+    kept = sum(sum(loss_mask(row)) for row in batch.select(columns).to_pylist())
+    return kept + int((batch.schema.metadata or {}).get(FILTERED_TOKENS, 0))

@@ -31,7 +31,8 @@ class Batch:
     num_zero_advantage_groups: int | None = None
     failure_reasons: dict[str, int] = field(default_factory=dict)
     num_truncated: int | None = None  # samples cut short (train.truncated says what became of them)
-    num_loss_tokens: int = 0  # the model's tokens of the kept rows (train.token_mean = "batch")
+    # The model's tokens of the kept rows and of the zero-advantage groups' (train.token_mean = "batch")
+    num_loss_tokens: int = 0
 
     @property
     def num_groups_kept(self) -> int:

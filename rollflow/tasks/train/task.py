@@ -78,8 +78,9 @@ def sample_minibatches(
 
 def step_denominator(num_loss_tokens: int, num_parts: int, train: TrainSection) -> float | None:
     """The denominator of every optimizer step's token mean under ``train.token_mean = "batch"``:
-    the step's loss tokens over its mini-batches per epoch (TRL's ``loss_type="dapo"``: the
-    generation batch's tokens over its optimizer steps). None under ``"mini_batch"``: the trainer
+    the step's loss tokens (those of the groups the zero-advantage filter left out included) over
+    its mini-batches per epoch (TRL's ``loss_type="dapo"``: the generation batch's tokens over its
+    optimizer steps). None under ``"mini_batch"``: the trainer
     service divides by each mini-batch's own loss tokens."""
     if train.token_mean == "mini_batch" or num_parts == 0:
         return None

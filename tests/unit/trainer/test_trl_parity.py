@@ -466,18 +466,26 @@ def test_token_mean_mini_batch_weighs_each_optimizer_step_by_its_own_tokens(both
     assert compare(trl, rescaled)[1] < TOL
 
 
-def test_filter_zero_advantage_takes_their_tokens_out_of_the_denominator(both, samples):
+def test_filter_zero_advantage_keeps_trls_gradient_under_the_batch_token_mean(both, samples):
     """rollflow's default drops groups whose advantages are all zero (group 2 here); TRL keeps
-    them, so their tokens count in its denominator: TRL's gradient is rollflow's times
-    N_kept / N (the loss sums agree: a zero advantage adds nothing)."""
-    ours = {"filter_zero_advantage": True}
-    trl, mine = both({}, ours)
-    n_kept = loss_tokens(samples, [k for s in mine for k in s.keys])  # 68 of 94 here
+    them. Their loss is zero either way, and under ``token_mean = "batch"`` their tokens still
+    count in every optimizer step's denominator (the batch records how many the filter left out),
+    so the gradient is TRL's without their forward and backward passes."""
+    trl, mine = both({}, {"filter_zero_advantage": True})
+    assert any(g == 2 for s in trl for g, _ in s.keys)
     assert all(g != 2 for s in mine for g, _ in s.keys)
-    assert compare(trl, mine)[2] > 0.2  # measured: 0.38 (a scale: cosine 1)
-    rescaled = [
-        s.scaled(n_kept / loss_tokens(samples, [k for s in trl for k in s.keys])) for s in mine
-    ]
+    loss, grad, _ = compare(trl, mine)
+    assert loss < TOL and grad < TOL
+
+
+def test_filter_zero_advantage_under_the_mini_batch_token_mean_scales_the_gradient(both, samples):
+    """Under ``token_mean = "mini_batch"`` an optimizer step divides by its own kept tokens N_k:
+    the filter then takes the zero-advantage groups' tokens out of the denominator, and TRL's
+    gradient is rollflow's times N_k / (N / K), N counting those tokens."""
+    trl, mine = both({}, {"filter_zero_advantage": True, "token_mean": "mini_batch"})
+    total = loss_tokens(samples, [k for s in trl for k in s.keys])  # 94 here, 68 of them kept
+    assert compare(trl, mine)[2] > 0.2  # measured: 0.38 and more (a scale per step: cosine 1)
+    rescaled = [s.scaled(loss_tokens(samples, s.keys) * K / total) for s in mine]
     assert compare(trl, rescaled)[1] < TOL
 
 

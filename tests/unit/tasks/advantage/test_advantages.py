@@ -173,3 +173,25 @@ def test_a_batchs_loss_tokens_are_its_model_tokens():
     # 2 + 2 + 4 (6 tokens, 2 of them the environment's).
     assert num_loss_tokens(_truncation_rows()) == 8
     assert num_loss_tokens(_truncation_rows().drop_columns(["completion_mask"])) == 10
+
+
+def test_a_batchs_loss_tokens_count_the_zero_advantage_groups_it_left_out(tmp_path):
+    """The filter takes a group of equal rewards out of the batch, not its tokens out of the
+    step's count (TRL's dapo denominator counts them), and the count survives the batch's
+    Parquet: a resumed step divides by the same total."""
+    from rollflow.infra.storage import RunStorage
+    from rollflow.tasks.advantage.advantages import num_loss_tokens
+
+    equal = _rows([[(1.0, None), (1.0, None)]]).to_pylist()  # 2 samples of 2 model tokens
+    for row in equal:
+        row.update(group_index=1, prompt_id="p1")
+    table = rows_to_table(_truncation_rows().to_pylist() + equal)
+    batch, stats = build_batch(table, grpo_advantages)
+    assert stats.num_zero_advantage_groups == 1 and stats.num_zero_advantage_tokens == 4
+    assert set(batch.column("group_index").to_pylist()) == {0}
+    assert num_loss_tokens(batch) == 8 + 4
+    unfiltered, _ = build_batch(table, grpo_advantages, filter_zero_advantage=False)
+    assert unfiltered.num_rows == 5 and num_loss_tokens(unfiltered) == 12
+    storage = RunStorage(str(tmp_path), "r")
+    storage.write_step_table("batches", 3, batch)
+    assert num_loss_tokens(storage.read_step_table("batches", 3)) == 12
