@@ -196,6 +196,11 @@ class SenderSource:
 
         return weight_metadata(self.weights)
 
+    def weights_port(self):
+        from rollflow.infra.service import free_port
+
+        return free_port()
+
     def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
         from rollflow.infra.weights.group import WeightSender
 

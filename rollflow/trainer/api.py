@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
+from rollflow.infra.service import free_port
 from rollflow.trainer import protocol as p
 from rollflow.trainer.dispatch import Dispatcher, Pending
 from rollflow.trainer.ops import RankOps
@@ -204,6 +205,11 @@ class TrainerAPI:
     @serves(p.WEIGHTS_METADATA)
     def metadata(self) -> list[dict]:
         return self.trainer.metadata
+
+    @serves(p.WEIGHTS_PORT)
+    def weights_port(self) -> dict:
+        # On every interface: the store listens on all of them, whatever name the group meets at.
+        return {"port": free_port("0.0.0.0")}
 
     @serves(p.WEIGHTS_CONNECT)
     def connect(self, req: WeightConnect) -> dict:

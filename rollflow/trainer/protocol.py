@@ -140,6 +140,9 @@ class Gradients(_Body):
 
 GRADIENTS = Route("POST", "/gradients", Gradients)
 WEIGHTS_METADATA = Route("GET", "/weights/metadata", command=False)
+# A port free right now on the trainer's host, where rank 0 will host the weight group's store:
+# chosen there, not by the run's process, which may be on another host.
+WEIGHTS_PORT = Route("GET", "/weights/port", command=False)
 
 
 class WeightConnect(_Body):

@@ -24,7 +24,6 @@ from typing import Any, Protocol
 from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.workers import WeightWorkers
-from rollflow.infra.service import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +186,8 @@ class WeightSource(Protocol):
 
     def metadata(self) -> list[dict[str, Any]]: ...
 
+    def weights_port(self) -> int: ...
+
     def weights_connect(
         self,
         host: str,
@@ -212,7 +213,7 @@ Servers = Sequence[tuple[str, int]]  # (url, group rank of its first worker), ev
 def join(source: WeightSource, servers: Servers, spec: GroupSpec, timeout_s: float) -> dict:
     """Form the weight group of the trainer (rank 0) and every server's workers."""
     metadata = source.metadata()
-    port = free_port()
+    port = source.weights_port()  # on the host of the trainer's rank 0, which hosts the store
 
     async def run() -> dict[str, Any]:
         async with contextlib.AsyncExitStack() as stack:

@@ -132,6 +132,11 @@ class TrainerClient:
         """Name, shape and dtype of every tensor a weight sync carries, in wire order."""
         return self._call(p.WEIGHTS_METADATA, timeout_s=timeout_s)
 
+    def weights_port(self) -> int:
+        """A port free right now on the trainer's host, for the weight group's store that its
+        rank 0 hosts there (the run's process may be on another host)."""
+        return int(self._call(p.WEIGHTS_PORT)["port"])
+
     def weights_connect(
         self,
         host: str,

@@ -469,6 +469,9 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
         def metadata(self):
             return weight_metadata(named)
 
+        def weights_port(self):
+            return free_port()
+
         def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
             self.sender = WeightSender(
                 host, port, world_size, timeout_s, wire_device, bucket_bytes, secret=KEY

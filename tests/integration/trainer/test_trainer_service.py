@@ -415,8 +415,9 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
 
 
 def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
-    """A weight group of the service (rank 0 sends) and one receiver, as a vLLM worker joins it."""
-    port = free_port()
+    """A weight group of the service (rank 0 sends) and one receiver, as a vLLM worker joins it,
+    at the port the service picked on its host."""
+    port = service.client.weights_port()
     receiver = WeightReceiverGroup(
         "127.0.0.1", port, 1, 2, timeout_s=timeout_s, bucket_bytes=1 << 20, secret=service.ep.token
     )

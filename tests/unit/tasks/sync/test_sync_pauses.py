@@ -1,4 +1,5 @@
-"""How ``sync_weights`` pauses several servers: together, and every paused one resumed.
+"""How ``sync_weights`` pauses several servers: together, and every paused one resumed; and
+where ``join`` takes the weight group's port from.
 
 Stand-in servers record the calls ``sync_weights`` makes (pause, collective_rpc, reset, resume);
 the wire itself runs against real vLLM in test_weights.py and tests/integration/flows/test_scale_out.py.
@@ -78,3 +79,31 @@ def test_a_server_that_loaded_another_version_fails_the_sync_and_is_resumed():
     with pytest.raises(WeightSyncError, match=r"loaded versions \[3, 2\], expected 3"):
         asyncio.run(sync_weights(servers, _send, 3, timeout_s=5))
     assert all(s.calls[-1] == "resume" for s in servers)
+
+
+def test_the_weight_group_meets_at_a_port_the_trainer_chose_on_its_own_host(monkeypatch):
+    """The store is hosted by the trainer's rank 0, which may run on another host than the run
+    (a placed node 0): its port is asked of the trainer, not picked free where the run is."""
+    from rollflow.tasks.sync import weights
+
+    seen = {}
+
+    class Source:
+        def metadata(self):
+            return []
+
+        def weights_port(self):
+            return 23456
+
+        def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
+            seen["connect"] = (host, port)
+            return {"ok": True}
+
+    async def init(clients, connect, spec, port, timeout_s, metadata):
+        seen["group"] = port
+        return await connect()
+
+    monkeypatch.setattr(weights, "init_weight_group", init)
+    spec = weights.GroupSpec(world_size=1, wire_device="cpu", bucket_bytes=1, host="10.0.0.2")
+    assert weights.join(Source(), [], spec, timeout_s=5) == {"ok": True}
+    assert seen == {"group": 23456, "connect": ("10.0.0.2", 23456)}
