@@ -110,13 +110,14 @@ class TrainSection(Section):
         "1.28x TRL's optimizer steps on reverse_letters, docs/concepts/trl-compatibility.md). "
         "Either way a mini-batch holds mini_batch_size groups' worth of samples.",
     )
-    token_mean: Literal["mini_batch", "batch"] = Field(
-        "mini_batch",
+    token_mean: Literal["batch", "mini_batch"] = Field(
+        "batch",
         description="What an optimizer step's summed token loss is divided by: the loss tokens of "
-        "its own mini-batch, or those of the step's whole batch over its number of mini-batches, "
-        "the same for every optimizer step of the step, counting the tokens of the groups that "
-        "filter_zero_advantage left out (TRL's loss_type='dapo', which divides by the generation "
-        "batch's tokens). The two agree with one mini-batch per step and nothing filtered.",
+        "the step's whole batch over its number of mini-batches, the same for every optimizer step "
+        "of the step, counting the tokens of the groups that filter_zero_advantage left out (TRL's "
+        "loss_type='dapo'; an Adam step shrinks as more groups carry no signal), or the loss "
+        "tokens of its own mini-batch (the default before 2026-11-28). The two agree with one "
+        "mini-batch per step and nothing filtered.",
     )
     lr_warmup_steps: int = Field(
         0, ge=0, description="Linear learning-rate warm-up, in optimizer steps."
