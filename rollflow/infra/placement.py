@@ -197,13 +197,19 @@ class Plan:
     def render(self, commands: dict[str, list[str]] | None = None) -> str:
         """A table of the plan, then the command of every process you start yourself."""
         commands = commands or {}
+        # Node 0 is the run's host unless trainer node 0 is placed (then on a host of its own).
+        elsewhere = any(p.started_by == "prefect" for p in self.trainer_nodes if p.node == 0)
         rows = [("process", "node", "device", "CUDA_VISIBLE_DEVICES", "weight ranks", "started by")]
         for p in self.processes:
             ranks = _ranges(p.weight_ranks) if p.weight_ranks else "-"
+            if p.queue is not None:
+                where = f"queue {p.queue or '(pool)'}"
+            else:
+                where = "run's host" if elsewhere and p.started_by == "rollflow" else str(p.node)
             rows.append(
                 (
                     p.name,
-                    str(p.node) if p.queue is None else f"queue {p.queue or '(pool)'}",
+                    where,
                     p.device + (f" (cores {','.join(map(str, p.cpus))})" if p.cpus else ""),
                     p.env.get("CUDA_VISIBLE_DEVICES", "-"),
                     ranks,

@@ -5,6 +5,7 @@ host, through a real Prefect server) is tests/integration/flows/test_scale_out.p
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -140,6 +141,9 @@ def test_every_node_of_a_trainer_placed_by_prefect_is_a_flow_run_with_its_hosts_
     assert resolve_addresses(auto) is auto
     shown = make_plan(auto, Machine(gpus=0, nodes=2)).render()
     assert "store on node 0's host (auto: its flow run finds the address)" in shown
+    # vLLM beside the run is on the run's host, not on "node 0", which is elsewhere.
+    assert re.search(r"^vllm-0 +run's host ", shown, re.M), shown
+    assert re.search(r"^trainer-node-0 +queue a ", shown, re.M), shown
     here = make_plan(
         _cfg("trainer.num_nodes=2", "trainer.master_addr='10.0.0.1'"), Machine(gpus=0, nodes=2)
     )
