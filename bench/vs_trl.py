@@ -18,12 +18,13 @@ same number of optimizer steps per generation batch (``--minibatches K``, (a) 4,
 ``steps_per_generation``, rollflow's ``train_batch_size = K · mini_batch_size``; each optimizer
 step takes the workload's prompts per step), the same loss shape (PPO-clip ε = 0.2 on token ratios, no
 KL term, reward − group mean as advantage: TRL's ``loss_type="dapo"``, ``scale_rewards="none"``,
-``beta=0``). The rollflow side runs rollflow's defaults, whose gradient is not TRL's: each optimizer
-step's token mean is over its own tokens, groups with equal rewards are dropped, the ratio is taken
-against vLLM's log-probs (docs/concepts/trl-compatibility.md measures each). TRL's exact loss is
-``train.token_mean=batch train.filter_zero_advantage=false train.old_logprobs=trainer``
-(tests/unit/trainer/test_trl_parity.py); TRL's kind of split, the step's samples shuffled into its
-optimizer steps (``train.mini_batch_split=samples``), is rollflow's default since 2026-11-28.
+``beta=0``). The rollflow side runs rollflow's defaults, whose gradient differs from TRL's in one
+key: the ratio is taken against vLLM's log-probs (docs/concepts/trl-compatibility.md measures it).
+TRL's exact loss is ``train.old_logprobs=trainer`` on top of the defaults
+(tests/unit/trainer/test_trl_parity.py). Since 2026-11-28 TRL's split (the step's samples
+shuffled into its optimizer steps, ``train.mini_batch_split=samples``) and TRL's token mean
+(``train.token_mean=batch``, which counts the tokens of the groups the zero-advantage filter left
+out) are rollflow's defaults; before, ``train.mini_batch_split=groups train.token_mean=mini_batch``.
 
 - TRL: ``GRPOTrainer`` with its own HF ``generate`` (no vLLM), in a child process, on CPU.
 - rollflow: ``rollflow run`` (vLLM CPU, trainer service, Prefect flows) with ``model.path`` set
