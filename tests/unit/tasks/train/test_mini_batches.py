@@ -113,7 +113,9 @@ def test_the_weights_are_kept_for_vllm_lag_optimizer_steps_before_the_steps_end(
     train = TrainSection(train_batch_size=8, mini_batch_size=2, mini_batch_split="groups")
     config = SimpleNamespace(train=train)
     capture = train_task.MidStepCapture(lag)
-    metrics = train_task.train.fn(SimpleNamespace(config=config), 5, groups, (), capture)
+    metrics = train_task.train.fn(
+        SimpleNamespace(config=config), 5, groups, (), capture, num_loss_tokens=40
+    )
     got = " ".join("fb" if c.startswith("fb") else c for c in recorder.calls)
     assert got == calls.replace("capture", "capture v5")
     assert capture.done.is_set() and capture.behind == behind and capture.capture_s == 0.001
