@@ -80,8 +80,8 @@ def step_denominator(num_loss_tokens: int, num_parts: int, train: TrainSection) 
     """The denominator of every optimizer step's token mean under ``train.token_mean = "batch"``:
     the step's loss tokens (those of the groups the zero-advantage filter left out included) over
     its mini-batches per epoch (TRL's ``loss_type="dapo"``: the generation batch's tokens over its
-    optimizer steps). None under ``"mini_batch"``: the trainer
-    service divides by each mini-batch's own loss tokens."""
+    optimizer steps). None under ``"mini_batch"``: the trainer service divides by each
+    mini-batch's own loss tokens."""
     if train.token_mean == "mini_batch" or num_parts == 0:
         return None
     if num_loss_tokens <= 0:
