@@ -19,6 +19,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -145,6 +146,14 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
             other.start()
         proc.wait_healthy()
         print(f"\n{name}: 2 ranks healthy after {time.monotonic() - start:.0f}s")
+        # DeepSpeed's CPU all-reduce workspaces (66 MB of RAM each, in /dev/shm) lose their names
+        # once every rank has mapped them: none outlives the ranks, killed or not.
+        ports = {psutil.Process(p).environ().get("MASTER_PORT") for p in proc.process.pids()}
+        shm = Path("/dev/shm")
+        left = [
+            p.name for port in ports for p in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*")
+        ]
+        assert ports - {None} and not left, (ports, left)
         yield Service(name, proc, storage, root)
     finally:
         pids = proc.process.pids() + [p for o in others for p in o.process.pids()]
