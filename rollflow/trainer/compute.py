@@ -81,7 +81,8 @@ class StepOps:
         # The global loss-token count: each rank's count, summed over ranks (the all-gather in
         # ``agree`` is the all-reduce).
         tokens = sum(agree(self.control, prepare))
-        denominator = req.num_loss_tokens or tokens
+        # No loss token (rows of environment tokens only): a zero loss, divided by 1.
+        denominator = req.num_loss_tokens or max(tokens, 1)
         mine = self.trainer.forward_backward(mbs, req.loss, denominator)
         everyone = self.control.all_gather(mine)
         if self.rank != 0:

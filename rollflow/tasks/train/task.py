@@ -76,19 +76,20 @@ def sample_minibatches(
     ]
 
 
-def step_denominator(num_loss_tokens: int, num_parts: int, train: TrainSection) -> float | None:
+def step_denominator(
+    num_loss_tokens: int | None, num_parts: int, train: TrainSection
+) -> float | None:
     """The denominator of every optimizer step's token mean under ``train.token_mean = "batch"``:
     the step's loss tokens (those of the groups the zero-advantage filter left out included) over
     its mini-batches per epoch (TRL's ``loss_type="dapo"``: the generation batch's tokens over its
     optimizer steps). None under ``"mini_batch"``: the trainer service divides by each
-    mini-batch's own loss tokens."""
+    mini-batch's own loss tokens. A step without loss tokens (every row all environment tokens)
+    has a zero loss whatever it is divided by: by 1."""
     if train.token_mean == "mini_batch" or num_parts == 0:
         return None
-    if num_loss_tokens <= 0:
-        raise ValueError(
-            f"train.token_mean = 'batch' needs the step's loss tokens, got {num_loss_tokens}"
-        )
-    return num_loss_tokens / num_parts
+    if num_loss_tokens is None:
+        raise ValueError("train.token_mean = 'batch' needs the step's loss tokens, none given")
+    return max(num_loss_tokens, 1) / num_parts
 
 
 def split_seed(run_seed: int, step: int) -> int:
@@ -103,14 +104,15 @@ def train(
     group_indices: list[int],
     sample_keys: list[tuple[int, int]] = (),
     capture: MidStepCapture | None = None,
-    num_loss_tokens: int = 0,
+    num_loss_tokens: int | None = None,
 ) -> dict[str, float]:
     """For each epoch, for each mini-batch of the step's batch: forward_backward then optim_step.
 
     Mini-batches are slices of the step's ``sample_keys`` in a seeded random order
     (``train.mini_batch_split = "samples"``, the default), or whole groups (``"groups"``). With
-    ``capture``, the weights are kept for vLLM ``capture.lag`` optimizer steps before the end. ``num_loss_tokens``: the batch's loss
-    tokens, the token mean's denominator under ``train.token_mean = "batch"``."""
+    ``capture``, the weights are kept for vLLM ``capture.lag`` optimizer steps before the end.
+    ``num_loss_tokens``: the batch's loss tokens, the token mean's denominator under
+    ``train.token_mean = "batch"``."""
     t = ctx.config.train
     trainer = trainer_client(ctx)
     start = time.perf_counter()

@@ -166,6 +166,50 @@ def test_optim_step_without_gradients_is_an_error(tiny_model_dir):
         _trainer(tiny_model_dir).optim_step()
 
 
+@pytest.mark.parametrize("token_mean", ["batch", "mini_batch"])
+def test_a_step_without_loss_tokens_has_a_zero_loss_and_gradient(
+    tiny_model_dir, tmp_path, token_mean
+):
+    """Every row all environment tokens (no token the model wrote): nothing to learn, and no
+    division by zero tokens in the train task or the trainer's ops (it raised under "batch",
+    and divided by zero under "mini_batch")."""
+    from unittest import mock
+
+    from rollflow.infra.storage import RunStorage
+    from rollflow.tasks.advantage.advantages import num_loss_tokens
+    from rollflow.tasks.train.task import step_denominator
+    from rollflow.trainer.batches import BatchReader
+    from rollflow.trainer.compute import StepOps
+    from rollflow.trainer.control import ControlGroup
+    from rollflow.trainer.protocol import ForwardBackward
+
+    from trainer_support import write_batch
+
+    rows = [{**r, "completion_mask": [0] * len(r["completion_ids"])} for r in make_rows(8)]
+    storage = RunStorage(str(tmp_path), "t")
+    write_batch(storage, 1, rows)
+    tokens = num_loss_tokens(storage.read_step_table("batches", 1))
+    assert tokens == 0
+    with mock.patch.dict("os.environ"):  # ControlGroup names a gloo interface in the env
+        control = ControlGroup(timeout_s=60)
+    reader = BatchReader(storage, 0, 1, micro_batch_tokens=64, row_tokens=None)
+    ops = StepOps(_trainer(tiny_model_dir), control, reader)
+    denominator = step_denominator(tokens, 1, TrainSection(token_mean=token_mean))
+    out = ops.forward_backward(
+        ForwardBackward(step=1, group_indices=[0, 1], num_loss_tokens=denominator)
+    )
+    assert out["loss"] == 0.0 and out["num_loss_tokens"] == 0
+    assert max_abs(ops.trainer.full_gradients()) == 0.0
+
+
+def test_a_batch_token_mean_without_the_steps_loss_tokens_is_a_callers_error():
+    from rollflow.tasks.train.task import step_denominator
+
+    with pytest.raises(ValueError, match="needs the step's loss tokens, none given"):
+        step_denominator(None, 2, TrainSection(token_mean="batch"))
+    assert step_denominator(None, 2, TrainSection(token_mean="mini_batch")) is None
+
+
 def test_resuming_with_another_backend_says_which(tiny_model_dir, tmp_path):
     a = _trainer(tiny_model_dir)
     a.save_checkpoint(tmp_path / "ckpt")
