@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from deployed_run import processes_marked
+from deployed_run import flow_run_log, prefect_api, processes_marked
 from run_support import ROOT, env_for, session_prefect_api, write_config
 
 SEED = int(os.environ.get("ROLLFLOW_CHAOS_SEED", "6"))
@@ -282,20 +282,5 @@ def service_process(marker: Path, module: str) -> psutil.Process:
 
 def flow_run_logs(api: str, run_name: str) -> str:
     """Every log message of the flow runs named ``run_name``, read back from the Prefect API."""
-    import httpx
-
-    runs = httpx.post(
-        f"{api}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [run_name]}}}, timeout=10
-    ).json()
-    ids = [r["id"] for r in runs]
-    messages, offset = [], 0
-    while True:
-        page = httpx.post(
-            f"{api}/logs/filter",
-            json={"logs": {"flow_run_id": {"any_": ids}}, "offset": offset, "limit": 200},
-            timeout=10,
-        ).json()
-        messages += [log["message"] for log in page]
-        offset += len(page)
-        if len(page) < 200:
-            return "\n".join(messages)
+    runs = prefect_api(api, "/flow_runs/filter", {"flow_runs": {"name": {"any_": [run_name]}}})
+    return flow_run_log(api, *(r["id"] for r in runs))

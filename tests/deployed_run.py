@@ -266,19 +266,18 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
 
 def _heartbeat_sent(api: str, flow_run_id: str) -> bool:
     """Whether the flow run sent a heartbeat event (the silent-run automation waits for one)."""
-    response = http.client().post(
-        f"{api}/events/filter",
-        json={
+    found = prefect_api(
+        api,
+        "/events/filter",
+        {
             "filter": {
                 "event": {"name": ["prefect.flow-run.heartbeat"]},
                 "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]},
             },
             "limit": 1,
         },
-        timeout=10,
     )
-    response.raise_for_status()
-    return bool(response.json()["events"])
+    return bool(found["events"])
 
 
 def _kill_host(worker: Service) -> None:
@@ -314,10 +313,53 @@ def _healthy(api: str) -> bool:
         return False
 
 
+def prefect_api(
+    api: str, path: str, payload: dict | None = None, *, try_s: float = 30, deadline_s: float = 120
+):
+    """The test's own read of the Prefect API (GET ``path``, or POST ``payload`` to it): its JSON.
+
+    The server (SQLite) shares two cores with the whole suite, its runs' processes and their writes,
+    so one answer can take longer than a live process's deadline would allow: a timeout, a dropped
+    connection or a 503 is tried again (each try ``try_s``) until ``deadline_s``, then raised
+    naming the path. Any other error status is raised at once."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            response = http.client().request(
+                "GET" if payload is None else "POST", f"{api}{path}", json=payload, timeout=try_s
+            )
+            if response.status_code != 503:
+                response.raise_for_status()
+                return response.json()
+            why = f"HTTP 503: {response.text[:200]}"
+        except (httpx.TimeoutException, httpx.TransportError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() + 1 > end:
+            raise TimeoutError(f"Prefect API {path}: no answer within {deadline_s:.0f}s ({why})")
+        time.sleep(1)
+
+
 def _read(api: str, path: str) -> dict:
-    response = http.client().get(f"{api}{path}", timeout=10)
-    response.raise_for_status()
-    return response.json()
+    return prefect_api(api, path)
+
+
+def flow_run_log(api: str, *flow_run_ids: str) -> str:
+    """Every line the flow runs ``flow_run_ids`` logged to the Prefect API, in time order."""
+    lines: list[str] = []
+    while True:
+        page = prefect_api(
+            api,
+            "/logs/filter",
+            {
+                "logs": {"flow_run_id": {"any_": list(flow_run_ids)}},
+                "sort": "TIMESTAMP_ASC",
+                "offset": len(lines),
+                "limit": 200,
+            },
+        )
+        lines += [entry["message"] for entry in page]
+        if len(page) < 200:
+            return "\n".join(lines)
 
 
 def _deployment_run(env: dict[str, str], deployment: str, *params: str) -> str:
@@ -329,29 +371,21 @@ def _deployment_run(env: dict[str, str], deployment: str, *params: str) -> str:
 
 
 def _step_completed(api: str, parent_id: str, name: str) -> bool:
-    response = http.client().post(
-        f"{api}/flow_runs/filter",
-        json={"flow_runs": {"parent_flow_run_id": {"any_": [parent_id]}, "name": {"any_": [name]}}},
-        timeout=10,
+    runs = prefect_api(
+        api,
+        "/flow_runs/filter",
+        {"flow_runs": {"parent_flow_run_id": {"any_": [parent_id]}, "name": {"any_": [name]}}},
     )
-    response.raise_for_status()
-    return any(r["state"] and r["state"]["type"] == "COMPLETED" for r in response.json())
+    return any(r["state"] and r["state"]["type"] == "COMPLETED" for r in runs)
 
 
 def _tagged(api: str, tag: str) -> list[dict]:
-    response = http.client().post(
-        f"{api}/flow_runs/filter", json={"flow_runs": {"tags": {"all_": [tag]}}}, timeout=10
-    )
-    response.raise_for_status()
-    return response.json()
+    return prefect_api(api, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [tag]}}})
 
 
 def _heal_flow_runs(api: str) -> list[dict]:
-    response = http.client().post(
-        f"{api}/flow_runs/filter", json={"flows": {"name": {"any_": ["rollflow-heal"]}}}, timeout=10
-    )
-    response.raise_for_status()
-    return [{"state": r["state"]["type"], "name": r["name"]} for r in response.json()]
+    runs = prefect_api(api, "/flow_runs/filter", {"flows": {"name": {"any_": ["rollflow-heal"]}}})
+    return [{"state": r["state"]["type"], "name": r["name"]} for r in runs]
 
 
 def _read_back(

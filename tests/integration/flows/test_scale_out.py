@@ -21,7 +21,6 @@ import psutil
 import pytest
 
 from rollflow.flows.services import RunServices
-from rollflow.infra import http
 from rollflow.infra.config import LossConfig, load_config
 from rollflow.infra.inference.client import InferenceClient
 from rollflow.infra.inference.fleet import ask_for_servers
@@ -32,6 +31,7 @@ from rollflow.tasks.sync import weights
 
 from chaos_support import SEED
 from conftest import PROMPT_IDS, greedy_reference
+from deployed_run import flow_run_log, prefect_api
 from host_support import object_storage, two_hosts
 from run_support import ROOT, assert_documented_layout, env_for, write_config
 from trainer_support import make_rows, write_batch
@@ -282,10 +282,10 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             servers = sorted(_flow_runs(api, "rollflow-inference-server"), key=lambda r: r["name"])
             for server in servers:
                 wait_until(lambda: ended(server["id"]), 60, f"{server['name']} ended", logs)  # noqa: B023
-            out, node0_log = _flow_run_log(api, run_id), _flow_run_log(api, node0["id"])
+            out, node0_log = flow_run_log(api, run_id), flow_run_log(api, node0["id"])
             assert ended(run_id) == "COMPLETED", f"{out[-4000:]}\n{logs()}"
             assert ended(node0["id"]) == "COMPLETED", node0_log[-4000:]
-            assert ended(node["id"]) == "COMPLETED", _flow_run_log(api, node["id"])[-4000:]
+            assert ended(node["id"]) == "COMPLETED", flow_run_log(api, node["id"])[-4000:]
             # Host 1's worker ran node 0 and host 0's node 1, children of the run's flow run.
             assert [
                 (r["work_queue_name"], r["parent_task_run_id"] is not None) for r in (node0, node)
@@ -309,7 +309,7 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
                 ("twonode: vLLM server 1", "host-1"),
             ]
             for server, host in zip(servers, (host0, host1), strict=True):
-                server_log = _flow_run_log(api, server["id"])
+                server_log = flow_run_log(api, server["id"])
                 assert server["parent_task_run_id"] is not None
                 assert ended(server["id"]) == "CANCELLED", server_log[-4000:]
                 assert f"starting at http://{host.address}:" in server_log, server_log[-4000:]
@@ -326,7 +326,7 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             # (the restarted node 0 the checkpoint it resumes from: host 1 has none of the run's
             # files; its first flow run copied the policy)
             assert "is not on this host: copying checkpoints/step=" in node0_log, node0_log[-4000:]
-            first0_log = _flow_run_log(api, first0["id"])
+            first0_log = flow_run_log(api, first0["id"])
             assert "is not on this host: copying policy/step=0" in first0_log, first0_log[-4000:]
             run_dir = tmp_path / "copy" / "twonode"
             fs.get(f"rollflow/{tmp_path.name}/twonode/", str(run_dir), recursive=True)
@@ -404,33 +404,7 @@ def _a_rank_of(flow_run_id: str) -> psutil.Process:
 
 
 def _flow_runs(api: str, flow_name: str) -> list[dict]:
-    response = http.client().post(
-        f"{api}/flow_runs/filter", json={"flows": {"name": {"any_": [flow_name]}}}, timeout=10
-    )
-    response.raise_for_status()
-    return response.json()
-
-
-def _flow_run_log(api: str, flow_run_id: str) -> str:
-    """Every line the flow run logged to the Prefect API, in order."""
-    lines, offset = [], 0
-    while True:
-        response = http.client().post(
-            f"{api}/logs/filter",
-            json={
-                "logs": {"flow_run_id": {"any_": [flow_run_id]}},
-                "sort": "TIMESTAMP_ASC",
-                "offset": offset,
-                "limit": 200,
-            },
-            timeout=10,
-        )
-        response.raise_for_status()
-        page = response.json()
-        lines += [entry["message"] for entry in page]
-        if len(page) < 200:
-            return "\n".join(lines)
-        offset += len(page)
+    return prefect_api(api, "/flow_runs/filter", {"flows": {"name": {"any_": [flow_name]}}})
 
 
 def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, tmp_path):

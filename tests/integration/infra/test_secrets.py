@@ -66,11 +66,11 @@ def test_a_planted_secret_is_in_neither_the_flow_parameters_nor_config_json(tmp_
     import shutil
 
     import fsspec
-    import httpx
 
     from rollflow.infra.config import TinyModelSpec
     from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
 
+    from deployed_run import prefect_api
     from run_support import session_prefect_api
 
     tok = build_char_tokenizer()
@@ -128,11 +128,7 @@ def test_a_planted_secret_is_in_neither_the_flow_parameters_nor_config_json(tmp_
     assert proc.stderr.splitlines()[-1] == f"  (traceback in {log}; --debug prints it here)"
     print(errors[0])
     assert "Traceback" in log.read_text()
-    runs = httpx.post(
-        f"{api}/flow_runs/filter",
-        json={"flow_runs": {"name": {"any_": ["planted"]}}},
-        timeout=10,
-    ).json()
+    runs = prefect_api(api, "/flow_runs/filter", {"flow_runs": {"name": {"any_": ["planted"]}}})
     assert runs, "the run flow never reached the Prefect API"
     parameters = json.dumps([r["parameters"] for r in runs])
     assert "planted" in parameters and s3_endpoint in parameters
