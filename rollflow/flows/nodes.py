@@ -42,6 +42,7 @@ from prefect import flow
 from rollflow.flows.deploy import NODE_FLOW_NAME
 from rollflow.flows.terminal import PrefectRunLog, say
 from rollflow.infra.errors import ServiceError
+from rollflow.infra.secrets import hand_over_secret_block
 from rollflow.infra.service import ManagedProcess
 
 FOLLOW_INTERVAL_S = 0.5
@@ -66,13 +67,18 @@ def trainer_node(
     env: dict[str, str] | None = None,
     serve: dict[str, Any] | None = None,
     driver: str | None = None,
+    storage_secret: list[str] | None = None,
 ) -> dict:
     """Run trainer node ``node`` of run ``run``: the launcher ``argv`` (with ``env``) to its end;
     node 0 (``serve``: ``PlacedTrainer``'s settings) starts its own launcher, serving the
-    trainer's API. ``driver``: the run's flow run, whose end ends the node (``DriverWatch``)."""
+    trainer's API. ``driver``: the run's flow run, whose end ends the node (``DriverWatch``).
+    ``storage_secret``: the run's storage root and ``run.storage_secret``, the Secret block this
+    flow run loads the storage's credentials from (its ranks inherit them)."""
     from prefect.context import get_run_context
 
     flow_run_id = get_run_context().flow_run.id
+    if storage_secret:
+        hand_over_secret_block(*storage_secret)
     watch = DriverWatch(driver)
     with PrefectRunLog(flow_run_id):
         if serve is not None:
@@ -215,11 +221,19 @@ def follow_log(path: Path, alive, out, interval_s: float = FOLLOW_INTERVAL_S) ->
 class TrainerNodes:
     """The flow runs of a run's trainer nodes (submitted by ``submit``), and their end."""
 
-    def __init__(self, deployment: str, queues: list[str], progress=print, gpus: int = 0):
+    def __init__(
+        self,
+        deployment: str,
+        queues: list[str],
+        progress=print,
+        gpus: int = 0,
+        storage_secret: tuple[str, str] | None = None,
+    ):
         """``gpus``: each node's GPUs (its ranks'), asked of a pool that places GPUs by job
-        variable (``gpu_request``)."""
+        variable (``gpu_request``); ``storage_secret``: the run's storage root and
+        ``run.storage_secret`` (a Secret block's name), which every node's flow run loads."""
         self.deployment, self.queues, self.progress = deployment, list(queues), progress
-        self.gpus = gpus
+        self.gpus, self.storage_secret = gpus, storage_secret
         self.job_variables: set[str] = set()  # what its pool's template takes (``check``)
         self.flow_runs: dict[int, UUID] = {}
 
@@ -239,6 +253,8 @@ class TrainerNodes:
         for node, (argv, env) in sorted(commands.items()):
             queue = self.queues[node] if self.queues else None
             parameters = {"run": run, "node": node, "argv": argv, "env": env, "driver": driver}
+            if self.storage_secret:
+                parameters["storage_secret"] = list(self.storage_secret)  # names, no value
             if node == 0:
                 parameters["serve"] = serve
             flow_run = run_deployment(

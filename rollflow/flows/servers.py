@@ -44,6 +44,7 @@ from rollflow.flows.nodes import (
 from rollflow.flows.terminal import PrefectRunLog, say
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.inference import auth
+from rollflow.infra.secrets import hand_over_secret_block
 from rollflow.infra.storage import LOCAL_CHECKPOINTS, RunStorage
 
 KEY_FILE = "control/servers/key.json"  # the run's key, for its placed processes' flow runs
@@ -70,13 +71,16 @@ def inference_server(
     model: tuple[str, int],
     server: dict[str, Any],
     driver: str | None = None,
+    storage_secret: str | None = None,
 ) -> dict:
     """Serve vLLM server ``slot`` of run ``run``, loading ``model`` (kind, step) from the run's
     ``storage``, with ``server``'s settings (``PlacedServer.settings``), until vLLM ends or the
-    run's flow run ``driver`` does (``nodes.DriverWatch``)."""
+    run's flow run ``driver`` does (``nodes.DriverWatch``). ``storage_secret``: the run's
+    ``run.storage_secret``, the Secret block this flow run loads the storage's credentials from."""
     from prefect.context import get_run_context
 
     flow_run_id = get_run_context().flow_run.id
+    hand_over_secret_block(storage, storage_secret)
     with PrefectRunLog(flow_run_id):
         return serve(
             run,
@@ -182,11 +186,13 @@ class PlacedServer:
         api_key: str,
         progress=print,
         job_variables: dict[str, Any] | None = None,
+        storage_secret: str | None = None,
     ):
         """``storage``: the run's storage root and options as its config gives them (without
-        credentials: the server's host has its own, as the trainer's nodes do);
+        credentials: the server's host has its own, as the trainer's nodes do, or loads them from
+        the Secret block ``storage_secret``, the run's ``run.storage_secret``);
         ``job_variables``: what its flow runs ask of the pool (its GPUs: ``nodes.gpu_request``)."""
-        self.job_variables = job_variables
+        self.job_variables, self.storage_secret = job_variables, storage_secret
         self.deployment, self.queue, self.run, self.slot = deployment, queue, run, slot
         self.storage_root, self.storage_options = storage
         self.storage, self.model = RunStorage(storage[0], run, storage[1]), model
@@ -247,17 +253,20 @@ class PlacedServer:
 
         if self.is_alive() and not self._cancelled:
             return
+        parameters = {
+            "run": self.run,
+            "slot": self.slot,
+            "storage": self.storage_root,
+            "storage_options": self.storage_options,
+            "model": list(self.model),
+            "server": self.settings,
+            "driver": this_run.get_id(),  # the run's flow run: the server ends with it
+        }
+        if self.storage_secret:
+            parameters["storage_secret"] = self.storage_secret  # the block's name, no value
         flow_run = run_deployment(
             self.deployment,
-            parameters={
-                "run": self.run,
-                "slot": self.slot,
-                "storage": self.storage_root,
-                "storage_options": self.storage_options,
-                "model": list(self.model),
-                "server": self.settings,
-                "driver": this_run.get_id(),  # the run's flow run: the server ends with it
-            },
+            parameters=parameters,
             timeout=0,
             work_queue_name=self.queue or None,
             job_variables=self.job_variables,

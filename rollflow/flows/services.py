@@ -153,11 +153,13 @@ class RunServices:
         cfg = self.cfg
         start = time.perf_counter()
         if self.node0_placed:
+            secret = cfg.run.storage_secret
             self.nodes = TrainerNodes(
                 cfg.trainer.node_deployment,
                 cfg.trainer.node_queues,
                 self.progress,
                 gpus=len(self.plan.trainer_nodes[-1].gpus),
+                storage_secret=(cfg.run.storage, secret) if secret else None,
             )
             self.nodes.check()  # before any process starts
         if self.placed or self.node0_placed:
@@ -279,6 +281,7 @@ class RunServices:
             api_key=self.token,
             progress=self.progress,
             job_variables=gpu_request(self._server_pool_variables, len(planned.gpus)),
+            storage_secret=cfg.run.storage_secret,
         )
 
     def _link(self) -> WeightLink:

@@ -139,5 +139,14 @@ def take_secrets_out(run_section: Any) -> list[str]:
 
 def load_storage_secret(run_section: Any) -> None:
     """Hand over the options of the Secret block ``run.storage_secret`` (needs the Prefect API)."""
-    if run_section.storage_secret:
-        hand_over(run_section.storage, load_secret_block(run_section.storage_secret))
+    hand_over_secret_block(run_section.storage, run_section.storage_secret)
+
+
+def hand_over_secret_block(root: str, name: str | None) -> None:
+    """Hand over for ``root`` the options of the Prefect Secret block ``name``, if one is named.
+
+    A process that Prefect places on another host (a vLLM server's or a trainer node's flow run)
+    gets the block's name as a parameter, never its value, and loads it itself: the run's own
+    environment does not travel there."""
+    if name:
+        hand_over(root, load_secret_block(name))

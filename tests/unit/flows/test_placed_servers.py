@@ -5,6 +5,7 @@ and syncing) is tests/integration/flows/test_scale_out.py's two-host run."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import threading
 import uuid
@@ -223,3 +224,55 @@ def test_a_pool_that_places_gpus_by_job_variable_is_asked_for_each_flow_runs_gpu
     on_hosts = nodes.check_deployment("rollflow-inference-server/proc", "k", "")
     assert nodes.gpu_request(on_k8s, 2) == {"gpus": 2}
     assert nodes.gpu_request(on_hosts, 2) is None and nodes.gpu_request(on_k8s, 0) is None
+
+
+def test_a_placed_server_loads_the_runs_storage_secret_itself(tmp_path, monkeypatch):
+    """``run.storage_secret``: the server's flow run gets the Secret block's name (never its
+    value) and loads it on its host before it reads the run's storage."""
+    from types import SimpleNamespace
+
+    import prefect.context
+
+    from rollflow.infra import secrets
+
+    api = FakePrefect(monkeypatch)
+    server, storage = _placed(tmp_path)
+    server.storage_secret = "creds"
+    server.spawn()
+    assert api.submitted[-1]["storage_secret"] == "creds"
+    plain, _ = _placed(tmp_path)
+    plain.spawn()
+    assert "storage_secret" not in api.submitted[-1]
+
+    blocks = {"creds": {"key": "planted-key", "secret": "planted-secret"}}
+    monkeypatch.setattr(secrets, "load_secret_block", blocks.__getitem__)
+    monkeypatch.delenv(secrets.SECRETS_ENV, raising=False)
+    monkeypatch.setattr(
+        prefect.context,
+        "get_run_context",
+        lambda: SimpleNamespace(flow_run=SimpleNamespace(id=uuid.uuid4())),
+    )
+    monkeypatch.setattr(servers, "PrefectRunLog", lambda _: contextlib.nullcontext())
+    seen = []
+    monkeypatch.setattr(servers, "serve", lambda run, slot, store, *rest: seen.append(store))
+    asked = api.submitted[-2]
+    params = {k: asked[k] for k in ("run", "slot", "storage", "storage_options", "model", "server")}
+    servers.inference_server.fn(**params, storage_secret=asked["storage_secret"])
+    assert seen[0].options["secret"] == "planted-secret"
+
+
+def test_the_runs_services_hand_the_storage_secrets_name_to_its_placed_servers(
+    tmp_path, monkeypatch
+):
+    from rollflow.flows import services as services_module
+    from rollflow.flows.services import RunServices
+
+    monkeypatch.setattr(services_module, "max_model_len", lambda policy: 64)
+    cfg = _cfg(
+        f"run.storage='{tmp_path}'",
+        "run.storage_secret='creds'",
+        "inference.server_deployment='rollflow-inference-server/default'",
+        "trainer.master_addr='10.0.0.1'",
+    )
+    run = RunServices(cfg, "/m", None, tmp_path / "logs", lambda _: None, Machine(gpus=0))
+    assert run._placed_server(0).storage_secret == "creds"

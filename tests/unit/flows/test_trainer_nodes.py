@@ -4,6 +4,7 @@ host, through a real Prefect server) is tests/integration/flows/test_scale_out.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -363,3 +364,43 @@ def test_a_prefect_api_hiccup_is_no_death_of_a_placed_node_0_or_server(tmp_path,
     monkeypatch.setattr(servers, "flow_run_state", down)
     assert trainer.is_alive() and trainer.state() == "RUNNING"
     assert server.state(fresh=True) == "RUNNING" and server.is_alive()
+
+
+def test_every_nodes_flow_run_loads_the_runs_storage_secret_itself(
+    flow_logger, monkeypatch, tmp_path
+):
+    """``run.storage_secret`` with placed nodes: each node's flow run gets the Secret block's
+    name (never its value) and loads it on its own host, where its ranks inherit it (before,
+    the run handed it to its own processes only, and a node on another host met its storage
+    without the credentials the run was given)."""
+    from types import SimpleNamespace
+
+    import prefect.context
+
+    from rollflow.infra import secrets
+
+    api = _Api(monkeypatch)
+    root = str(tmp_path / "runs")
+    placed = nodes.TrainerNodes("d/default", [], lambda _: None, storage_secret=(root, "creds"))
+    placed.submit("r", {1: (["launch"], {}), 2: (["launch"], {})})
+    assert [asked["storage_secret"] for asked in api.submitted] == [[root, "creds"]] * 2
+    nodes.TrainerNodes("d/default", [], lambda _: None).submit("r", {1: (["launch"], {})})
+    assert "storage_secret" not in api.submitted[-1]
+
+    # The flow body, on the node's host: the block loaded, handed to the launcher's processes.
+    blocks = {"creds": {"key": "planted-key", "secret": "planted-secret"}}
+    monkeypatch.setattr(secrets, "load_secret_block", blocks.__getitem__)
+    monkeypatch.delenv(secrets.SECRETS_ENV, raising=False)
+    monkeypatch.setattr(
+        prefect.context,
+        "get_run_context",
+        lambda: SimpleNamespace(flow_run=SimpleNamespace(id=uuid.uuid4())),
+    )
+    monkeypatch.setattr(nodes, "PrefectRunLog", lambda _: contextlib.nullcontext())
+    rank = (
+        "from rollflow.infra.storage import RunStorage; "
+        f"print('rank sees', RunStorage({root!r}, 'r').options['secret'])"
+    )
+    argv = [sys.executable, "-c", rank]
+    out = nodes.trainer_node.fn("r", 1, argv, None, storage_secret=[root, "creds"])
+    assert out["exit_code"] == 0 and "rank sees planted-secret" in flow_logger, flow_logger
