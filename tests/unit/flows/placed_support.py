@@ -41,3 +41,26 @@ class FakeFlowRuns:
     def cancel(self, flow_run_id):
         self.cancelled.append(flow_run_id)
         self.states[flow_run_id] = "CANCELLED"
+
+
+SECRET_BLOCKS = {"creds": {"key": "planted-key", "secret": "planted-secret"}}
+
+
+def in_a_placed_flow_run(monkeypatch, module) -> None:
+    """A placed flow's body (``module``'s) called as a worker's flow run would run it: a flow run
+    context, its log not forwarded, and a Prefect API holding the Secret block ``creds``
+    (``SECRET_BLOCKS``); nothing handed over yet in this process's environment."""
+    import contextlib
+
+    import prefect.context
+
+    from rollflow.infra import secrets
+
+    monkeypatch.setattr(secrets, "load_secret_block", SECRET_BLOCKS.__getitem__)
+    monkeypatch.delenv(secrets.SECRETS_ENV, raising=False)
+    monkeypatch.setattr(
+        prefect.context,
+        "get_run_context",
+        lambda: SimpleNamespace(flow_run=SimpleNamespace(id=uuid.uuid4())),
+    )
+    monkeypatch.setattr(module, "PrefectRunLog", lambda _: contextlib.nullcontext())

@@ -5,13 +5,12 @@ and syncing) is tests/integration/flows/test_scale_out.py's two-host run."""
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import threading
 import uuid
 
 import pytest
-from placed_support import FakeFlowRuns
+from placed_support import FakeFlowRuns, in_a_placed_flow_run
 
 from rollflow.flows import servers
 from rollflow.infra.config import load_config
@@ -229,12 +228,6 @@ def test_a_pool_that_places_gpus_by_job_variable_is_asked_for_each_flow_runs_gpu
 def test_a_placed_server_loads_the_runs_storage_secret_itself(tmp_path, monkeypatch):
     """``run.storage_secret``: the server's flow run gets the Secret block's name (never its
     value) and loads it on its host before it reads the run's storage."""
-    from types import SimpleNamespace
-
-    import prefect.context
-
-    from rollflow.infra import secrets
-
     api = FakePrefect(monkeypatch)
     server, storage = _placed(tmp_path)
     server.storage_secret = "creds"
@@ -244,15 +237,7 @@ def test_a_placed_server_loads_the_runs_storage_secret_itself(tmp_path, monkeypa
     plain.spawn()
     assert "storage_secret" not in api.submitted[-1]
 
-    blocks = {"creds": {"key": "planted-key", "secret": "planted-secret"}}
-    monkeypatch.setattr(secrets, "load_secret_block", blocks.__getitem__)
-    monkeypatch.delenv(secrets.SECRETS_ENV, raising=False)
-    monkeypatch.setattr(
-        prefect.context,
-        "get_run_context",
-        lambda: SimpleNamespace(flow_run=SimpleNamespace(id=uuid.uuid4())),
-    )
-    monkeypatch.setattr(servers, "PrefectRunLog", lambda _: contextlib.nullcontext())
+    in_a_placed_flow_run(monkeypatch, servers)
     seen = []
     monkeypatch.setattr(servers, "serve", lambda run, slot, store, *rest: seen.append(store))
     asked = api.submitted[-2]

@@ -4,7 +4,6 @@ host, through a real Prefect server) is tests/integration/flows/test_scale_out.p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import sys
@@ -13,7 +12,7 @@ import time
 import uuid
 
 import pytest
-from placed_support import FakeFlowRuns
+from placed_support import FakeFlowRuns, in_a_placed_flow_run
 
 from rollflow.flows import nodes
 from rollflow.infra.config import load_config
@@ -373,12 +372,6 @@ def test_every_nodes_flow_run_loads_the_runs_storage_secret_itself(
     name (never its value) and loads it on its own host, where its ranks inherit it (before,
     the run handed it to its own processes only, and a node on another host met its storage
     without the credentials the run was given)."""
-    from types import SimpleNamespace
-
-    import prefect.context
-
-    from rollflow.infra import secrets
-
     api = _Api(monkeypatch)
     root = str(tmp_path / "runs")
     placed = nodes.TrainerNodes("d/default", [], lambda _: None, storage_secret=(root, "creds"))
@@ -388,15 +381,7 @@ def test_every_nodes_flow_run_loads_the_runs_storage_secret_itself(
     assert "storage_secret" not in api.submitted[-1]
 
     # The flow body, on the node's host: the block loaded, handed to the launcher's processes.
-    blocks = {"creds": {"key": "planted-key", "secret": "planted-secret"}}
-    monkeypatch.setattr(secrets, "load_secret_block", blocks.__getitem__)
-    monkeypatch.delenv(secrets.SECRETS_ENV, raising=False)
-    monkeypatch.setattr(
-        prefect.context,
-        "get_run_context",
-        lambda: SimpleNamespace(flow_run=SimpleNamespace(id=uuid.uuid4())),
-    )
-    monkeypatch.setattr(nodes, "PrefectRunLog", lambda _: contextlib.nullcontext())
+    in_a_placed_flow_run(monkeypatch, nodes)
     rank = (
         "from rollflow.infra.storage import RunStorage; "
         f"print('rank sees', RunStorage({root!r}, 'r').options['secret'])"
