@@ -195,7 +195,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             for service in services:
                 if service not in lost:
                     assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
-            state = _read(api, f"/flow_runs/{run_id}")["state"]
+            state = prefect_api(api, f"/flow_runs/{run_id}")["state"]
             terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
             return state if state is not None and state["type"] in terminal else None
 
@@ -244,7 +244,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             "message": crashed["message"],
             "crashed_after_s": crashed_after_s,
             "rerun_after_s": rerun_after_s,
-            "rerun_worker": _read(api, f"/flow_runs/{rerun_id}").get("work_queue_name"),
+            "rerun_worker": prefect_api(api, f"/flow_runs/{rerun_id}").get("work_queue_name"),
         }
         record.heal_flow_runs = _heal_flow_runs(api)
         record.reruns = len(_tagged(api, rerun_tag))
@@ -337,10 +337,6 @@ def prefect_api(
         if time.monotonic() + 1 > end:
             raise TimeoutError(f"Prefect API {path}: no answer within {deadline_s:.0f}s ({why})")
         time.sleep(1)
-
-
-def _read(api: str, path: str) -> dict:
-    return prefect_api(api, path)
 
 
 def flow_run_log(api: str, *flow_run_ids: str) -> str:

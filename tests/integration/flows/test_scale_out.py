@@ -189,7 +189,6 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
         Service,
         _deployment_run,
         _healthy,
-        _read,
         rollflow_deploy,
         wait_until,
     )
@@ -241,7 +240,7 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             def ended(flow_run_id: str) -> str | None:
                 for service in services:
                     assert service.proc.poll() is None, f"{service.name} exited\n{logs()}"
-                state = _read(api, f"/flow_runs/{flow_run_id}")["state"]
+                state = prefect_api(api, f"/flow_runs/{flow_run_id}")["state"]
                 terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
                 return state["type"] if state and state["type"] in terminal else None
 
