@@ -85,14 +85,14 @@ def session_prefect_api() -> str:
             env=env,
             cwd=ROOT,
         )
-        atexit.register(_stop_session_api)
+        atexit.register(stop_session_api)
         url = _api.stdout.readline().strip()
         assert url.startswith("http"), f"the session's Prefect API did not start ({url!r})"
         _api_url = url
     return _api_url
 
 
-def _stop_session_api() -> None:
+def stop_session_api() -> None:
     if _api is not None and _api.poll() is None:
         _api.stdin.close()  # the holder leaves local_prefect_api's block: the API stops
         try:

@@ -39,3 +39,59 @@ def test_files_that_share_a_session_service_are_one_work_unit_of_the_workers():
     for test_id in ids:
         group = "vllm_server" if "test_lora_sync" in test_id else "deployed_run"
         assert test_id.endswith(f"@{group}"), test_id
+
+
+def test_each_worker_has_a_prefect_home_of_its_own():
+    """conftest.py gives each xdist worker its own PREFECT_HOME (its SQLite database): the
+    workers inherit the controller's environment, where one was already set (`main`), and
+    every worker used that one."""
+    import os
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    assert Path(os.environ["PREFECT_HOME"]).name == worker
+
+
+def test_a_process_that_outlives_the_suite_is_named_and_killed(tmp_path):
+    """A test that leaves a process behind: once the suite is over, its pytest names it and
+    kills it (conftest.py's pytest_sessionfinish), and no other process of the caller's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    (tmp_path / "tests").mkdir()
+    shutil.copy(TESTS / "conftest.py", tmp_path / "tests" / "conftest.py")
+    (tmp_path / "tests" / "test_leak.py").write_text(
+        "import subprocess, sys\n"
+        "def test_leaves_a_process():\n"
+        "    proc = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'],\n"
+        "                            start_new_session=True)\n"
+        "    print('left', proc.pid)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-s", "-p", "no:cacheprovider", "tests/test_leak.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [pid] = [int(line.split()[-1]) for line in done.stdout.splitlines() if "left " in line]
+    assert "1 process(es) outlived the suite, now killed:" in done.stdout, done.stdout[-3000:]
+    assert f"pid {pid}: " in done.stdout
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), f"the process left by the test (pid {pid}) still runs"
