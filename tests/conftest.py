@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -12,12 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # The controller sets it first and its workers inherit its environment, so a worker replaces the
 # controller's (a setdefault kept it: every worker shared `main`); a PREFECT_HOME set outside the
 # suite is kept.
-_OWN_HOME = "ROLLFLOW_TESTS_OWN_PREFECT_HOME"
-if "PREFECT_HOME" not in os.environ or os.environ.get(_OWN_HOME) == "1":
-    os.environ["PREFECT_HOME"] = str(
-        ROOT / ".prefect" / "tests" / os.environ.get("PYTEST_XDIST_WORKER", "main")
-    )
-    os.environ[_OWN_HOME] = "1"
+_HOMES = ROOT / ".prefect" / "tests"
+if Path(os.environ.get("PREFECT_HOME", _HOMES / "main")).parent == _HOMES:
+    os.environ["PREFECT_HOME"] = str(_HOMES / os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
 # Every process the suite starts inherits this mark, set by the controller (a pytest that a test
 # starts sets its own) and kept by its workers: whatever still carries it once the suite is over
@@ -54,36 +52,26 @@ def pytest_sessionfinish(session):
     mark outlived their tests. They are named in the terminal and killed, so that a run of the
     suite leaves nothing behind on the machine (one did: Prefect's ephemeral API server, its
     parent gone, took 400 MB for good)."""
+    import psutil
+
     result = yield
     if os.environ[SUITE_MARK].startswith(f"{os.getpid()}-"):
         run_support = sys.modules.get("run_support")
         if run_support is not None:  # (without workers, its session API stops at exit: now)
             run_support.stop_session_api()
-        left = outliving_processes()
+        from deployed_run import processes_marked
+
+        left = processes_marked(os.environ[SUITE_MARK])
         if left:
             writer = session.config.get_terminal_writer()
             writer.line(f"{len(left)} process(es) outlived the suite, now killed:", yellow=True)
-            for line in left:
-                writer.line(f"  {line}", yellow=True)
+            for proc in left:
+                writer.line(
+                    f"  pid {proc.pid}: {' '.join(proc.info['cmdline'] or [])[:200]}", yellow=True
+                )
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
     return result
-
-
-def outliving_processes() -> list[str]:
-    """Kill every live process with the suite's mark but this one and its ancestors; say which."""
-    import psutil
-
-    mark = os.environ[SUITE_MARK]
-    keep = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
-    left = []
-    for proc in psutil.process_iter(["pid", "environ", "cmdline"]):
-        try:
-            if proc.pid in keep or (proc.info["environ"] or {}).get(SUITE_MARK) != mark:
-                continue
-            left.append(f"pid {proc.pid}: {' '.join(proc.info['cmdline'] or [])[:200]}")
-            proc.kill()
-        except (psutil.Error, TypeError):
-            continue
-    return left
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -63,7 +63,8 @@ def test_a_process_that_outlives_the_suite_is_named_and_killed(tmp_path):
     import psutil
 
     (tmp_path / "tests").mkdir()
-    shutil.copy(TESTS / "conftest.py", tmp_path / "tests" / "conftest.py")
+    for helper in ("conftest.py", "deployed_run.py"):
+        shutil.copy(TESTS / helper, tmp_path / "tests" / helper)
     (tmp_path / "tests" / "test_leak.py").write_text(
         "import subprocess, sys\n"
         "def test_leaves_a_process():\n"
