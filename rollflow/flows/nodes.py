@@ -138,6 +138,7 @@ def _serve_node_0(
         log_dir=log_dir,
         device_env=env,
         cpus=tuple(serve.get("cpus") or ()),
+        progress=say,
     )
     where = {
         "flow_run_id": str(flow_run_id),

@@ -21,7 +21,7 @@ from typing import Any
 
 from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.http import Endpoint
-from rollflow.infra.service import ManagedProcess, cpu_split, free_port, log_tail
+from rollflow.infra.service import ManagedProcess, cpu_split, free_port, log_tail, wait_port_free
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.trainer import SERVICE_MODULE
 from rollflow.trainer.protocol import ServiceArgs
@@ -33,6 +33,9 @@ TORCH_EXTENSIONS_DIR = (
     Path("~/.cache/rollflow/torch_extensions").expanduser()
     / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
 )
+# How long node 0 waits for its rendezvous port to be let go before it starts its launcher: the
+# previous trainer's node 0 on this host (a restart) may still be exiting.
+RENDEZVOUS_FREE_TIMEOUT_S = 60.0
 
 
 def launcher_argv(
@@ -189,7 +192,8 @@ class TrainerProcess:
 
     ``device_env`` is the plan's environment for this node (``CUDA_VISIBLE_DEVICES``);
     ``node_rank`` > 0 starts another node of a multi-node trainer (its ranks serve no API);
-    ``cpus``: the cores the plan pins the launcher and its ranks to (``trainer.cpus``).
+    ``cpus``: the cores the plan pins the launcher and its ranks to (``trainer.cpus``);
+    ``progress``: where what it waits for is said.
     """
 
     def __init__(
@@ -202,8 +206,10 @@ class TrainerProcess:
         device_env: dict[str, str] | None = None,
         node_rank: int = 0,
         cpus: tuple[int, ...] = (),
+        progress=print,
     ):
         self.log_dir = Path(log_dir)
+        self.node_rank, self.progress = node_rank, progress
         tr = args.trainer
         self.startup_timeout_s = tr.startup_timeout_s
         suffix = f"-node-{node_rank}" if node_rank else ""
@@ -217,7 +223,7 @@ class TrainerProcess:
         device = tr.device
         if device == "auto":
             device = "cuda" if _has_cuda() else "cpu"
-        master_port = tr.master_port if tr.num_nodes > 1 else free_port()
+        self.master_port = master_port = tr.master_port if tr.num_nodes > 1 else free_port()
         if cpus:  # pinned by the plan (trainer.cpus): the ranks' threads share those cores
             num_cpus = len(cpus)
         elif beside_inference and device == "cpu":  # the trainer's share of the cores
@@ -248,8 +254,26 @@ class TrainerProcess:
             self.args_file.with_name("trainer-hostfile").write_text(
                 hostfile_text(tr.num_nodes, tr.num_ranks, slots)
             )
+        if tr.num_nodes > 1 and self.node_rank == 0:
+            self._wait_rendezvous_port()
         self.process.start()
         return self
+
+    def _wait_rendezvous_port(self) -> None:
+        """Node 0's launcher hosts the nodes' rendezvous on ``trainer.master_port`` (every
+        address of its host). A restarted trainer's node 0 may be placed on the host where the
+        lost one's launcher is still exiting, holding the port: started then, the launcher fails
+        at once ("address already in use", seen in a two-host run). Wait for the port, saying
+        so; raise ``ServiceError`` naming the holder after ``RENDEZVOUS_FREE_TIMEOUT_S``."""
+        who = "trainer node 0's rendezvous (trainer.master_port)"
+        try:
+            wait_port_free("0.0.0.0", self.master_port, 0, who)
+        except ServiceError:
+            self.progress(
+                f"{who}: port {self.master_port} is still held on this host (a previous trainer "
+                f"still exiting?); waiting up to {RENDEZVOUS_FREE_TIMEOUT_S:.0f}s for it"
+            )
+            wait_port_free("0.0.0.0", self.master_port, RENDEZVOUS_FREE_TIMEOUT_S, who)
 
     def wait_healthy(self) -> float:
         """Block until rank 0 answers; raises with the log's tail if the launcher exits first."""
