@@ -17,6 +17,7 @@ processes left after the stop) and stops everything it started before returning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -211,17 +212,27 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         )
 
         # The run's host lost once step 1's flow run completed (its checkpoint is committed
-        # before the flow run ends: a kill in between left it unfinished): its worker and every
-        # process under it (the run flow's, its services) SIGKILLed at once, so nobody reports
-        # anything. (A kill after the last commit is met by the rerun as well.)
-        wait_until(
-            lambda: _step_completed(api, flow_run_id, "quickstart-step-1") or finished(),
-            RUN_DEADLINE_S,
-            "step 1's flow run completed",
-            logs,
-        )
+        # before the flow run ends: a kill in between left it unfinished) and before step 2
+        # commits: its worker and every process under it (the run flow's, its services)
+        # SIGKILLed at once, so nobody reports anything. Between step 1's checkpoint and the
+        # kill the host is frozen (SIGSTOP) while the API is read: step 2 cannot commit in the
+        # seconds the reads take (seen: it did, its flow run then never completed).
+        step_1 = storage / "quickstart" / "checkpoints" / "step=1" / "_SUCCESS"
+        wait_until(lambda: step_1.exists() or finished(), RUN_DEADLINE_S, "step 1's checkpoint")
+
+        def frozen_after_step_1() -> bool:
+            tree = _host_processes(worker)
+            _signal_all(tree, signal.SIGSTOP)
+            if _step_completed(api, flow_run_id, "quickstart-step-1") or finished():
+                return True
+            _signal_all(tree, signal.SIGCONT)
+            time.sleep(0.2)
+            return False
+
+        wait_until(frozen_after_step_1, 120, "step 1's flow run completed", logs)
         assert _heartbeat_sent(api, flow_run_id), "the run sent no heartbeat: nothing to miss"
         assert not ended(flow_run_id), f"the run ended before its host could be lost\n{logs()}"
+        assert not (step_1.parent.parent / "step=2" / "_SUCCESS").exists()
         lost.append(worker)
         _kill_host(worker)
         lost_at = time.monotonic()
@@ -280,16 +291,23 @@ def _heartbeat_sent(api: str, flow_run_id: str) -> bool:
     return bool(found["events"])
 
 
-def _kill_host(worker: Service) -> None:
-    """A host lost: its worker and every process under it (the run's flow run, its services)
-    SIGKILLed at once; nothing is left to report."""
+def _host_processes(worker: Service) -> list[psutil.Process]:
+    """The worker and every process under it (the run's flow run, its services)."""
     root = psutil.Process(worker.proc.pid)
-    every = [root, *root.children(recursive=True)]
-    for proc in every:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
+    return [root, *root.children(recursive=True)]
+
+
+def _signal_all(procs: list[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+
+
+def _kill_host(worker: Service) -> None:
+    """A host lost: its worker and every process under it SIGKILLed at once; nothing is left
+    to report."""
+    every = _host_processes(worker)
+    _signal_all(every, signal.SIGKILL)
     psutil.wait_procs(every, timeout=10)
 
 
