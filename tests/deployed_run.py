@@ -72,6 +72,7 @@ class DeployedRun:
     # to the rerun's flow run
     crashed: dict = field(default_factory=dict)
     heal_flow_runs: list[dict] = field(default_factory=list)  # rollflow-heal's: state, name
+    mirrored: list[str] = field(default_factory=list)  # the run's events, as the server holds them
     reruns: int = 0  # flow runs started for the crash
     fleet_control: dict | None = None  # control/fleet.json after it
     left_over: list[str] = field(default_factory=list)  # processes of the test alive after the stop
@@ -258,6 +259,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
             "rerun_worker": prefect_api(api, f"/flow_runs/{rerun_id}").get("work_queue_name"),
         }
         record.heal_flow_runs = _heal_flow_runs(api)
+        record.mirrored = _run_events(api, "quickstart")
         record.reruns = len(_tagged(api, rerun_tag))
         state = ended(scale_run_id)
         record.scale_flow_run = {"state": state["type"], "message": state.get("message")}
@@ -395,6 +397,22 @@ def _step_completed(api: str, parent_id: str, name: str) -> bool:
 
 def _tagged(api: str, tag: str) -> list[dict]:
     return prefect_api(api, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [tag]}}})
+
+
+def _run_events(api: str, run: str) -> list[str]:
+    """The names of the run's events (``rollflow.<kind>``) the server received, oldest first."""
+    found = prefect_api(
+        api,
+        "/events/filter",
+        {
+            "filter": {
+                "resource": {"id": [f"rollflow.run.{run}"]},
+                "order": "ASC",
+            },
+            "limit": 50,  # the most the server returns in one page
+        },
+    )
+    return [e["event"] for e in found["events"]]
 
 
 def _heal_flow_runs(api: str) -> list[dict]:

@@ -5,7 +5,10 @@ Kinds (``Event``, the one list of names; readers compare with its members): ``ru
 ``trainer_restarted``, ``fleet_changed(servers, joined | left)``, ``training_finished`` (published by the trainer service after its last optimizer step). The run
 flow's process is the only writer of ``events.jsonl``, so the object-store rewrite never races
 another process; Prefect events (``rollflow.<kind>`` on resource ``rollflow.run.<run>``) let
-automations react. A failure to mirror is logged, never fatal: the file is the record.
+automations react. A failure to mirror is logged, never fatal: the file is the record. Where no
+Prefect API is configured (a process that drives services without a run's API: no automation
+can hear it), nothing is mirrored: Prefect's ``emit_event`` would start an ephemeral API server
+of its own for it (seen in the suite: two per fleet test, one outlived its process).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ def publish(storage: RunStorage, kind: Event, **fields: Any) -> dict[str, Any]:
     event = storage.append_event(kind.value, **fields)
     try:
         from prefect.events import emit_event
+        from prefect.settings import PREFECT_API_URL
+
+        if not PREFECT_API_URL.value():
+            return event
 
         emit_event(
             event=f"rollflow.{kind.value}",

@@ -45,6 +45,10 @@ def test_deployment_run_trains_and_commits_its_data(deployed_run):
         json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()
     ]
     assert events.count("step_committed") == 2 and events[-1] == "training_finished"
+    # Each is mirrored to the Prefect server the run reports to, for automations to hear.
+    assert set(events) <= {e.removeprefix("rollflow.") for e in deployed_run.mirrored}, (
+        deployed_run.mirrored
+    )
 
 
 def test_deployment_run_publishes_its_artifacts(deployed_run):
