@@ -62,9 +62,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_port_free(host: str, port: int, timeout_s: float, who: str) -> None:
+def wait_port_free(
+    host: str, port: int, timeout_s: float, who: str, on_held: Callable[[], None] | None = None
+) -> None:
     """Return once nothing listens on ``host:port``; after ``timeout_s``, raise ``ServiceError``
-    naming the processes that do.
+    naming the processes that do. ``on_held`` is called once, when the port is first found held
+    (to say what is waited for).
 
     vLLM binds its port with ``SO_REUSEPORT``: started on a port that another process still
     listens on (the server's previous engine core, still exiting; another run's server), it
@@ -82,6 +85,9 @@ def wait_port_free(host: str, port: int, timeout_s: float, who: str) -> None:
                 return
             except OSError:
                 pass
+        if on_held is not None:
+            on_held()
+            on_held = None
         if time.monotonic() >= deadline:
             raise ServiceError(
                 f"{who}: port {port} on {host} is still taken after {timeout_s:.0f}s, by "

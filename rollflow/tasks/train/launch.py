@@ -266,14 +266,16 @@ class TrainerProcess:
         at once ("address already in use", seen in a two-host run). Wait for the port, saying
         so; raise ``ServiceError`` naming the holder after ``RENDEZVOUS_FREE_TIMEOUT_S``."""
         who = "trainer node 0's rendezvous (trainer.master_port)"
-        try:
-            wait_port_free("0.0.0.0", self.master_port, 0, who)
-        except ServiceError:
-            self.progress(
+        wait_port_free(
+            "0.0.0.0",
+            self.master_port,
+            RENDEZVOUS_FREE_TIMEOUT_S,
+            who,
+            on_held=lambda: self.progress(
                 f"{who}: port {self.master_port} is still held on this host (a previous trainer "
                 f"still exiting?); waiting up to {RENDEZVOUS_FREE_TIMEOUT_S:.0f}s for it"
-            )
-            wait_port_free("0.0.0.0", self.master_port, RENDEZVOUS_FREE_TIMEOUT_S, who)
+            ),
+        )
 
     def wait_healthy(self) -> float:
         """Block until rank 0 answers; raises with the log's tail if the launcher exits first."""
