@@ -276,6 +276,7 @@ def _overrides(args, name: str, g: int, k: int, b: int) -> list[str]:
         f"train.mini_batch_size={b}",
         f"train.max_staleness={MAX_STALENESS}",
         f"train.max_in_flight_groups={k}",
+        "train.dynamic_sampling=false",  # every admitted group is served, as vLLM's own loop
     ]
 
 

@@ -76,8 +76,9 @@ class ProducerHost:
     Owns: the producer's loop and the order in which steps take their groups. ``reused_steps``
     are the steps after the checkpoint whose committed rollouts are trained on again (see
     ``reusable_rollouts``); the producer's first group goes to the step after them.
-    With ``train.dynamic_sampling``, a finished group is judged by ``advantages`` (the run's
-    estimator, given by the flow): one whose advantages are all zero is sampled anew.
+    With dynamic sampling (``train.resamples()``, on by default), a finished group is judged by
+    ``advantages`` (the run's estimator, given by the flow): one whose advantages are all zero is
+    sampled anew.
     """
 
     def __init__(
@@ -90,8 +91,12 @@ class ProducerHost:
         reused_steps: list[int] = (),
         advantages: Advantages | None = None,
     ):
-        if cfg.train.dynamic_sampling and advantages is None:
-            raise ValueError("train.dynamic_sampling needs the run's advantage estimator")
+        if cfg.train.resamples() and advantages is None:
+            raise ValueError(
+                "dynamic sampling (train.dynamic_sampling, on by default) needs the run's "
+                "advantage estimator: pass advantages=advantage_fn(cfg.train), or set "
+                "train.dynamic_sampling = false"
+            )
         self.cfg, self.envs = cfg, envs
         self.reused_steps = frozenset(reused_steps)
         first_step = resumed_from + 1 + len(self.reused_steps)
@@ -123,7 +128,7 @@ class ProducerHost:
                 max_in_flight=t.in_flight_groups(),
                 version=resumed_from,
                 first_step=first_step,
-                has_signal=group_has_signal(advantages) if t.dynamic_sampling else None,
+                has_signal=group_has_signal(advantages) if t.resamples() else None,
                 max_resampled=t.resample_budget(),
                 quarantine=EnvQuarantine(
                     after=cfg.sampling.env_quarantine_after,

@@ -255,5 +255,9 @@ def test_defaults_that_depend_on_other_keys_are_the_configs():
 
     t = TrainSection(train_batch_size=8, mini_batch_size=8)
     assert t.resample_budget() == 8 and TrainSection(max_resampled_groups=0).resample_budget() == 0
+    # Dynamic sampling replaces the groups the zero-advantage filter would drop: on with it.
+    assert t.resamples() and not TrainSection(filter_zero_advantage=False).resamples()
+    assert not TrainSection(dynamic_sampling=False).resamples()
+    assert TrainSection(filter_zero_advantage=False, dynamic_sampling=True).resamples()
     assert t.overlong_limit(max_tokens=32) == 32
     assert TrainSection(overlong_max_tokens=10).overlong_limit(max_tokens=32) == 10

@@ -88,6 +88,7 @@ def test_an_env_whose_server_is_down_is_quarantined_then_admitted_again(
             "train.train_batch_size=8",
             "train.mini_batch_size=8",
             "train.max_staleness=0",
+            "train.dynamic_sampling=false",  # each step takes exactly the groups it admitted
             "sampling.group_size=2",
             "sampling.max_tokens=6",
             "sampling.env_quarantine_after=2",

@@ -195,7 +195,8 @@ def test_generate_task_reports_the_skipped_rows(tmp_path):
             "model": {"path": "unused"},
             "envs": [{"name": "dataset", "args": {"path": data}}],
             "sampling": {"group_size": 2},
-            "train": {"train_batch_size": 2, "mini_batch_size": 2},
+            # The host is built without the flow's estimator: no dynamic sampling.
+            "train": {"train_batch_size": 2, "mini_batch_size": 2, "dynamic_sampling": False},
         }
     )
     nowhere = Endpoint("none", "http://127.0.0.1:9", "token")
