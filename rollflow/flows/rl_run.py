@@ -399,10 +399,15 @@ def _fmt_env(total: float, by_env: dict[str, float]) -> str:
 
 
 def progress_line(step: int, num_steps: int, m: dict) -> str:
-    """One line per step: reward, what was kept, loss, staleness, and where the time went."""
+    """One line per step: reward, what was kept (and how many groups without signal dynamic
+    sampling replaced), loss, staleness, and where the time went."""
+    kept = f"kept {m[Metric.NUM_GROUPS_KEPT]} groups"
+    resampled = m.get(Metric.RESAMPLED, 0)  # absent (or NaN) where the step reused its rollouts
+    if resampled > 0:
+        kept += f" ({int(resampled)} resampled)"
     line = (
-        f"step {step}/{num_steps}: reward {m[Metric.REWARD_MEAN]:.3f}, "
-        f"kept {m[Metric.NUM_GROUPS_KEPT]} groups, loss {m.get(Metric.LOSS, math.nan):+.4f}, "
+        f"step {step}/{num_steps}: reward {m[Metric.REWARD_MEAN]:.3f}, {kept}, "
+        f"loss {m.get(Metric.LOSS, math.nan):+.4f}, "
         f"staleness {m.get(Metric.STALENESS_MEAN, 0.0):.2f} | "
         f"wait {m[Metric.TRAINER_WAIT_FOR_DATA_S]:.2f}s train {m[Metric.TRAIN_PHASE_S]:.2f}s "
         f"sync {m[Metric.SYNC_PHASE_S]:.2f}s | step {m[Metric.STEP_S]:.2f}s"

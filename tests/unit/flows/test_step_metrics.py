@@ -61,3 +61,22 @@ def test_the_producers_quarantine_numbers_reach_the_row():
     assert by_env(m.row, Metric.ENV_QUARANTINED) == {"calc": 1, "add": 0}
     assert m.row[Metric.QUARANTINE_SET_ASIDE_TOTAL] == 40 and m.row[Metric.ENVS_QUARANTINED] == 1
     assert "num_admitted" not in m.row
+
+
+def test_the_progress_line_says_how_many_groups_dynamic_sampling_replaced():
+    from rollflow.flows.rl_run import progress_line
+
+    row = {
+        Metric.REWARD_MEAN: 0.5,
+        Metric.NUM_GROUPS_KEPT: 8,
+        Metric.LOSS: 0.01,
+        Metric.TRAINER_WAIT_FOR_DATA_S: 0.1,
+        Metric.TRAIN_PHASE_S: 0.2,
+        Metric.SYNC_PHASE_S: 0.1,
+        Metric.STEP_S: 0.5,
+    }
+    assert "kept 8 groups (3 resampled), loss" in progress_line(2, 4, {**row, Metric.RESAMPLED: 3})
+    # None replaced, or a step that reused its committed rollouts: nothing said.
+    for value in (0, math.nan):
+        assert "kept 8 groups, loss" in progress_line(2, 4, {**row, Metric.RESAMPLED: value})
+    assert "kept 8 groups, loss" in progress_line(2, 4, row)
