@@ -25,6 +25,9 @@ TRL's exact loss is ``train.old_logprobs=trainer`` on top of the defaults
 shuffled into its optimizer steps, ``train.mini_batch_split=samples``) and TRL's token mean
 (``train.token_mean=batch``, which counts the tokens of the groups the zero-advantage filter left
 out) are rollflow's defaults; before, ``train.mini_batch_split=groups train.token_mean=mini_batch``.
+Since 2026-11-29 the defaults' data differs from TRL's: dynamic sampling (on with the zero-advantage
+filter) replaces a group without signal by a new one before a step takes it, where TRL trains on
+the generation batch it sampled; ``train.dynamic_sampling=false`` gives TRL's data.
 
 - TRL: ``GRPOTrainer`` with its own HF ``generate`` (no vLLM), in a child process, on CPU.
 - rollflow: ``rollflow run`` (vLLM CPU, trainer service, Prefect flows) with ``model.path`` set
@@ -43,7 +46,8 @@ Each side runs ``--seeds N`` times (``run.seed`` = 0..N-1, from ``--first-seed``
 (b) 1) and the ratios of the median times and of the median optimizer steps are printed: one
 run's crossing of the threshold is noisy. Extra ``key=value`` overrides go to both sides' config;
 those TRL has no counterpart for (``train.mini_batch_split``, ``train.old_logprobs``,
-``train.token_mean``, ``train.filter_zero_advantage``) change rollflow only, e.g.
+``train.token_mean``, ``train.filter_zero_advantage``, ``train.dynamic_sampling``) change rollflow
+only, e.g.
 ``--only rollflow train.mini_batch_split=groups`` (the default before 2026-11-28).
 
 Held-out reward: the env's reward (exact match for (a), the fraction of positions right for (b))
