@@ -56,9 +56,10 @@ class TrainSection(Section):
         None,
         description="DAPO's dynamic sampling: a finished group whose advantages are all zero is "
         "replaced by a newly sampled one before a step takes it, under the same staleness bound "
-        "(up to max_resampled_groups per step): more learning per optimizer step (0.57x TRL's "
-        "steps to the threshold on a task nobody tuned for), more sampling per step. Default: "
-        "on where filter_zero_advantage drops such groups anyway, off where they are trained.",
+        "(max_resampled_groups per step, budget left unused carries over): more learning per "
+        "optimizer step (0.24-0.57x TRL's steps to a threshold on three tasks), more sampling "
+        "per step. Default: on where filter_zero_advantage drops such groups anyway, off where "
+        "they are trained.",
     )
     max_resampled_groups: int | None = Field(
         None,
@@ -139,8 +140,8 @@ class TrainSection(Section):
         )
 
     def resample_budget(self) -> int:
-        """Dynamic sampling's budget: groups replaced per step at most (``max_resampled_groups``,
-        default ``train_batch_size``)."""
+        """Dynamic sampling's budget: groups replaced per step (``max_resampled_groups``, default
+        ``train_batch_size``); what a step leaves unused carries over to the next."""
         return (
             self.train_batch_size
             if self.max_resampled_groups is None

@@ -76,9 +76,9 @@ class ProducerHost:
     Owns: the producer's loop and the order in which steps take their groups. ``reused_steps``
     are the steps after the checkpoint whose committed rollouts are trained on again (see
     ``reusable_rollouts``); the producer's first group goes to the step after them.
-    With dynamic sampling (``train.resamples()``, on by default), a finished group is judged by
-    ``advantages`` (the run's estimator, given by the flow): one whose advantages are all zero is
-    sampled anew.
+    With dynamic sampling (``train.resamples()``, on by default with the filter), a finished
+    group is judged by ``advantages`` (the run's estimator, given by the flow): one whose
+    advantages are all zero is sampled anew.
     """
 
     def __init__(
@@ -93,9 +93,9 @@ class ProducerHost:
     ):
         if cfg.train.resamples() and advantages is None:
             raise ValueError(
-                "dynamic sampling (train.dynamic_sampling, on by default) needs the run's "
-                "advantage estimator: pass advantages=advantage_fn(cfg.train), or set "
-                "train.dynamic_sampling = false"
+                "dynamic sampling (train.dynamic_sampling, on by default with the zero-advantage "
+                "filter) needs the run's advantage estimator: pass "
+                "advantages=advantage_fn(cfg.train), or set train.dynamic_sampling = false"
             )
         self.cfg, self.envs = cfg, envs
         self.reused_steps = frozenset(reused_steps)
