@@ -1,16 +1,35 @@
-"""MkDocs hook: the configuration reference, rendered from the pydantic config models at build time.
+"""Write the generated parts of the reference pages from the code, or check that they are current.
 
-Owns: the page's tables. ``docs/reference/configuration.md`` holds the prose and the marker
-``<!-- config-reference -->``; this hook replaces the marker with one table per section of
-``RunConfig`` (every key: dotted name, type, default, allowed values or bounds, and the field's
-``Field(description=...)``), so the page follows the code and cannot drift. A field without a
-description renders with an empty meaning (the config's unit tests require descriptions).
+    .venv/bin/python scripts/gen_reference.py           # rewrite the stale pages
+    .venv/bin/python scripts/gen_reference.py --check   # exit 1, naming each stale page
+
+Owns: the rendering of the reference pages' generated blocks and the markers around them.
+
+- ``docs/reference/configuration.md``: one table per section of ``RunConfig`` (every key: dotted
+  name, type, default, allowed values or bounds, and the field's ``Field(description=...)``), in
+  the block ``config-reference``. A field without a description renders with an empty meaning
+  (the config's unit tests require descriptions).
+- ``docs/reference/cli.md``: ``rollflow [COMMAND] --help`` as ``rollflow.cli.main`` prints it,
+  100 columns wide, in the blocks ``cli-help`` and ``cli-help COMMAND``. A block naming a command
+  the CLI does not have is an error.
+
+A page is prose plus blocks ``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``; this script
+rewrites what lies between the markers and nothing else. The blocks are committed, so a page
+reads the same on the code host as on the docs site; ``tests/unit/test_docs_site.py`` fails
+while a committed page differs from what this script writes.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+import os
+import re
+import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import annotated_types
@@ -18,8 +37,18 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-MARKER = "<!-- config-reference -->"
-PAGE = "reference/configuration.md"
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = ".venv/bin/python scripts/gen_reference.py"
+PAGES = ("docs/reference/configuration.md", "docs/reference/cli.md")
+BLOCK = re.compile(
+    r"^<!-- (?P<name>[a-z][a-z -]*?):begin -->\n(?P<body>.*?)^<!-- (?P=name):end -->$",
+    re.M | re.S,
+)
+BEGIN = re.compile(r"^<!-- ([a-z][a-z -]*?):begin -->$", re.M)
+_SOURCES = {
+    "config-reference": "the config models (rollflow/infra/config/)",
+    "cli-help": "rollflow/cli.py",
+}
 
 _BOUNDS = (
     (annotated_types.Ge, "ge", "≥"),
@@ -31,15 +60,81 @@ _BOUNDS = (
 )
 
 
-def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
-    """Replace the marker of the configuration page with the rendered tables."""
-    if page.file.src_uri != PAGE:
-        return markdown
-    if MARKER not in markdown:
-        raise ValueError(f"{PAGE}: the marker {MARKER} is missing")
-    from rollflow.infra.config import RunConfig
+def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+    """Rewrite the stale pages, or with ``--check`` only name them (exit 1 if any)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    args = parser.parse_args(argv)
+    stale = stale_pages(root)
+    for page in stale:
+        if args.check:
+            print(stale_message(page), file=sys.stderr)
+        else:
+            path = root / page
+            path.write_text(regenerate(path.read_text(), page))
+            print(f"wrote {page}")
+    return 1 if args.check and stale else 0
 
-    return markdown.replace(MARKER, render(RunConfig))
+
+def stale_pages(root: Path = ROOT) -> list[str]:
+    """The pages under ``root`` whose generated blocks differ from what the code renders now."""
+    return [page for page in PAGES if regenerate(text := (root / page).read_text(), page) != text]
+
+
+def stale_message(page: str) -> str:
+    """What a check says of a stale page: its name and the command that rewrites it."""
+    return f"{page} is stale: regenerate it with `{COMMAND}`"
+
+
+def regenerate(text: str, page: str = "the page") -> str:
+    """``text`` with the body of every generated block rendered anew; the prose is kept as is."""
+    begun = BEGIN.findall(text)
+    closed = [m.group("name") for m in BLOCK.finditer(text)]
+    if begun != closed:
+        name = next((n for n in begun if n not in closed), begun[0])
+        raise ValueError(f"{page}: <!-- {name}:begin --> has no <!-- {name}:end --> after it")
+    return BLOCK.sub(lambda m: _block(m.group("name")), text)
+
+
+def _block(name: str) -> str:
+    kind, _, arg = name.partition(" ")
+    if kind == "config-reference" and not arg:
+        from rollflow.infra.config import RunConfig
+
+        body = render(RunConfig)
+    elif kind == "cli-help":
+        body = "```text\n" + cli_help(arg).rstrip() + "\n```"
+    else:
+        raise ValueError(f"no generated block is called {name!r}")
+    note = (
+        f"<!-- Generated from {_SOURCES[kind]} by `{COMMAND}`: "
+        "do not edit by hand; change the code, then rerun it. -->"
+    )
+    return f"<!-- {name}:begin -->\n{note}\n\n{body.strip()}\n\n<!-- {name}:end -->"
+
+
+def cli_help(command: str) -> str:
+    """``rollflow [COMMAND] --help``, 100 columns wide; an unknown command is an error."""
+    from rollflow.cli import main as cli_main
+
+    argv = [command, "--help"] if command else ["--help"]
+    out, err = io.StringIO(), io.StringIO()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli_main(argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise ValueError(
+                f"rollflow {command} --help failed: {err.getvalue().strip()}"
+            ) from None
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+    return out.getvalue()
 
 
 def render(root: type[BaseModel]) -> str:
@@ -210,3 +305,7 @@ def _cell(text: str) -> str:
         part = parts[i].replace("\\", "\\\\").replace("|", "\\|").replace("*", "\\*")
         parts[i] = part.replace("_", "\\_").replace("<", "&lt;").replace(">", "&gt;")
     return "`".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
