@@ -1,4 +1,4 @@
-"""What the vLLM server's key check costs per request (infra/inference/auth.py).
+"""What the vLLM server's key check costs per request (inference/auth.py).
 
 Two measurements, each against a baseline taken in the same run:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollflow.infra.inference import auth  # noqa: E402
+from rollflow.inference import auth  # noqa: E402
 
 KEY = "bench-key-" + "x" * 32
 
@@ -72,8 +72,8 @@ def real_servers(num_requests: int = 200) -> dict[str, tuple[float, float]]:
     import httpx
 
     from rollflow.infra.config import TinyModelSpec
-    from rollflow.infra.inference.server import InferenceServer
     from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
+    from rollflow.services.vllm_server import InferenceServer
 
     class OpenServer(InferenceServer):
         """The same server without the key check (the baseline)."""

@@ -63,13 +63,13 @@ def child(setting: dict) -> dict:
     import psutil
 
     from rollflow.infra.config import load_config
-    from rollflow.infra.inference.client import InferenceClient
     from rollflow.infra.models.tiny import build_char_tokenizer
     from rollflow.infra.schema import rows_to_table
+    from rollflow.infra.vllm_fleet.client import InferenceClient
+    from rollflow.tasks.generate.generate_task import build_envs, make_rollout_context
     from rollflow.tasks.generate.host import freeze_heap, unfreeze_heap
     from rollflow.tasks.generate.producer import RolloutProducer, prompt_stream
     from rollflow.tasks.generate.rollouts import SamplingStats, group_runner, to_rows
-    from rollflow.tasks.generate.task import build_envs, make_rollout_context
 
     rollouts, group_size = setting["rollouts"], setting["group_size"]
     idle = rollouts == 0

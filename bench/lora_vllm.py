@@ -31,14 +31,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import torch  # noqa: E402
 
 from rollflow.infra.config import LoraSection, TinyModelSpec  # noqa: E402
-from rollflow.infra.inference.client import InferenceClient  # noqa: E402
-from rollflow.infra.inference.server import InferenceServer  # noqa: E402
 from rollflow.infra.models.tiny import (  # noqa: E402
     EOS_ID,
     build_char_tokenizer,
     build_tiny_llama,
     save_hf_dir,
 )
+from rollflow.infra.vllm_fleet.client import InferenceClient  # noqa: E402
+from rollflow.services.vllm_server import InferenceServer  # noqa: E402
 from rollflow.trainer import lora  # noqa: E402
 
 from machine import Machine, table  # noqa: E402

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from rollflow.infra.events import Event  # noqa: E402
-from rollflow.trainer import SERVICE_MODULE  # noqa: E402
+from rollflow.trainer.protocol import RANK_MAIN_MODULE  # noqa: E402
 
 from machine import Machine, table  # noqa: E402
 
@@ -124,7 +124,7 @@ def follow(proc: subprocess.Popen, events: Path, deadline_s: float) -> list[dict
 
 
 SERVICES = {
-    "trainer": SERVICE_MODULE,
+    "trainer": RANK_MAIN_MODULE,
     "vLLM": "vllm",
     "Prefect server": "prefect.server",
 }

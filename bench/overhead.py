@@ -51,7 +51,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import duckdb  # noqa: E402
 
-from rollflow.trainer import SERVICE_MODULE  # noqa: E402
+from rollflow.trainer.protocol import RANK_MAIN_MODULE  # noqa: E402
 
 from machine import Machine, table  # noqa: E402
 
@@ -68,7 +68,7 @@ TINY = [
 ROLES = (
     ("prefect API", "prefect_server:create_app"),
     ("run process", "rollflow.cli"),
-    ("trainer", SERVICE_MODULE),
+    ("trainer", RANK_MAIN_MODULE),
     ("vLLM", "vllm"),
     ("vLLM", "VLLM::"),
 )

@@ -141,7 +141,7 @@ class Window:
 
 async def baseline(args, url: str, pids: list[int], prompts_T: list[list[int]], n: int, g: int):
     """Phase (a): N / G requests of n = G always in flight; each answer's tokens counted."""
-    from rollflow.infra.inference.auth import auth_headers
+    from rollflow.inference.auth import auth_headers
 
     events, state = [], {"in_flight": 0}
     next_prompt = itertools.cycle(prompts_T).__next__
@@ -179,8 +179,8 @@ def producer(args, model_dir: Path, url: str, key: str, pids: list[int], n: int,
     from rollflow.infra.config import load_config
     from rollflow.infra.context import RunContext
     from rollflow.infra.http import Endpoint
+    from rollflow.tasks.generate.generate_task import build_envs, generate, make_rollout_context
     from rollflow.tasks.generate.host import ProducerHost
-    from rollflow.tasks.generate.task import build_envs, generate, make_rollout_context
 
     k = n // g
     b = max(1, k // 2)
@@ -302,7 +302,7 @@ def start_server(args) -> tuple[object, str, str, list[int], Path]:
 
         server = FakeOpenAI(latency_s=0.05, latency_jitter_s=0.05)
         return server, server.start(), "", [], model_dir
-    from rollflow.infra.inference.server import InferenceServer
+    from rollflow.services.vllm_server import InferenceServer
 
     server = InferenceServer(
         model_dir,

@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from memory import TINY, slope  # noqa: E402
 
 from rollflow.infra.events import Event  # noqa: E402
-from rollflow.trainer import SERVICE_MODULE  # noqa: E402
+from rollflow.trainer.protocol import RANK_MAIN_MODULE  # noqa: E402
 
 MB = 1e6
 
@@ -50,7 +50,7 @@ def label(proc: psutil.Process, run_pid: int) -> str | None:
         return None
     if "prefect" in cmd and "server" in cmd:
         return "Prefect API"
-    if SERVICE_MODULE in cmd:
+    if RANK_MAIN_MODULE in cmd:
         return f"trainer rank {proc.environ().get('RANK', '0')}"
     if "vllm.entrypoints" in cmd:
         return "vLLM API server"
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="glibc malloc, then jemalloc")
     args = parser.parse_args()
     warmup = args.warmup if args.warmup is not None else int(0.3 * args.steps)
-    from rollflow.infra.inference.server import find_jemalloc
+    from rollflow.services.vllm_server import find_jemalloc
 
     lib = find_jemalloc(dict(os.environ))
     print(f"load average {os.getloadavg()[0]:.2f}; jemalloc: {lib or 'not found'}")

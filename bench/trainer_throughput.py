@@ -30,7 +30,7 @@ from rollflow.infra.config import LossConfig, TinyModelSpec, TrainerSection, Tra
 from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.train.launch import TrainerProcess
+from rollflow.services.trainer_process import TrainerProcess
 from rollflow.trainer.losses import LossInputs, compute_loss
 from rollflow.trainer.protocol import ServiceArgs
 

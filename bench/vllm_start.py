@@ -26,14 +26,14 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rollflow.inference.plugin import FORK_ENGINE_ENV  # noqa: E402
 from rollflow.infra.config import TinyModelSpec  # noqa: E402
-from rollflow.infra.inference.server import InferenceServer  # noqa: E402
-from rollflow.infra.inference.vllm_plugin import FORK_ENGINE_ENV  # noqa: E402
 from rollflow.infra.models.tiny import (  # noqa: E402
     build_char_tokenizer,
     build_tiny_llama,
     save_hf_dir,
 )
+from rollflow.services.vllm_server import InferenceServer  # noqa: E402
 
 
 def one_start(model: Path, mode: str, log: Path) -> dict[str, float]:

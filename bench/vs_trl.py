@@ -196,8 +196,8 @@ def load_cfg(workload: str, extra: list[str], minibatches: int = 1):
 
 def eval_prompts(cfg):
     """The held-out prompts of rollflow's ``evaluate`` (same seed, same count)."""
+    from rollflow.tasks.generate.generate_task import build_envs
     from rollflow.tasks.generate.rollouts import select_prompts
-    from rollflow.tasks.generate.task import build_envs
 
     envs, out = build_envs(cfg), []
     for i, name in enumerate(sorted(envs)):
@@ -223,7 +223,7 @@ def trl_child(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rollflow.tasks.generate.environments import Prompt
-    from rollflow.tasks.generate.task import build_envs
+    from rollflow.tasks.generate.generate_task import build_envs
 
     t_start = time.perf_counter()
     if spec.get("threads"):

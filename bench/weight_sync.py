@@ -55,7 +55,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 
-from rollflow.infra.service import free_port  # noqa: E402
+from rollflow.infra.processes import free_port  # noqa: E402
 from rollflow.infra.weights.group import (  # noqa: E402
     DEFAULT_BUCKET_BYTES,
     WeightReceiverGroup,
@@ -244,9 +244,9 @@ def vllm_pause(
     ``"adapter"`` sends the adapter to servers that serve it (``--enable-lora``)."""
     from transformers import AutoModelForCausalLM
 
-    from rollflow.infra.inference.client import InferenceClient
-    from rollflow.infra.inference.server import InferenceServer
-    from rollflow.infra.inference.workers import WeightWorkers
+    from rollflow.infra.vllm_fleet.client import InferenceClient
+    from rollflow.infra.vllm_fleet.workers import WeightWorkers
+    from rollflow.services.vllm_server import InferenceServer
     from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, sync_weights
     from rollflow.trainer.lora import adapter_state, merged_state, save_initial_adapter
 

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rollflow.flows.terminal import quiet_prefect_console
+    from rollflow.infra.terminal import quiet_prefect_console
 
     quiet_prefect_console(args.debug)  # before anything imports Prefect
     from rollflow.infra.config import ConfigError, dump_config, load_config
@@ -169,8 +169,8 @@ def config_error_lines(message: str) -> list[str]:
 def _train(cfg, args: argparse.Namespace) -> int:
     """The run itself. An error is one line (its traceback in run.log, and here with --debug);
     Ctrl-C or SIGTERM stops it: one line with what is committed and the command that resumes."""
-    from rollflow.flows import terminal
     from rollflow.flows.rl_run import rl_run, run_log_dir
+    from rollflow.infra import terminal
     from rollflow.infra.config import dump_config
     from rollflow.infra.prefect_api import local_prefect_api
 
@@ -239,7 +239,7 @@ def render_plan(cfg, gpus: int | None = None, nodes: int | None = None) -> str:
     """The plan of ``cfg`` as ``rollflow plan`` prints it (raises ``PlanError`` if impossible)."""
     from rollflow.infra.placement import Machine, make_plan, resolve_addresses
     from rollflow.infra.storage import RunStorage
-    from rollflow.tasks.train.launch import node_argv
+    from rollflow.services.trainer_process import node_argv
 
     cfg = resolve_addresses(cfg)
     here = Machine.here()
@@ -300,7 +300,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_scale(args: argparse.Namespace) -> int:
     """Ask a run for ``--servers`` vLLM servers (``control/fleet.json`` in its storage)."""
     from rollflow.infra.errors import InputError
-    from rollflow.infra.inference.fleet import scale_run
+    from rollflow.infra.vllm_fleet.fleet import scale_run
 
     try:
         print(scale_run(args.run, args.servers, args.storage))

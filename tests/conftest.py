@@ -208,7 +208,7 @@ def vllm_server(vllm_model_dirs, tmp_path_factory):
     """A real vLLM server (the CPU build) serving the first of ``vllm_model_dirs``, shared by the
     session. A test that changes its weights puts the first model's back (``restore_weights``);
     a test that stops or restarts a server starts its own."""
-    from rollflow.infra.inference.server import InferenceServer
+    from rollflow.services.vllm_server import InferenceServer
 
     srv = InferenceServer(
         vllm_model_dirs[0],
@@ -235,7 +235,7 @@ class SenderSource:
         return weight_metadata(self.weights)
 
     def weights_port(self):
-        from rollflow.infra.service import free_port
+        from rollflow.infra.processes import free_port
 
         return free_port()
 
@@ -265,7 +265,7 @@ def restore_weights(server, model_dir) -> None:
     that the tests after one that changed them see the served policy they expect."""
     from transformers import AutoModelForCausalLM
 
-    from rollflow.infra.inference import auth
+    from rollflow.inference import auth
     from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish
 
     weights = list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())

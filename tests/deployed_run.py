@@ -34,7 +34,7 @@ import psutil
 import yaml
 
 from rollflow.infra import http
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]

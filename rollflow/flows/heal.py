@@ -24,7 +24,7 @@ from uuid import UUID
 
 from prefect import flow
 
-from rollflow.flows.deploy import FLOW_NAME, HEAL_FLOW_NAME
+from rollflow.flows.names import FLOW_NAME, HEAL_FLOW_NAME
 
 RERUN_TAG = "rollflow-rerun"  # rollflow-rerun:<n>: the n-th rerun of its run
 RERUN_OF_TAG = "rollflow-rerun-of"  # rollflow-rerun-of:<flow run id>: the crash it answers

@@ -21,11 +21,9 @@ from pathlib import Path
 from prefect import flow
 
 from rollflow.flows.artifacts import RunProgress, publish_summary
-from rollflow.flows.deploy import FLOW_NAME
+from rollflow.flows.names import FLOW_NAME
 from rollflow.flows.order import StepOrder
-from rollflow.flows.services import HEALTH_CHECK_INTERVAL_S, RunServices
 from rollflow.flows.step_metrics import StepMetrics
-from rollflow.flows.terminal import PrefectRunLog, log_run_failure, say
 from rollflow.flows.train_step import train_step
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
@@ -35,9 +33,16 @@ from rollflow.infra.metric_names import Metric, by_env, series
 from rollflow.infra.metrics_sinks import MetricSinks
 from rollflow.infra.secrets import load_storage_secret, take_secrets_out
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.terminal import PrefectRunLog, log_run_failure, say
+from rollflow.services.run_services import HEALTH_CHECK_INTERVAL_S, RunServices
 from rollflow.tasks.advantage.advantages import advantage_fn
+from rollflow.tasks.generate.generate_task import (
+    build_envs,
+    evaluate,
+    make_rollout_context,
+    reused_steps,
+)
 from rollflow.tasks.generate.host import ProducerHost, step_flows_in_flight
-from rollflow.tasks.generate.task import build_envs, evaluate, make_rollout_context, reused_steps
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.warm_start import prepare_tiny_model
 

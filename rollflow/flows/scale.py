@@ -1,6 +1,6 @@
 """Asking a run for N vLLM servers: ``rollflow scale`` and the ``rollflow-scale/fleet``
 deployment (the same as a Prefect action: the UI's Run button, ``prefect deployment run``, or
-an automation's "run deployment") both call ``infra/inference/fleet.scale_run``, which writes
+an automation's "run deployment") both call ``infra/vllm_fleet/fleet.scale_run``, which writes
 ``control/fleet.json`` in the run's storage. This module imports no torch: a worker starts the
 flow in seconds.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from rollflow.flows.deploy import SCALE_FLOW_NAME
-from rollflow.infra.inference.fleet import scale_run
+from rollflow.flows.names import SCALE_FLOW_NAME
+from rollflow.infra.vllm_fleet.fleet import scale_run
 
 
 @flow(

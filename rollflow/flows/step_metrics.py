@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from rollflow.infra.metric_names import Metric, per_env
 
 if TYPE_CHECKING:
-    from rollflow.tasks.advantage.task import Batch
-    from rollflow.tasks.generate.task import Evaluation, Rollouts
-    from rollflow.tasks.sync.task import Synced
+    from rollflow.tasks.advantage.advantage_task import Batch
+    from rollflow.tasks.generate.generate_task import Evaluation, Rollouts
+    from rollflow.tasks.sync.sync_task import Synced
 
 
 # The producer's numbers a step records (the generate task returns more than these).

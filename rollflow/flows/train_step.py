@@ -29,11 +29,11 @@ from rollflow.flows.step_metrics import StepMetrics
 from rollflow.infra.context import RunContext
 from rollflow.infra.events import Event, publish
 from rollflow.infra.metric_names import Metric
-from rollflow.tasks.advantage.task import Batch, advantage
+from rollflow.tasks.advantage.advantage_task import Batch, advantage
+from rollflow.tasks.generate.generate_task import evaluate, generate, take_timeout_s
 from rollflow.tasks.generate.host import ProducerHost, host_for
-from rollflow.tasks.generate.task import evaluate, generate, take_timeout_s
-from rollflow.tasks.sync.task import Synced, sync
-from rollflow.tasks.train.task import MidStepCapture, checkpoint, train, trainer_client
+from rollflow.tasks.sync.sync_task import Synced, sync
+from rollflow.tasks.train.train_task import MidStepCapture, checkpoint, train, trainer_client
 
 
 @flow(

@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.http import Endpoint
-from rollflow.infra.inference.fleet import Fleet, fleet_of
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.vllm_fleet.fleet import Fleet, fleet_of
 
 
 class RunContext(BaseModel):
@@ -25,7 +25,7 @@ class RunContext(BaseModel):
 
     def inference_fleet(self) -> Fleet:
         """The servers that serve now: the run's fleet where its services run in this process
-        (it grows and shrinks, ``infra/inference/fleet.py``), else the ones given."""
+        (it grows and shrinks, ``infra/vllm_fleet/fleet.py``), else the ones given."""
         return fleet_of(self.config.run.name) or Fleet([e.url for e in self.inference])
 
     @property

@@ -26,7 +26,7 @@ from prefect.settings import (
 
 from rollflow.infra import http
 from rollflow.infra.errors import ServiceError
-from rollflow.infra.service import ManagedProcess, free_port
+from rollflow.infra.processes import ManagedProcess, free_port
 
 START_SERVER_HINT = (
     "start one with `prefect server start` (in another terminal), then "

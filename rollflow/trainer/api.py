@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
 from rollflow.trainer import protocol as p
 from rollflow.trainer.dispatch import Dispatcher, Pending
 from rollflow.trainer.ops import RankOps

@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
 
+# The ranks' entry point (``rank_main.py``), run by the launcher as a module. Named, not imported:
+# importing it would load torch's distributed stack and DeepSpeed into the run process (~7 s).
+RANK_MAIN_MODULE = "rollflow.trainer.rank_main"
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -8,8 +8,8 @@ import pytest
 
 from rollflow.cli import main
 from rollflow.infra.config import dump_config, validate_config
-from rollflow.infra.inference.fleet import FLEET_CONTROL, Fleet, asked_servers, record_fleet
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.vllm_fleet.fleet import FLEET_CONTROL, Fleet, asked_servers, record_fleet
 
 
 def a_run(root, **inference) -> RunStorage:

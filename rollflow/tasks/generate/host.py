@@ -20,9 +20,9 @@ from concurrent.futures import Future
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import TrainingFinished
-from rollflow.infra.inference.fleet import Fleet
-from rollflow.infra.inference.pool import InferencePool
 from rollflow.infra.metric_names import Metric
+from rollflow.infra.vllm_fleet.fleet import Fleet
+from rollflow.infra.vllm_fleet.pool import InferencePool
 from rollflow.tasks.generate.environments import Environment, RolloutContext
 from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, prompt_stream
 from rollflow.tasks.generate.quarantine import EnvQuarantine

@@ -21,8 +21,8 @@ from rollflow.infra.errors import (
     InferenceUnavailable,
     RequestAborted,
 )
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.pool import InferencePool
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.pool import InferencePool
 from rollflow.tasks.generate.environments import Environment, Prompt, RolloutContext, Sample
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class RetryPolicy:
     """Exponential backoff for aborted or disconnected requests (no cap when ``max_tries`` is 0).
 
     ``unhealthy_grace_s`` covers only the time before the run's inference supervisor notices a
-    dead server (at most ``flows.services.DETECTION_BOUND_S``); once it has, the server's gate
+    dead server (at most ``services.run_services.DETECTION_BOUND_S``); once it has, the server's gate
     is closed and requests wait there through the restart, which the grace does not count.
     """
 

@@ -2,7 +2,7 @@
 
 Both sides of each collective must run at the same time: the trainer's half is an awaitable
 factory (e.g. ``lambda: asyncio.to_thread(sender.broadcast, params, version)``) and the server's
-half a call of its workers (``infra/inference/workers.WeightWorkers``); ``init_weight_group`` and
+half a call of its workers (``infra/vllm_fleet/workers.WeightWorkers``); ``init_weight_group`` and
 ``sync_weights`` start them together and bound the pair by a deadline. ``join``, ``publish``,
 ``rejoin`` and ``leave`` do the same for every server of the deployment at once (one group: the
 trainer is rank 0, each server's workers follow), with the trainer service as the sender (any
@@ -22,8 +22,8 @@ from functools import partial
 from typing import Any, Protocol
 
 from rollflow.infra.errors import WeightSyncError
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.workers import WeightWorkers
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.workers import WeightWorkers
 
 logger = logging.getLogger(__name__)
 

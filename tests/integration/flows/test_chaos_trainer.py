@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rollflow.trainer import SERVICE_MODULE
+from rollflow.trainer.protocol import RANK_MAIN_MODULE
 
 from chaos_support import (
     START_TIMEOUT_S,
@@ -86,7 +86,7 @@ def test_a_trainer_killed_at_a_random_point_is_restarted_and_the_run_completes(c
     c.wait_for(proc, reached, name)
     time.sleep(delay)
     servers = {p.pid for p in service_processes(c.root, "vllm.entrypoints")}
-    victim = service_process(c.root, SERVICE_MODULE)
+    victim = service_process(c.root, RANK_MAIN_MODULE)
     rank = victim.environ().get("RANK")  # a multi-rank trainer: kill a rank, expect it named
     before = c.committed()
     killed_at = time.monotonic()

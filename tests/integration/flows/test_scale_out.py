@@ -20,13 +20,13 @@ import time
 import psutil
 import pytest
 
-from rollflow.flows.services import RunServices
 from rollflow.infra.config import LossConfig, load_config
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.fleet import ask_for_servers
 from rollflow.infra.placement import Machine
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.fleet import ask_for_servers
+from rollflow.services.run_services import RunServices
 from rollflow.tasks.sync import weights
 
 from chaos_support import SEED
@@ -384,7 +384,7 @@ def _a_rank_of(flow_run_id: str) -> psutil.Process:
                 ranks = [
                     p
                     for p in proc.children(recursive=True)
-                    if "rollflow.trainer.service" in " ".join(p.cmdline())
+                    if "rollflow.trainer.rank_main" in " ".join(p.cmdline())
                 ]
                 if ranks:
                     return ranks[-1]
@@ -400,9 +400,9 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
     """vLLM on CPU with tensor parallelism 2 (the plan's thread binding): both workers join the
     group as ranks 1 and 2, and after one sync the server serves the trainer's weights; its stop
     then leaves none of its processes behind."""
-    from rollflow.infra.inference.server import InferenceServer
     from rollflow.infra.placement import make_plan
     from rollflow.infra.weights.group import WeightSender, weight_metadata
+    from rollflow.services.vllm_server import InferenceServer
 
     served, new = vllm_model_dirs
     cfg = load_config(

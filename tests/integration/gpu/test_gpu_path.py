@@ -49,7 +49,7 @@ def test_nccl_weight_group_delivers_bit_equal_weights(world_size):
     if world_size > _gpus():
         pytest.skip(f"a group of {world_size} needs {world_size} GPUs (NCCL: one rank per GPU)")
     from rollflow.infra.placement import choose_backend
-    from rollflow.infra.service import free_port
+    from rollflow.infra.processes import free_port
     from rollflow.infra.weights.group import WeightSender, weight_metadata
 
     wire = choose_backend("cuda", "cuda")
@@ -131,7 +131,7 @@ def test_bf16_fsdp2_step_on_one_gpu(tmp_path, tiny_model_dir):
 
     from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
     from rollflow.infra.storage import RunStorage
-    from rollflow.tasks.train.launch import TrainerProcess
+    from rollflow.services.trainer_process import TrainerProcess
     from rollflow.trainer.protocol import ServiceArgs
 
     from trainer_support import make_rows, write_batch

@@ -27,7 +27,7 @@ SECRET = "gpu"
 def test_an_nccl_group_splits_a_large_tensor_and_closes_at_once():
     """A group of one on the GPU: built with CleanUpOnly (the process's environment untouched),
     a tensor 3x the bucket through a 1 MiB bucket, and close() aborting the communicator."""
-    from rollflow.infra.service import free_port
+    from rollflow.infra.processes import free_port
     from rollflow.infra.weights.group import WeightSender
 
     before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
@@ -61,7 +61,7 @@ def test_a_receiver_killed_mid_broadcast_raises_on_nccl_and_rank_0_lives():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (NCCL: one rank per GPU)")
     from rollflow.infra.errors import WeightSyncError
-    from rollflow.infra.service import free_port
+    from rollflow.infra.processes import free_port
     from rollflow.infra.weights.group import WeightSender, weight_metadata
 
     tensors = [(f"w{i}", torch.randn(BUCKET // 4, device="cuda:0")) for i in range(8)]

@@ -28,13 +28,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollflow.gpu_kernels.logprobs import reference_logprobs_entropy
 from rollflow.infra.config import SamplingSection, TrainerSection, TrainSection
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.models.chat import ARCHS, save_tiny_chat_model
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.services.trainer_process import TrainerProcess
+from rollflow.services.vllm_server import InferenceServer
 from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish
-from rollflow.tasks.train.launch import TrainerProcess
 from rollflow.trainer.protocol import ServiceArgs
 
 pytestmark = pytest.mark.slow

@@ -17,12 +17,12 @@ import httpx
 import psutil
 import pytest
 
+from rollflow.inference.auth import auth_headers
 from rollflow.infra.errors import InferenceError, InferenceUnavailable
-from rollflow.infra.inference.auth import auth_headers
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.server import InferenceServer
-from rollflow.infra.inference.workers import WeightWorkers
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.workers import WeightWorkers
+from rollflow.services.vllm_server import InferenceServer
 
 from conftest import PROMPT_IDS, VLLM_MAX_LEN
 

@@ -1,7 +1,7 @@
 """Closed endpoints: every route of the vLLM server refuses a request without the run's key.
 
 vLLM's own --api-key guards only /v1, /v2, /inference and /cohere; rollflow's middleware
-(infra/inference/auth.py) guards every path, the development routes included. Checked on the
+(inference/auth.py) guards every path, the development routes included. Checked on the
 middleware alone (fast) and on a real vLLM server started as the run starts it.
 """
 
@@ -12,9 +12,9 @@ import asyncio
 import httpx
 import pytest
 
-from rollflow.infra.inference import auth
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.workers import WeightWorkers
+from rollflow.inference import auth
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.workers import WeightWorkers
 
 from conftest import PROMPT_IDS
 
@@ -60,7 +60,7 @@ def test_server_without_a_key_refuses_to_start(monkeypatch):
 
 
 def test_the_key_is_in_the_environment_not_on_the_command_line(tiny_model_dir):
-    from rollflow.infra.inference.server import InferenceServer
+    from rollflow.services.vllm_server import InferenceServer
 
     server = InferenceServer(tiny_model_dir)
     assert server.api_key not in " ".join(server.command())
@@ -114,7 +114,7 @@ def test_every_route_of_a_real_server_refuses_a_request_without_the_key(vllm_ser
 
 
 def test_vllm_gets_jemalloc_when_there_is_one(tiny_model_dir, tmp_path, monkeypatch):
-    from rollflow.infra.inference.server import JEMALLOC_ENV, InferenceServer
+    from rollflow.services.vllm_server import JEMALLOC_ENV, InferenceServer
 
     lib = tmp_path / "libjemalloc.so.2"
     lib.write_bytes(b"")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rollflow.infra.service import ManagedProcess
+from rollflow.infra.processes import ManagedProcess
 
 # The service prints its cores, then those of a process it starts (as vLLM starts its engine
 # core, torchrun its ranks).
@@ -59,7 +59,7 @@ def test_a_service_whose_guard_was_killed_is_stopped_whole_and_lets_its_port_go(
 
     import psutil
 
-    from rollflow.infra.service import free_port
+    from rollflow.infra.processes import free_port
 
     port = free_port()
     log = tmp_path / "svc.log"

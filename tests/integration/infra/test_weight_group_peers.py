@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollflow.infra.errors import WeightSyncError
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
 from rollflow.infra.weights.group import WeightReceiverGroup, WeightSender, weight_metadata
 
 SECRET = "the-run-token"

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from rollflow.infra.config import LoraSection, LossConfig, TrainerSection, TrainSection
-from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.storage import RunStorage
+from rollflow.services.trainer_process import TrainerProcess
+from rollflow.services.vllm_server import InferenceServer
 from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish, rejoin
-from rollflow.tasks.train.launch import TrainerProcess
 from rollflow.trainer.lora import ADAPTER_DIR, save_initial_adapter
 from rollflow.trainer.protocol import ServiceArgs
 
@@ -52,7 +52,7 @@ def greedy(url: str) -> tuple[list[int], list[float]]:
     """vLLM's greedy completion of the prompt: token ids and their log-probs."""
     import asyncio
 
-    from rollflow.infra.inference.client import InferenceClient
+    from rollflow.infra.vllm_fleet.client import InferenceClient
 
     async def go():
         async with InferenceClient(url, timeout_s=60) as client:

@@ -30,11 +30,11 @@ from safetensors.torch import load_file
 from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.http import Endpoint
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightReceiverGroup
+from rollflow.services.trainer_process import TrainerProcess
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.tasks.train.launch import TrainerProcess
 from rollflow.trainer.protocol import HEALTH, ServiceArgs
 
 from host_support import object_storage, two_hosts
@@ -308,8 +308,8 @@ def test_exported_model_is_served_by_vllm(service):
         pytest.skip("one vLLM start covers the export format, which every backend shares")
     from transformers import AutoModelForCausalLM
 
-    from rollflow.infra.inference.client import InferenceClient
-    from rollflow.infra.inference.server import InferenceServer
+    from rollflow.infra.vllm_fleet.client import InferenceClient
+    from rollflow.services.vllm_server import InferenceServer
 
     export = service.export("for-vllm")
     prompt = [1, 10, 11, 12, 13]

@@ -1,5 +1,5 @@
-"""A fake of the Prefect API for the unit tests of processes placed by Prefect (servers.py,
-nodes.py): the flow runs the run's side submits, their states, their cancels."""
+"""A fake of the Prefect API for the unit tests of processes placed by Prefect (rollflow/services/
+placed_server.py, placed_trainer.py): the flow runs the run's side submits, their states, their cancels."""
 
 from __future__ import annotations
 
@@ -15,15 +15,14 @@ class FakeFlowRuns:
     def __init__(self, monkeypatch):
         import prefect.deployments
 
-        from rollflow.flows import nodes, servers
+        from rollflow.services import placed
 
         self.states: dict[uuid.UUID, str] = {}
         self.submitted: list[dict] = []
         self.cancelled: list[uuid.UUID] = []
         monkeypatch.setattr(prefect.deployments, "run_deployment", self.run_deployment)
-        for module in (servers, nodes):  # (nodes: where a flow run's cancel-and-wait reads)
-            monkeypatch.setattr(module, "flow_run_state", lambda fid: self.states[fid])
-        monkeypatch.setattr(nodes, "cancel_flow_run", self.cancel)
+        monkeypatch.setattr(placed, "flow_run_state", lambda fid: self.states[fid])
+        monkeypatch.setattr(placed, "cancel_flow_run", self.cancel)
 
     def run_deployment(self, name, parameters, timeout, work_queue_name, tags, job_variables):
         what = (

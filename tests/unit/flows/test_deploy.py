@@ -11,16 +11,16 @@ from prefect.client.orchestration import PrefectClient
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from rollflow.cli import main
-from rollflow.flows.deploy import (
+from rollflow.flows.deploy import plan_deployments
+from rollflow.flows.names import (
     HEAL_ENTRYPOINT,
     NODE_ENTRYPOINT,
     SCALE_ENTRYPOINT,
     SERVER_ENTRYPOINT,
-    plan_deployments,
 )
 from rollflow.infra.config import resolve_config
 from rollflow.infra.errors import InputError
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
 from rollflow.infra.work_pools import load_base_job_template
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -106,8 +106,8 @@ def test_an_entrypoint_that_is_not_a_rollflow_flow_is_named(tmp_path):
 def test_the_fleet_action_asks_the_run_as_rollflow_scale_does(tmp_path):
     from rollflow.flows.scale import scale_fleet
     from rollflow.infra.config import dump_config
-    from rollflow.infra.inference.fleet import asked_servers
     from rollflow.infra.storage import RunStorage
+    from rollflow.infra.vllm_fleet.fleet import asked_servers
 
     storage = RunStorage(str(tmp_path), "quickstart")
     cfg = resolve_config("configs/quickstart.toml", ["inference.max_servers=2"])

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rollflow.flows import services as services_module
-from rollflow.flows.services import RunServices
 from rollflow.infra.config import load_config
-from rollflow.infra.inference.fleet import FLEET_CONTROL, ask_for_servers
 from rollflow.infra.placement import Machine
+from rollflow.infra.vllm_fleet.fleet import FLEET_CONTROL, ask_for_servers
+from rollflow.services import run_services as services_module
+from rollflow.services.run_services import RunServices
 
 
 def services(tmp_path, *overrides: str) -> tuple[RunServices, list[str]]:

@@ -12,13 +12,15 @@ import uuid
 import pytest
 from placed_support import FakeFlowRuns, in_a_placed_flow_run
 
-from rollflow.flows import servers
+from rollflow.flows import inference_server
+from rollflow.inference import auth
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import ConfigError, InferenceError, ServiceError
-from rollflow.infra.inference import auth
 from rollflow.infra.placement import Machine, make_plan
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
 from rollflow.infra.storage import RunStorage
+from rollflow.services import placed as toolkit
+from rollflow.services import placed_server as servers
 
 DEPLOYMENT = "rollflow-inference-server/default"
 
@@ -73,7 +75,7 @@ def _placed(tmp_path, startup_timeout_s: float = 5.0, queue: str = "host-1", gpu
 
 def _serving(storage: RunStorage, flow_run_id, url: str) -> None:
     """What the server's flow run writes before vLLM starts."""
-    storage.write_json(servers.slot_file(1), {"flow_run_id": str(flow_run_id), "url": url})
+    storage.write_json(toolkit.slot_file(1), {"flow_run_id": str(flow_run_id), "url": url})
 
 
 def test_a_placed_server_is_ready_once_its_own_flow_run_says_where_and_vllm_answers_there(
@@ -152,11 +154,11 @@ def test_a_server_whose_flow_run_failed_before_serving_says_so(tmp_path, monkeyp
 def test_a_server_flow_run_started_by_hand_without_the_runs_key_refuses(tmp_path, monkeypatch):
     storage = RunStorage(str(tmp_path / "runs"), "run")
     with pytest.raises(ServiceError, match=r"control/servers/key.json holds no key"):
-        servers.serve("run", 0, storage, ("policy", 0), {"reach": "127.0.0.1"}, "id")
-    servers.publish_key(storage, "k")
-    assert servers.read_key(storage) == "k"
-    servers.withdraw_key(storage)
-    assert storage.read_json(servers.KEY_FILE) is None
+        inference_server.serve("run", 0, storage, ("policy", 0), {"reach": "127.0.0.1"}, "id")
+    toolkit.publish_key(storage, "k")
+    assert toolkit.read_key(storage) == "k"
+    toolkit.withdraw_key(storage)
+    assert storage.read_json(toolkit.KEY_FILE) is None
 
 
 def test_server_queues_name_one_queue_per_slot_of_the_servers_deployment():
@@ -211,7 +213,6 @@ def test_a_pool_that_places_gpus_by_job_variable_is_asked_for_each_flow_runs_gpu
     """prefect.yaml's Kubernetes and Docker pools take ``gpus`` (a pod's nvidia.com/gpu limit):
     each server's flow run asks for its tensor-parallel GPUs, each node's for its ranks'; a
     process pool, whose host has its GPUs, is asked nothing."""
-    from rollflow.flows import nodes
 
     prefect_pools(
         {
@@ -219,10 +220,10 @@ def test_a_pool_that_places_gpus_by_job_variable_is_asked_for_each_flow_runs_gpu
             "proc": {"variables": {"properties": {"working_dir": {}}}},
         }
     )
-    on_k8s = nodes.check_deployment("rollflow-inference-server/k8s", "k", "")
-    on_hosts = nodes.check_deployment("rollflow-inference-server/proc", "k", "")
-    assert nodes.gpu_request(on_k8s, 2) == {"gpus": 2}
-    assert nodes.gpu_request(on_hosts, 2) is None and nodes.gpu_request(on_k8s, 0) is None
+    on_k8s = toolkit.check_deployment("rollflow-inference-server/k8s", "k", "")
+    on_hosts = toolkit.check_deployment("rollflow-inference-server/proc", "k", "")
+    assert toolkit.gpu_request(on_k8s, 2) == {"gpus": 2}
+    assert toolkit.gpu_request(on_hosts, 2) is None and toolkit.gpu_request(on_k8s, 0) is None
 
 
 def test_a_placed_server_loads_the_runs_storage_secret_itself(tmp_path, monkeypatch):
@@ -237,20 +238,22 @@ def test_a_placed_server_loads_the_runs_storage_secret_itself(tmp_path, monkeypa
     plain.spawn()
     assert "storage_secret" not in api.submitted[-1]
 
-    in_a_placed_flow_run(monkeypatch, servers)
+    in_a_placed_flow_run(monkeypatch, inference_server)
     seen = []
-    monkeypatch.setattr(servers, "serve", lambda run, slot, store, *rest: seen.append(store))
+    monkeypatch.setattr(
+        inference_server, "serve", lambda run, slot, store, *rest: seen.append(store)
+    )
     asked = api.submitted[-2]
     params = {k: asked[k] for k in ("run", "slot", "storage", "storage_options", "model", "server")}
-    servers.inference_server.fn(**params, storage_secret=asked["storage_secret"])
+    inference_server.inference_server.fn(**params, storage_secret=asked["storage_secret"])
     assert seen[0].options["secret"] == "planted-secret"
 
 
 def test_the_runs_services_hand_the_storage_secrets_name_to_its_placed_servers(
     tmp_path, monkeypatch
 ):
-    from rollflow.flows import services as services_module
-    from rollflow.flows.services import RunServices
+    from rollflow.services import run_services as services_module
+    from rollflow.services.run_services import RunServices
 
     monkeypatch.setattr(services_module, "max_model_len", lambda policy: 64)
     cfg = _cfg(

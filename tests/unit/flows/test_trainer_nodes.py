@@ -14,10 +14,12 @@ import uuid
 import pytest
 from placed_support import FakeFlowRuns, in_a_placed_flow_run
 
-from rollflow.flows import nodes
+from rollflow.flows import trainer_node
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.placement import Machine, make_plan, resolve_addresses
+from rollflow.services import placed as toolkit
+from rollflow.services import placed_trainer as nodes
 
 
 def test_the_log_is_followed_line_by_line_to_the_end(tmp_path):
@@ -34,7 +36,7 @@ def test_the_log_is_followed_line_by_line_to_the_end(tmp_path):
 
     writer = threading.Thread(target=write)
     writer.start()
-    nodes.follow_log(log, alive.is_set, lines.append, interval_s=0.05)
+    toolkit.follow_log(log, alive.is_set, lines.append, interval_s=0.05)
     writer.join()
     assert lines == ["rank 0: waiting for the rendezvous", "rank 0: half a line", "rank 0: ended"]
 
@@ -43,13 +45,14 @@ def test_the_log_is_followed_line_by_line_to_the_end(tmp_path):
 def flow_logger(monkeypatch):
     """The flow body outside a flow run: the lines it says, kept."""
     kept: list[str] = []
-    monkeypatch.setattr(nodes, "say", kept.append)
+    monkeypatch.setattr(trainer_node, "say", kept.append)
+    monkeypatch.setattr(toolkit, "say", kept.append)
     return kept
 
 
 def test_a_node_runs_to_its_end_and_its_lines_reach_the_flow_runs_log(flow_logger):
     code = "import os; print('node', os.environ['NODE_ENV'])"
-    out = nodes._run_node("r", 1, [sys.executable, "-c", code], {"NODE_ENV": "given"})
+    out = trainer_node._run_node("r", 1, [sys.executable, "-c", code], {"NODE_ENV": "given"})
     assert out == {"run": "r", "node": 1, "exit_code": 0}
     assert "node given" in flow_logger
 
@@ -57,7 +60,7 @@ def test_a_node_runs_to_its_end_and_its_lines_reach_the_flow_runs_log(flow_logge
 def test_a_node_that_fails_fails_its_flow_run_naming_the_node_and_its_last_lines(flow_logger):
     code = "import sys; print('rendezvous timed out'); sys.exit(3)"
     with pytest.raises(ServiceError, match=r"trainer node 1 of run r exited with code 3") as err:
-        nodes._run_node("r", 1, [sys.executable, "-c", code])
+        trainer_node._run_node("r", 1, [sys.executable, "-c", code])
     assert "rendezvous timed out" in str(err.value) and "rendezvous timed out" in flow_logger
 
 
@@ -73,16 +76,16 @@ def test_a_node_whose_runs_flow_run_ended_stops_with_it(flow_logger, monkeypatch
             raise OSError("connection refused")  # a hiccup: the node goes on
         return "RUNNING" if len(reads) < 3 else "CRASHED"
 
-    monkeypatch.setattr(nodes, "flow_run_state", state)
+    monkeypatch.setattr(toolkit, "flow_run_state", state)
     idle = "import time; print('rank 0 idle', flush=True); time.sleep(60)"
     start = time.monotonic()
     with pytest.raises(ServiceError, match=rf"its run's flow run \({driver}\) ended CRASHED"):
-        nodes._run_node(
-            "r", 1, [sys.executable, "-c", idle], None, nodes.DriverWatch(driver, interval_s=0.2)
+        trainer_node._run_node(
+            "r", 1, [sys.executable, "-c", idle], None, toolkit.DriverWatch(driver, interval_s=0.2)
         )
     assert time.monotonic() - start < 30 and len(reads) == 3 and str(reads[0]) == driver
     assert "rank 0 idle" in flow_logger
-    assert not nodes.DriverWatch(None).over()  # a node started outside a run's flow run
+    assert not toolkit.DriverWatch(None).over()  # a node started outside a run's flow run
 
 
 def _cfg(*overrides: str):
@@ -227,8 +230,8 @@ class _Api(FakeFlowRuns):
 
 
 def _node_0(tmp_path, startup_timeout_s: float = 5.0):
-    from rollflow.flows.services import trainer_args
     from rollflow.infra.storage import RunStorage
+    from rollflow.services.run_services import trainer_args
 
     cfg = _cfg(
         "trainer.num_nodes=2",
@@ -273,13 +276,13 @@ def test_node_0_as_a_flow_run_is_met_where_its_own_flow_run_says_it_serves(tmp_p
     assert args["trainer"]["master_addr"] == "auto"  # node 0's flow run finds its address
     api.states[trainer.flow_run_id] = "RUNNING"
     storage.write_json(
-        nodes.NODE_0_FILE, {"flow_run_id": "earlier", "url": "http://x:1", "master_addr": "x"}
+        toolkit.NODE_0_FILE, {"flow_run_id": "earlier", "url": "http://x:1", "master_addr": "x"}
     )
     threading.Timer(
         0.2,
         storage.write_json,
         (
-            nodes.NODE_0_FILE,
+            toolkit.NODE_0_FILE,
             {
                 "flow_run_id": str(trainer.flow_run_id),
                 "url": "http://10.0.0.7:4242/",
@@ -318,7 +321,7 @@ def test_node_0_no_worker_takes_or_that_ends_first_fails_the_start_naming_it(tmp
 
 def test_node_0_started_by_hand_without_the_runs_key_refuses(tmp_path):
     """The flow body reads the trainer's key from the run's storage, not a UI-visible parameter."""
-    from rollflow.flows.services import trainer_args
+    from rollflow.services.run_services import trainer_args
 
     cfg = _cfg("trainer.master_addr=auto", "trainer.node_deployment='rollflow-trainer-node/gpu'")
     serve = {
@@ -328,13 +331,13 @@ def test_node_0_started_by_hand_without_the_runs_key_refuses(tmp_path):
         "reach": "127.0.0.1",
     }
     with pytest.raises(ServiceError, match=r"control/servers/key.json holds no key"):
-        nodes._serve_node_0("run", serve, {}, "id", nodes.DriverWatch(None))
+        trainer_node._serve_node_0("run", serve, {}, "id", toolkit.DriverWatch(None))
 
 
 def test_a_prefect_api_hiccup_is_no_death_of_a_placed_node_0_or_server(tmp_path, monkeypatch):
     """The run's health check asks every 5 s whether node 0 (and each placed server) lives: a
     Prefect API that does not answer once leaves the last state read, it does not fail the run."""
-    from rollflow.flows import servers
+    from rollflow.services import placed_server as servers
 
     api = _Api(monkeypatch)
     trainer, _ = _node_0(tmp_path)
@@ -353,14 +356,13 @@ def test_a_prefect_api_hiccup_is_no_death_of_a_placed_node_0_or_server(tmp_path,
         progress=lambda _: None,
     )
     server.flow_run_id = uuid.uuid4()
-    monkeypatch.setattr(servers, "flow_run_state", lambda fid: "RUNNING")
+    monkeypatch.setattr(toolkit, "flow_run_state", lambda fid: "RUNNING")
     assert server.is_alive()
 
     def down(flow_run_id):
         raise OSError("connection refused")
 
-    monkeypatch.setattr(nodes, "flow_run_state", down)
-    monkeypatch.setattr(servers, "flow_run_state", down)
+    monkeypatch.setattr(toolkit, "flow_run_state", down)
     assert trainer.is_alive() and trainer.state() == "RUNNING"
     assert server.state(fresh=True) == "RUNNING" and server.is_alive()
 
@@ -381,11 +383,11 @@ def test_every_nodes_flow_run_loads_the_runs_storage_secret_itself(
     assert "storage_secret" not in api.submitted[-1]
 
     # The flow body, on the node's host: the block loaded, handed to the launcher's processes.
-    in_a_placed_flow_run(monkeypatch, nodes)
+    in_a_placed_flow_run(monkeypatch, trainer_node)
     rank = (
         "from rollflow.infra.storage import RunStorage; "
         f"print('rank sees', RunStorage({root!r}, 'r').options['secret'])"
     )
     argv = [sys.executable, "-c", rank]
-    out = nodes.trainer_node.fn("r", 1, argv, None, storage_secret=[root, "creds"])
+    out = trainer_node.trainer_node.fn("r", 1, argv, None, storage_secret=[root, "creds"])
     assert out["exit_code"] == 0 and "rank sees planted-secret" in flow_logger, flow_logger

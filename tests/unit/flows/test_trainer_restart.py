@@ -10,10 +10,10 @@ import json
 import pytest
 
 from rollflow.flows import rl_run
-from rollflow.flows.terminal import one_line
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import ServiceError, TrainerLost
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.terminal import one_line
 
 LOST = TrainerLost(
     "the trainer has exited (code 1): trainer rank 1 (pid 7) died (exit code -9); "

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from rollflow.inference.plugin import FORK_ENGINE_ENV
 from rollflow.infra.config import vllm_flag
 from rollflow.infra.errors import InferenceError
-from rollflow.infra.inference import server as server_module
-from rollflow.infra.inference.server import InferenceServer
-from rollflow.infra.inference.vllm_plugin import FORK_ENGINE_ENV
+from rollflow.services import vllm_server as server_module
+from rollflow.services.vllm_server import InferenceServer
 
 
 @pytest.fixture(autouse=True)

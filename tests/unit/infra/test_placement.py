@@ -18,7 +18,7 @@ from rollflow.infra.placement import (
     make_plan,
     physical_gpus,
 )
-from rollflow.tasks.train.launch import launcher_argv
+from rollflow.services.trainer_process import launcher_argv
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted([ROOT / "configs/quickstart.toml", *(ROOT / "configs/recipes").glob("*.toml")])

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from rollflow.flows.services import RunServices, trainer_args
 from rollflow.infra.config import InferenceSection, TrainerSection, load_config
 from rollflow.infra.errors import ConfigError
-from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.placement import Machine
+from rollflow.services.run_services import RunServices, trainer_args
+from rollflow.services.vllm_server import InferenceServer
 
 
 def test_auto_serves_bf16_on_gpus_and_fp32_on_cpu():

@@ -11,9 +11,9 @@ import threading
 
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import InferenceUnavailable
-from rollflow.infra.inference.fleet import Fleet
-from rollflow.infra.inference.gate import serving_gate, unregister_gate
-from rollflow.infra.inference.supervisor import InferenceSupervisor, WeightLink
+from rollflow.infra.vllm_fleet.fleet import Fleet
+from rollflow.infra.vllm_fleet.gate import serving_gate, unregister_gate
+from rollflow.services.vllm_supervisor import InferenceSupervisor, WeightLink
 
 
 class Placed:

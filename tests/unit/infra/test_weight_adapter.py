@@ -6,8 +6,8 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from rollflow.infra.inference.server import InferenceServer
 from rollflow.infra.weights import adapter
+from rollflow.services.vllm_server import InferenceServer
 
 
 def test_each_version_is_a_new_folder_and_the_old_ones_go(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rollflow.infra.errors import WeightSyncError
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
 from rollflow.infra.weights import group as group_module
 from rollflow.infra.weights.group import (
     Piece,

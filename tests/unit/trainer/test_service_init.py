@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from rollflow.trainer import service
+from rollflow.trainer import rank_main as service
 from rollflow.trainer.protocol import ServiceArgs
 
 

@@ -177,7 +177,7 @@ def test_a_step_without_loss_tokens_has_a_zero_loss_and_gradient(
 
     from rollflow.infra.storage import RunStorage
     from rollflow.tasks.advantage.advantages import num_loss_tokens
-    from rollflow.tasks.train.task import step_denominator
+    from rollflow.tasks.train.train_task import step_denominator
     from rollflow.trainer.batches import BatchReader
     from rollflow.trainer.compute import StepOps
     from rollflow.trainer.control import ControlGroup
@@ -203,7 +203,7 @@ def test_a_step_without_loss_tokens_has_a_zero_loss_and_gradient(
 
 
 def test_a_batch_token_mean_without_the_steps_loss_tokens_is_a_callers_error():
-    from rollflow.tasks.train.task import step_denominator
+    from rollflow.tasks.train.train_task import step_denominator
 
     with pytest.raises(ValueError, match="needs the step's loss tokens, none given"):
         step_denominator(None, 2, TrainSection(token_mean="batch"))

@@ -53,7 +53,7 @@ from rollflow.tasks.advantage.advantages import (  # noqa: E402
     build_batch,
     num_loss_tokens,
 )
-from rollflow.tasks.train.task import step_denominator  # noqa: E402
+from rollflow.tasks.train.train_task import step_denominator  # noqa: E402
 from rollflow.trainer.batches import BatchReader  # noqa: E402
 from rollflow.trainer.compute import StepOps  # noqa: E402
 from rollflow.trainer.control import ControlGroup  # noqa: E402

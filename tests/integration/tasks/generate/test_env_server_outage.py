@@ -17,11 +17,11 @@ import pytest
 
 from rollflow.infra import http
 from rollflow.infra.config import load_config
-from rollflow.infra.service import ManagedProcess, free_port
+from rollflow.infra.processes import ManagedProcess, free_port
 from rollflow.tasks.generate.environments import SortLettersEnv
+from rollflow.tasks.generate.generate_task import build_envs, make_rollout_context
 from rollflow.tasks.generate.host import ProducerHost
 from rollflow.tasks.generate.quarantine import group_error
-from rollflow.tasks.generate.task import build_envs, make_rollout_context
 
 pytestmark = pytest.mark.slow
 

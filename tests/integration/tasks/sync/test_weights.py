@@ -14,10 +14,10 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM
 
+from rollflow.inference import auth
 from rollflow.infra.errors import WeightSyncError
-from rollflow.infra.inference import auth
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
+from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, join, leave, publish
 
 from conftest import PROMPT_IDS, SenderSource, greedy_reference

@@ -10,14 +10,14 @@ import pytest
 
 from rollflow.infra.config import TrainerSection
 from rollflow.infra.errors import ServiceError
-from rollflow.infra.service import _ephemeral_low, cpu_split, free_port
-from rollflow.tasks.train.launch import TrainerProcess, _failure_in_log
+from rollflow.infra.processes import _ephemeral_low, cpu_split, free_port
+from rollflow.services.trainer_process import TrainerProcess, _failure_in_log
 from rollflow.trainer.protocol import ServiceArgs
 
 TORCHRUN_ROOT_CAUSE = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
-rollflow.trainer.service FAILED
+rollflow.trainer.rank_main FAILED
 ------------------------------------------------------
 Root Cause (first observed failure):
 [0]:

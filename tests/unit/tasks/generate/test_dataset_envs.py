@@ -182,9 +182,9 @@ def test_generate_task_reports_the_skipped_rows(tmp_path):
     from rollflow.infra.http import Endpoint
     from rollflow.infra.schema import rows_to_table
     from rollflow.tasks.generate.environments import RolloutContext, Sample
+    from rollflow.tasks.generate.generate_task import build_envs, generate
     from rollflow.tasks.generate.host import ProducerHost
     from rollflow.tasks.generate.rollouts import to_rows
-    from rollflow.tasks.generate.task import build_envs, generate
 
     data = jsonl(
         tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": "a"} for i in range(20)] + [{}, {}, {}]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollflow.infra.inference.pool import InferencePool
+from rollflow.infra.vllm_fleet.pool import InferencePool
 from rollflow.tasks.generate.environments import (
     AddEnv,
     ModAddEnv,
@@ -144,8 +144,8 @@ def test_rollout_context_encodes_exactly_like_the_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from rollflow.infra.config import load_config
+    from rollflow.tasks.generate.generate_task import make_rollout_context
     from rollflow.tasks.generate.rollouts import SamplingStats
-    from rollflow.tasks.generate.task import make_rollout_context
 
     cfg = load_config(Path(__file__).parents[4] / "configs/quickstart.toml")
     unused = InferencePool.of(["http://127.0.0.1:9"])  # nothing is sampled

@@ -1,4 +1,4 @@
-"""Sampling while the inference fleet grows and shrinks (``infra/inference/fleet.py``).
+"""Sampling while the inference fleet grows and shrinks (``infra/vllm_fleet/fleet.py``).
 
 Servers are the fake OpenAI server; the run's services' part (a server joins the fleet, or is
 taken out and stopped) is played by the test with known timings. The real grow and shrink
@@ -15,10 +15,10 @@ import time
 import pytest
 
 from rollflow.infra.errors import InferenceGone, InferenceUnavailable
-from rollflow.infra.inference.fleet import Fleet
-from rollflow.infra.inference.gate import ServingGate, register_gate, unregister_gate
-from rollflow.infra.inference.pool import InferencePool
 from rollflow.infra.metric_names import Metric
+from rollflow.infra.vllm_fleet.fleet import Fleet
+from rollflow.infra.vllm_fleet.gate import ServingGate, register_gate, unregister_gate
+from rollflow.infra.vllm_fleet.pool import InferencePool
 from rollflow.tasks.generate.rollouts import RetryPolicy, Sampler, SamplingStats
 from rollflow.testing.fake_openai import FakeOpenAI
 

@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from rollflow.infra.config import PromptSection
-from rollflow.infra.inference.client import Completion
 from rollflow.infra.models.chat import build_bpe_tokenizer
 from rollflow.infra.schema import ROLLOUT_SCHEMA, rows_to_table
+from rollflow.infra.vllm_fleet.client import Completion
 from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Prompt, RolloutContext
 from rollflow.tasks.generate.rollouts import to_rows

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from rollflow.flows.services import DETECTION_BOUND_S
 from rollflow.infra.errors import InferenceGone
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.gate import register_gate, unregister_gate
-from rollflow.infra.service import free_port
+from rollflow.infra.processes import free_port
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.gate import register_gate, unregister_gate
+from rollflow.services.run_services import DETECTION_BOUND_S
 from rollflow.tasks.generate.rollouts import RetryPolicy, Sampler, SamplingStats
 from rollflow.testing.fake_openai import FakeOpenAI
 

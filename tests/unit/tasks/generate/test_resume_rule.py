@@ -6,7 +6,7 @@ from rollflow.infra.config import load_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.http import Endpoint
 from rollflow.infra.schema import rows_to_table
-from rollflow.tasks.generate.task import reusable_rollouts, reused_steps
+from rollflow.tasks.generate.generate_task import reusable_rollouts, reused_steps
 
 
 def _ctx(tmp_path, max_staleness: float) -> RunContext:

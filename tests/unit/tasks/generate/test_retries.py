@@ -8,7 +8,7 @@ run against it. (The real vLLM path, including an abort by a real pause, is in t
 import asyncio
 import random
 
-from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.tasks.generate.environments import Prompt, RolloutContext, SingleTurnEnv
 from rollflow.tasks.generate.producer import RolloutProducer
 from rollflow.tasks.generate.rollouts import RetryPolicy, Sampler, SamplingStats, group_runner

@@ -8,7 +8,12 @@ import pytest
 
 from rollflow.infra.config import TrainerSection, TrainSection
 from rollflow.infra.errors import ConfigError
-from rollflow.tasks.train.launch import TrainerProcess, hostfile_text, launcher_argv, node_argv
+from rollflow.services.trainer_process import (
+    TrainerProcess,
+    hostfile_text,
+    launcher_argv,
+    node_argv,
+)
 from rollflow.trainer.protocol import ServiceArgs
 
 runner = pytest.importorskip("deepspeed.launcher.runner")
@@ -91,7 +96,7 @@ def test_deepspeed_under_a_work_pools_gpus_gets_the_physical_ones(tmp_path):
 
 def test_another_nodes_command_carries_its_arguments_not_a_path_on_node_0(tmp_path):
     from rollflow.trainer.protocol import ServiceArgs
-    from rollflow.trainer.service import _model_on_this_node
+    from rollflow.trainer.rank_main import _model_on_this_node
 
     trainer = TrainerSection(num_ranks=1, num_nodes=2, master_addr="n0")
     args = ServiceArgs(

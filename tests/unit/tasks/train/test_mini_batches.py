@@ -11,7 +11,7 @@ import pytest
 from rollflow.infra.config import TrainSection
 from rollflow.infra.errors import InputError
 from rollflow.infra.storage import RunStorage
-from rollflow.tasks.train.task import minibatches, sample_minibatches, split_seed
+from rollflow.tasks.train.train_task import minibatches, sample_minibatches, split_seed
 from rollflow.trainer.batches import BatchReader
 
 from trainer_support import make_rows, write_batch
@@ -106,7 +106,7 @@ class RecordingTrainer:
 def test_the_weights_are_kept_for_vllm_lag_optimizer_steps_before_the_steps_end(
     monkeypatch, groups, lag, behind, calls
 ):
-    from rollflow.tasks.train import task as train_task
+    from rollflow.tasks.train import train_task as train_task
 
     recorder = RecordingTrainer()
     monkeypatch.setattr(train_task, "trainer_client", lambda ctx: recorder)
@@ -135,7 +135,7 @@ def test_the_weights_are_kept_for_vllm_lag_optimizer_steps_before_the_steps_end(
 def test_token_mean_sets_every_optimizer_steps_denominator(
     monkeypatch, token_mean, groups, denominators
 ):
-    from rollflow.tasks.train import task as train_task
+    from rollflow.tasks.train import train_task as train_task
 
     recorder = RecordingTrainer()
     monkeypatch.setattr(train_task, "trainer_client", lambda ctx: recorder)

@@ -12,9 +12,9 @@ import pytest
 
 from rollflow.infra.config import TrainerSection, TrainSection
 from rollflow.infra.errors import ServiceError
-from rollflow.infra.service import free_port
-from rollflow.tasks.train import launch
-from rollflow.tasks.train.launch import TrainerProcess
+from rollflow.infra.processes import free_port
+from rollflow.services import trainer_process as launch
+from rollflow.services.trainer_process import TrainerProcess
 from rollflow.trainer.protocol import ServiceArgs
 
 

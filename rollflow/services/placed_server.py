@@ -12,7 +12,7 @@ naming the exit code otherwise. Before vLLM starts it writes where it serves
 finds it.
 
 On the run's side a ``PlacedServer`` stands where a local ``InferenceServer`` does, under the
-same supervisor (``infra/inference/supervisor.py``): alive while its flow run is not over;
+same supervisor (``services/vllm_supervisor.py``): alive while its flow run is not over;
 stopped by cancelling the flow run; restarted by submitting the slot again to the same queue
 with the same port, so that on a queue of one host it comes back at the same URL (one that a
 pool placed elsewhere is followed there: the supervisor's ``_follow_move``). The server's key
@@ -24,149 +24,24 @@ This module imports no torch: a worker starts the flow in seconds.
 
 from __future__ import annotations
 
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from prefect import flow
-
-from rollflow.flows.deploy import SERVER_FLOW_NAME
-from rollflow.flows.nodes import (
+from rollflow.inference import auth
+from rollflow.infra.errors import InferenceError
+from rollflow.infra.storage import RunStorage
+from rollflow.services import placed
+from rollflow.services.placed import (
     PLACEMENT_S,
     TERMINAL,
-    DriverWatch,
-    cancel_and_wait,
-    flow_run_state,
-    follow_to_its_end,
+    slot_file,
 )
-from rollflow.flows.terminal import PrefectRunLog, say
-from rollflow.infra.errors import InferenceError, ServiceError
-from rollflow.infra.inference import auth
-from rollflow.infra.secrets import hand_over_secret_block
-from rollflow.infra.storage import LOCAL_CHECKPOINTS, RunStorage
 
-KEY_FILE = "control/servers/key.json"  # the run's key, for its placed processes' flow runs
 STATE_TTL_S = 0.5  # how long a read flow-run state is taken as current
+
+
 POLL_S = 1.0
-
-
-def slot_file(slot: int) -> str:
-    """Where the flow run of server ``slot`` writes where it serves, in the run's storage."""
-    return f"control/servers/{slot}.json"
-
-
-@flow(
-    name=SERVER_FLOW_NAME,
-    flow_run_name="{run}: vLLM server {slot}",
-    persist_result=False,
-    validate_parameters=False,
-)
-def inference_server(
-    run: str,
-    slot: int,
-    storage: str,
-    storage_options: dict[str, Any],
-    model: tuple[str, int],
-    server: dict[str, Any],
-    driver: str | None = None,
-    storage_secret: str | None = None,
-) -> dict:
-    """Serve vLLM server ``slot`` of run ``run``, loading ``model`` (kind, step) from the run's
-    ``storage``, with ``server``'s settings (``PlacedServer.settings``), until vLLM ends or the
-    run's flow run ``driver`` does (``nodes.DriverWatch``). ``storage_secret``: the run's
-    ``run.storage_secret``, the Secret block this flow run loads the storage's credentials from."""
-    from prefect.context import get_run_context
-
-    flow_run_id = get_run_context().flow_run.id
-    hand_over_secret_block(storage, storage_secret)
-    with PrefectRunLog(flow_run_id):
-        return serve(
-            run,
-            slot,
-            RunStorage(storage, run, storage_options),
-            model,
-            server,
-            flow_run_id,
-            DriverWatch(driver),
-        )
-
-
-def serve(
-    run: str,
-    slot: int,
-    storage: RunStorage,
-    model: tuple[str, int],
-    settings: dict[str, Any],
-    flow_run_id: UUID | str,
-    watch: DriverWatch | None = None,
-) -> dict:
-    """The flow's body: the policy copied here, vLLM started under the guard on this host's
-    address toward the run's host, where it serves written to the run's storage, its log said
-    line by line, to its end."""
-    from rollflow.infra.inference.server import InferenceServer
-    from rollflow.infra.network import route_source
-    from rollflow.infra.service import free_port
-
-    key = read_key(storage)
-    address = route_source(settings["reach"])  # as the run's host reaches this host
-    port = settings.get("port") or free_port(address)
-    kind, step = model
-    say(f"vLLM server {slot} of run {run}: copying {kind}/step={step} from {storage.uri}")
-    model_dir = storage.local_copy(kind, step, LOCAL_CHECKPOINTS)
-    log_path = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-vllm-{slot}-")) / "vllm.log"
-    server = InferenceServer(
-        model_dir,
-        host=address,
-        port=port,
-        max_model_len=settings.get("max_model_len"),
-        startup_timeout_s=settings["startup_timeout_s"],
-        extra_args=settings.get("extra_args") or [],
-        extra_env=settings.get("env") or {},
-        log_path=log_path,
-        api_key=key,
-        cpus=tuple(settings.get("cpus") or ()),
-    )
-    where = {"flow_run_id": str(flow_run_id), "url": server.url, "started_at": time.time()}
-    storage.write_json(slot_file(slot), where)
-    say(f"vLLM server {slot} of run {run}: starting at {server.url}; its log here: {log_path}")
-    server.spawn()
-    try:
-        code = follow_to_its_end(server.process, f"vLLM server {slot} of run {run}", watch)
-    finally:
-        server.stop()  # and its LoRA folder, were there one
-    say(f"vLLM server {slot} of run {run}: ended")
-    return {"run": run, "slot": slot, "url": server.url, "exit_code": code}
-
-
-def read_key(storage: RunStorage) -> str:
-    """The run's key (its servers' and trainer's API key), as the run published it."""
-    try:
-        record = storage.read_json(KEY_FILE)
-    except ValueError:
-        record = None
-    if not isinstance(record, dict) or not record.get("key"):
-        raise ServiceError(
-            f"{storage.path(KEY_FILE)} holds no key: the run writes it when it starts the flow "
-            "runs of its servers and trainer nodes; was this flow run started by hand? Start "
-            "the run instead"
-        )
-    return record["key"]
-
-
-def publish_key(storage: RunStorage, key: str) -> None:
-    """Give the run's placed servers and trainer node 0 their key through the run's storage
-    (see the module docstring)."""
-    storage.write_json(KEY_FILE, {"key": key})
-
-
-def withdraw_key(storage: RunStorage) -> None:
-    """The run's placed processes are gone: their key leaves the storage (best effort)."""
-    try:
-        storage.fs.rm(storage.path(KEY_FILE))
-    except (FileNotFoundError, OSError):
-        pass
 
 
 class PlacedServer:
@@ -234,7 +109,7 @@ class PlacedServer:
         at, state = self._state
         if fresh or time.monotonic() - at > STATE_TTL_S:
             try:
-                state = flow_run_state(self.flow_run_id)
+                state = placed.flow_run_state(self.flow_run_id)
             except Exception:  # noqa: BLE001 - the API's hiccup is no server's death: the last
                 return state  # state read stands until the next ask
             self._state = (time.monotonic(), state)
@@ -288,7 +163,7 @@ class PlacedServer:
     def wait_ready(self) -> PlacedServer:
         """Wait until the flow run says where it serves and vLLM answers there; raise
         ``InferenceError`` naming what did not happen otherwise (the flow run cancelled)."""
-        from rollflow.infra.inference.server import answers_health  # torch: not at import
+        from rollflow.services.vllm_server import answers_health  # torch: not at import
 
         deadline = time.monotonic() + self.startup_timeout_s
         try:
@@ -350,7 +225,7 @@ class PlacedServer:
         if self.flow_run_id is None or self.state(fresh=True) in TERMINAL:
             return
         self._cancelled = True
-        cancel_and_wait(
+        placed.cancel_and_wait(
             self.flow_run_id, timeout_s, f"inference: server {self.slot}", self.progress
         )
         self.state(fresh=True)  # what it is now, not what it was before the cancel

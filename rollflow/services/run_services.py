@@ -23,31 +23,32 @@ import threading
 import time
 from pathlib import Path
 
-from rollflow.flows.nodes import PlacedTrainer, TrainerNodes, check_deployment, gpu_request
-from rollflow.flows.servers import PlacedServer, publish_key, withdraw_key
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError, TrainerLost, WeightSyncError
 from rollflow.infra.events import Event, publish
 from rollflow.infra.http import Endpoint
-from rollflow.infra.inference.fleet import (
+from rollflow.infra.placement import Machine, make_plan, resolve_addresses
+from rollflow.infra.storage import RunStorage
+from rollflow.infra.vllm_fleet.fleet import (
     Fleet,
     asked_servers,
     record_fleet,
     register_fleet,
     unregister_fleet,
 )
-from rollflow.infra.inference.supervisor import (
+from rollflow.services.placed import check_deployment, gpu_request, publish_key, withdraw_key
+from rollflow.services.placed_server import PlacedServer
+from rollflow.services.placed_trainer import PlacedTrainer, TrainerNodes
+from rollflow.services.trainer_process import TrainerProcess, node_argv
+from rollflow.services.vllm_supervisor import (
     HEALTH_PROBE_TIMEOUT_S,
     InferenceSupervisor,
     WeightLink,
     max_model_len,
 )
-from rollflow.infra.placement import Machine, make_plan, resolve_addresses
-from rollflow.infra.storage import RunStorage
 from rollflow.tasks.sync import weights
 from rollflow.tasks.sync.weights import GroupSpec
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.tasks.train.launch import TrainerProcess, node_argv
 from rollflow.trainer import lora
 from rollflow.trainer.protocol import ServiceArgs
 

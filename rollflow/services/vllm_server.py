@@ -22,15 +22,15 @@ from types import TracebackType
 
 import httpx
 
+from rollflow.inference import auth
+from rollflow.inference.plugin import FORK_ENGINE_ENV, SPIN_ENV
 from rollflow.infra import http
 from rollflow.infra.config import VLLM_MAX_LORA_RANKS, vllm_flag
 from rollflow.infra.errors import InferenceError, ServiceError
-from rollflow.infra.inference import auth
-from rollflow.infra.inference.vllm_plugin import FORK_ENGINE_ENV, SPIN_ENV
-from rollflow.infra.service import ManagedProcess, cpu_split, free_port, wait_port_free
+from rollflow.infra.processes import ManagedProcess, cpu_split, free_port, wait_port_free
 from rollflow.infra.weights import adapter
 
-WORKER_EXTENSION_CLS = "rollflow.infra.inference.worker_extension.WeightReceiver"
+WORKER_EXTENSION_CLS = "rollflow.inference.worker_extension.WeightReceiver"
 # How long a start waits for its port to be let go (a previous process of the server exiting).
 PORT_FREE_TIMEOUT_S = 15.0
 

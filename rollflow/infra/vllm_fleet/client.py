@@ -23,9 +23,9 @@ from typing import Any
 
 import aiohttp
 
+from rollflow.inference.auth import auth_headers
 from rollflow.infra.errors import InferenceError, InferenceUnavailable, RequestAborted
-from rollflow.infra.inference.auth import auth_headers
-from rollflow.infra.inference.gate import serving_gate
+from rollflow.infra.vllm_fleet.gate import serving_gate
 
 # vLLM's uvicorn closes a keep-alive connection after 5 s idle (--timeout-keep-alive); the client
 # drops its own a little earlier, so that it rarely sends on a connection the server is closing.

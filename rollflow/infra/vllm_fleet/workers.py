@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rollflow.infra.inference.client import InferenceClient
+from rollflow.infra.vllm_fleet.client import InferenceClient
 
 
 class WeightWorkers:

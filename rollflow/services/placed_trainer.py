@@ -31,192 +31,20 @@ This module imports no torch: a worker starts the flow in seconds.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from prefect import flow
-
-from rollflow.flows.deploy import NODE_FLOW_NAME
-from rollflow.flows.terminal import PrefectRunLog, say
 from rollflow.infra.errors import ServiceError
-from rollflow.infra.secrets import hand_over_secret_block
-from rollflow.infra.service import ManagedProcess
-
-FOLLOW_INTERVAL_S = 0.5
-TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-NODE_0_FILE = "control/trainer/node-0.json"  # where node 0's flow run serves, in run storage
-# Beyond a placed process's own start-up deadline: a worker's poll, the flow run's start (a
-# placed server's: the policy's copy too).
-PLACEMENT_S = 120.0
-DRIVER_CHECK_S = 10.0  # how often a node reads its run's flow run's state
-
-
-@flow(
-    name=NODE_FLOW_NAME,
-    flow_run_name="{run}: trainer node {node}",
-    persist_result=False,
-    validate_parameters=False,
+from rollflow.services import placed
+from rollflow.services.placed import (
+    NODE_0_FILE,
+    PLACEMENT_S,
+    TERMINAL,
+    check_deployment,
+    gpu_request,
 )
-def trainer_node(
-    run: str,
-    node: int,
-    argv: list[str],
-    env: dict[str, str] | None = None,
-    serve: dict[str, Any] | None = None,
-    driver: str | None = None,
-    storage_secret: list[str] | None = None,
-) -> dict:
-    """Run trainer node ``node`` of run ``run``: the launcher ``argv`` (with ``env``) to its end;
-    node 0 (``serve``: ``PlacedTrainer``'s settings) starts its own launcher, serving the
-    trainer's API. ``driver``: the run's flow run, whose end ends the node (``DriverWatch``).
-    ``storage_secret``: the run's storage root and ``run.storage_secret``, the Secret block this
-    flow run loads the storage's credentials from (its ranks inherit them)."""
-    from prefect.context import get_run_context
-
-    flow_run_id = get_run_context().flow_run.id
-    if storage_secret:
-        hand_over_secret_block(*storage_secret)
-    watch = DriverWatch(driver)
-    with PrefectRunLog(flow_run_id):
-        if serve is not None:
-            return _serve_node_0(run, serve, env or {}, flow_run_id, watch)
-        return _run_node(run, node, argv, env, watch)
-
-
-class DriverWatch:
-    """Whether the run's flow run (the node's driver) is over, read every ``interval_s``: a node
-    on a host of its own outlives a run whose host was lost, its ranks idle for good and holding
-    their devices, unless it ends with it. The Prefect API not answering is no end."""
-
-    def __init__(self, driver: str | None, interval_s: float = DRIVER_CHECK_S):
-        self.driver, self.interval_s = driver, interval_s
-        self.ended: str | None = None  # the driver's terminal state, once seen
-        self._read_at = time.monotonic()
-
-    def over(self) -> bool:
-        if self.driver is None or self.ended is not None:
-            return self.ended is not None
-        if time.monotonic() - self._read_at >= self.interval_s:
-            self._read_at = time.monotonic()
-            try:
-                state = flow_run_state(UUID(self.driver))
-            except Exception:  # noqa: BLE001 - the API's hiccup: read again later
-                return False
-            if state in TERMINAL:
-                self.ended = state
-        return self.ended is not None
-
-
-def _serve_node_0(
-    run: str, serve: dict[str, Any], env: dict[str, str], flow_run_id, watch: DriverWatch
-) -> dict:
-    """Node 0's body: its launcher, bound to the address its host reaches the run's host from
-    (``serve["reach"]``), ``trainer.master_addr = "auto"`` made that address; where it serves
-    and meets the other nodes written to the run's storage (``NODE_0_FILE``) before it starts;
-    its log said line by line, to its end."""
-    from rollflow.flows.servers import read_key
-    from rollflow.infra.network import route_source
-    from rollflow.infra.service import free_port
-    from rollflow.infra.storage import RunStorage
-    from rollflow.tasks.train.launch import TrainerProcess
-    from rollflow.trainer.protocol import ServiceArgs
-
-    storage = RunStorage(serve["storage"], run, serve.get("storage_options") or {})
-    address = route_source(serve["reach"])
-    args = ServiceArgs.model_validate_json(serve["args"])
-    tr = args.trainer
-    if tr.master_addr == "auto":
-        tr = tr.model_copy(update={"master_addr": address})
-    args = args.model_copy(update={"trainer": tr, "host": address, "port": free_port(address)})
-    log_dir = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-node-0-"))
-    trainer = TrainerProcess(
-        args,
-        token=read_key(storage),
-        log_dir=log_dir,
-        device_env=env,
-        cpus=tuple(serve.get("cpus") or ()),
-        progress=say,
-    )
-    where = {
-        "flow_run_id": str(flow_run_id),
-        "url": trainer.endpoint.url,
-        "master_addr": tr.master_addr,
-        "started_at": time.time(),
-    }
-    storage.write_json(NODE_0_FILE, where)
-    say(
-        f"trainer node 0 of run {run}: serving at {trainer.endpoint.url}, the other nodes meet it "
-        f"at {tr.master_addr}; its log on this host: {trainer.process.log_path}"
-    )
-    trainer.start()
-    code = follow_to_its_end(trainer.process, f"trainer node 0 of run {run}", watch)
-    say(f"trainer node 0 of run {run}: ended with the run's trainer")
-    return {"run": run, "node": 0, "url": trainer.endpoint.url, "exit_code": code}
-
-
-def _run_node(
-    run: str,
-    node: int,
-    argv: list[str],
-    env: dict[str, str] | None = None,
-    watch: DriverWatch | None = None,
-) -> dict:
-    """The node's launcher under the guard, each of its log lines said (``say``: the flow run's
-    log and the worker's output), to its end."""
-    log_path = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-node-{node}-")) / "trainer-node.log"
-    proc = ManagedProcess(f"trainer-node-{node}", argv, log_path, env=env)
-    say(f"trainer node {node} of run {run}: starting; its log on this host: {log_path}")
-    proc.start()
-    code = follow_to_its_end(proc, f"trainer node {node} of run {run}", watch)
-    say(f"trainer node {node} of run {run}: ended with the run's trainer")
-    return {"run": run, "node": node, "exit_code": code}
-
-
-def follow_to_its_end(proc: ManagedProcess, what: str, watch: DriverWatch | None = None) -> int:
-    """Say each line of the started ``proc``'s log until it exits (or ``watch`` sees the run's
-    flow run over), stop what is left of it; return its exit code 0, else raise
-    ``ServiceError`` naming ``what``, the code and the log's last lines (its flow run ends
-    Failed)."""
-    over = watch.over if watch is not None else lambda: False
-    try:
-        follow_log(proc.log_path, lambda: proc.is_alive() and not over(), say)
-    finally:
-        proc.stop()
-    if watch is not None and watch.ended is not None:
-        raise ServiceError(
-            f"{what}: stopped, its run's flow run ({watch.driver}) ended {watch.ended} (its host "
-            "lost, or the run stopped without ending its nodes); a rerun submits the node again"
-        )
-    code = proc.returncode
-    if code != 0:
-        raise proc.error(f"{what} exited with code {code}")
-    return code
-
-
-def follow_log(path: Path, alive, out, interval_s: float = FOLLOW_INTERVAL_S) -> None:
-    """Send each whole line written to ``path`` to ``out`` until ``alive()`` is false, then
-    the rest (a last line without its newline too)."""
-    offset, pending = 0, b""
-    while True:
-        running = alive()  # read after: a line written just before the exit is not missed
-        try:
-            with open(path, "rb") as log:
-                log.seek(offset)
-                chunk = log.read()
-        except FileNotFoundError:
-            chunk = b""
-        offset += len(chunk)
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            out(line.decode(errors="replace"))
-        if not running:
-            if pending:
-                out(pending.decode(errors="replace"))
-            return
-        time.sleep(interval_s)
 
 
 class TrainerNodes:
@@ -282,7 +110,9 @@ class TrainerNodes:
 
     def states(self) -> dict[int, str]:
         """Each node's flow run state now (its type, e.g. RUNNING)."""
-        return {node: flow_run_state(flow_run_id) for node, flow_run_id in self.flow_runs.items()}
+        return {
+            node: placed.flow_run_state(flow_run_id) for node, flow_run_id in self.flow_runs.items()
+        }
 
     def end(self, grace_s: float = 30.0) -> dict[int, str]:
         """After node 0 stopped: each node's flow run ends with it (its ranks lose the rendezvous);
@@ -348,7 +178,7 @@ class TrainerNodes:
     def _cancel(self, nodes: list[int] | None) -> None:
         for node in nodes if nodes is not None else list(self.flow_runs):
             try:
-                cancel_flow_run(self.flow_runs[node])
+                placed.cancel_flow_run(self.flow_runs[node])
                 self.progress(
                     f"trainer: node {node}'s flow run did not end with the run: cancelled"
                 )
@@ -401,7 +231,7 @@ class PlacedTrainer:
         if self.flow_run_id is None:
             return "CANCELLED"
         try:
-            self._state = flow_run_state(self.flow_run_id)
+            self._state = placed.flow_run_state(self.flow_run_id)
         except Exception:  # noqa: BLE001 - read again at the next ask
             pass
         return self._state
@@ -498,7 +328,7 @@ class PlacedTrainer:
             raise ServiceError(
                 f"trainer node 0's flow run ({self.flow_run_id}) ended {state}; see {self.log_path}"
             )
-        from rollflow.tasks.train.launch import probe_health
+        from rollflow.services.trainer_process import probe_health
 
         probe_health(self.client, timeout_s)
 
@@ -518,7 +348,7 @@ class PlacedTrainer:
                 return
         except Exception:  # noqa: BLE001 - a hung rank, or the API's hiccup: cancelled below
             pass
-        cancel_and_wait(
+        placed.cancel_and_wait(
             self.flow_run_id,
             max(1.0, deadline - time.monotonic()),
             "trainer: node 0",
@@ -527,77 +357,3 @@ class PlacedTrainer:
 
     def set_aside_log(self) -> None:
         """A lost trainer's log stays in its flow run's (nothing on this host to keep)."""
-
-
-# ------------------------------------------------- flow runs of a deployment, as processes
-
-
-def gpu_request(job_variables: set[str], gpus: int) -> dict[str, int] | None:
-    """The job variables that ask a pool for ``gpus`` GPUs per flow run: ``{"gpus": N}`` on a
-    pool whose template has that variable (prefect.yaml's Kubernetes and Docker pools: a pod's
-    ``nvidia.com/gpu`` limit, a container's device request), None elsewhere (a process pool's
-    host has its GPUs)."""
-    return {"gpus": gpus} if gpus and "gpus" in job_variables else None
-
-
-def check_deployment(deployment: str, key: str, otherwise: str) -> set[str]:
-    """Raise ``ServiceError`` naming config key ``key`` and what to do (``otherwise``: the
-    alternative) unless the Prefect API holds ``deployment``; returns the job variables its
-    work pool's template takes."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_URL
-
-    with get_client(sync_client=True) as client:
-        try:
-            found = client.read_deployment_by_name(deployment)
-            template = client.read_work_pool(found.work_pool_name).base_job_template
-            return set(((template or {}).get("variables") or {}).get("properties") or {})
-        except ObjectNotFound:
-            raise ServiceError(
-                f"{key} = {deployment!r}: no such deployment on the Prefect API at "
-                f"{PREFECT_API_URL.value() or '(a temporary server)'}; run `rollflow deploy` "
-                f"against the server whose workers run on the other hosts (PREFECT_API_URL), "
-                f"{otherwise}"
-            ) from None
-
-
-def cancel_and_wait(flow_run_id: UUID, timeout_s: float, what: str, progress=print) -> None:
-    """Cancel the flow run (of ``what``, for messages) and wait up to ``timeout_s`` for its end
-    (its worker stops the process, the guard takes the children); said when it could not be
-    cancelled or has not ended by then. The Prefect API's hiccup is read through."""
-    try:
-        cancel_flow_run(flow_run_id)
-    except Exception as exc:  # noqa: BLE001 - the API gone: said, nothing more to do here
-        progress(f"{what}: could not cancel its flow run ({flow_run_id}): {exc}")
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if flow_run_state(flow_run_id) in TERMINAL:
-                return
-        except Exception:  # noqa: BLE001 - read again until the deadline
-            pass
-        time.sleep(0.5)
-    progress(
-        f"{what}: its flow run ({flow_run_id}) was cancelled but has not ended after "
-        f"{timeout_s:.0f}s; its worker stops it"
-    )
-
-
-def flow_run_state(flow_run_id: UUID) -> str:
-    """The flow run's state type now, e.g. ``RUNNING`` (``PENDING`` before it has one)."""
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        state = client.read_flow_run(flow_run_id).state
-    return state.type.value if state is not None else "PENDING"
-
-
-def cancel_flow_run(flow_run_id: UUID) -> None:
-    """Ask for the flow run's end: its worker stops its process (the guard takes its children)."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Cancelling
-
-    with get_client(sync_client=True) as client:
-        client.set_flow_run_state(flow_run_id, Cancelling(), force=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rollflow.infra.inference.auth import KEY_ENV
+from rollflow.inference.auth import KEY_ENV
 from rollflow.infra.weights import adapter
 from rollflow.infra.weights.group import DEFAULT_BUCKET_BYTES, WeightReceiverGroup
 

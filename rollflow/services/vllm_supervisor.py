@@ -39,8 +39,8 @@ from pathlib import Path
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError
-from rollflow.infra.inference.gate import ServingGate, register_gate, unregister_gate
-from rollflow.infra.inference.server import InferenceServer, answers_health
+from rollflow.infra.vllm_fleet.gate import ServingGate, register_gate, unregister_gate
+from rollflow.services.vllm_server import InferenceServer, answers_health
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 UNHEALTHY_PROBES_BEFORE_RESTART = 2  # one slow answer is not a death

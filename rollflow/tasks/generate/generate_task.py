@@ -26,9 +26,9 @@ from transformers import AutoTokenizer
 from rollflow.infra import staleness
 from rollflow.infra.config import RunConfig
 from rollflow.infra.context import RunContext
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.pool import InferencePool
 from rollflow.infra.schema import loss_mask, rows_to_table
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.pool import InferencePool
 from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
 from rollflow.tasks.generate.host import host_for, step_flows_in_flight

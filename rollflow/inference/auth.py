@@ -23,7 +23,7 @@ import secrets
 import threading
 
 KEY_ENV = "ROLLFLOW_VLLM_KEY"
-MIDDLEWARE = "rollflow.infra.inference.auth.RunKeyMiddleware"
+MIDDLEWARE = "rollflow.inference.auth.RunKeyMiddleware"
 
 _KEYS: dict[str, str] = {}
 _LOCK = threading.Lock()

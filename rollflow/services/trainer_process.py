@@ -21,10 +21,9 @@ from typing import Any
 
 from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.http import Endpoint
-from rollflow.infra.service import ManagedProcess, cpu_split, free_port, log_tail, wait_port_free
+from rollflow.infra.processes import ManagedProcess, cpu_split, free_port, log_tail, wait_port_free
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.trainer import SERVICE_MODULE
-from rollflow.trainer.protocol import ServiceArgs
+from rollflow.trainer.protocol import RANK_MAIN_MODULE, ServiceArgs
 
 # DeepSpeed's JIT-compiled ops (on CPU: its shared-memory all-reduce, ~2-6 min to build). One
 # folder per Python environment: torch rebuilds an op whose build flags changed, and the flags
@@ -77,7 +76,7 @@ def launcher_argv(
             f"--master-port={master_port}",
             "--max-restarts=0",
             "-m",
-            SERVICE_MODULE,
+            RANK_MAIN_MODULE,
             str(args_file),
         ]
     if backend == "deepspeed":
@@ -95,7 +94,7 @@ def launcher_argv(
             f"--master_addr={master_addr}",
             f"--master_port={master_port}",
             "--module",
-            SERVICE_MODULE,
+            RANK_MAIN_MODULE,
             str(args_file),
         ]
     raise ConfigError(f"trainer.backend = {backend!r} is unknown: set 'fsdp2' or 'deepspeed'")

@@ -21,8 +21,8 @@ from rollflow.infra.context import RunContext
 from rollflow.infra.errors import InferenceError, ServiceError, WeightSyncError
 from rollflow.infra.events import Event
 from rollflow.infra.events import publish as publish_event
-from rollflow.infra.inference.fleet import Fleet
-from rollflow.infra.inference.gate import ServingGate, serving_gate
+from rollflow.infra.vllm_fleet.fleet import Fleet
+from rollflow.infra.vllm_fleet.gate import ServingGate, serving_gate
 from rollflow.tasks.sync.weights import WeightSource, publish
 
 # How long a failed sync waits for the supervisor to notice a dead server (it checks every 5 s).

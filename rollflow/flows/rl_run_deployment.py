@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from rollflow.flows.deploy import FLOW_NAME
+from rollflow.flows.names import FLOW_NAME
 from rollflow.flows.preflight import preflight
 from rollflow.flows.rl_run import rl_run
 from rollflow.infra.config import dump_config, resolve_config

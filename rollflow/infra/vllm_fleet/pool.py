@@ -19,10 +19,10 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from rollflow.infra.inference.client import InferenceClient
-from rollflow.infra.inference.fleet import Fleet
-from rollflow.infra.inference.gate import serving_gate
 from rollflow.infra.metric_names import Metric
+from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.fleet import Fleet
+from rollflow.infra.vllm_fleet.gate import serving_gate
 
 
 class InferencePool:

@@ -1,0 +1,146 @@
+"""Trainer nodes as Prefect flow runs: with ``trainer.node_deployment`` set, every node of the
+trainer, node 0 included (``PlacedTrainer``, below), is a flow run of
+a ``rollflow-trainer-node`` deployment that the run flow submits (``TrainerNodes.submit``) to
+that deployment's work pool, where a worker on the node's host runs it: nobody starts a command
+on the other hosts.
+
+The flow run is the node. Its body starts the node's launcher under the ``ManagedProcess``
+guard, on its main thread, so a cancelled or crashed flow run takes the node's ranks with it;
+it says the node's log lines in the flow run's log (the UI's Logs tab; ``PrefectRunLog``), and it ends with
+the node: Completed when the launcher exits 0 (the run's trainer ended), Failed naming the exit
+code and the log's last lines otherwise. Everything the node needs travels in its parameters
+(the launcher command, with the trainer's arguments in it: what the run prints when it places
+nodes by hand) and the run's object storage (the policy, checkpoints): no shared file system.
+
+Node 0 serves the trainer's API: its body starts its own launcher, bound to the address its
+host reaches the run's host from, and writes where it serves and where the other nodes meet it
+(``trainer.master_addr``, ``auto``: that address) to the run's storage (``NODE_0_FILE``); the
+run, which keeps no trainer process then, waits for that record (``PlacedTrainer.wait_placed``)
+before it submits nodes 1.. with that address.
+
+A node whose flow run ends while the run goes on is a lost trainer (``TrainerNodes.check_running``,
+asked by the run's health check): the run restarts the trainer on every node, the nodes' flow
+runs cancelled and waited for (``stop``), then submitted again. A node whose run's flow run
+ended (its host lost: marked Crashed) stops with it (``DriverWatch``).
+
+Which host takes which node: a deployment's pool, and a work queue per node where the config
+names them (``trainer.node_queues``): a process pool on bare hosts has a queue per host, each
+host's worker started with ``--work-queue``; a Kubernetes or Docker pool places the job itself.
+This module imports no torch: a worker starts the flow in seconds.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+
+from rollflow.flows.names import NODE_FLOW_NAME
+from rollflow.infra.processes import ManagedProcess
+from rollflow.infra.secrets import hand_over_secret_block
+from rollflow.infra.terminal import PrefectRunLog, say
+from rollflow.services.placed import (
+    NODE_0_FILE,
+    DriverWatch,
+    follow_to_its_end,
+)
+
+
+@flow(
+    name=NODE_FLOW_NAME,
+    flow_run_name="{run}: trainer node {node}",
+    persist_result=False,
+    validate_parameters=False,
+)
+def trainer_node(
+    run: str,
+    node: int,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    serve: dict[str, Any] | None = None,
+    driver: str | None = None,
+    storage_secret: list[str] | None = None,
+) -> dict:
+    """Run trainer node ``node`` of run ``run``: the launcher ``argv`` (with ``env``) to its end;
+    node 0 (``serve``: ``PlacedTrainer``'s settings) starts its own launcher, serving the
+    trainer's API. ``driver``: the run's flow run, whose end ends the node (``DriverWatch``).
+    ``storage_secret``: the run's storage root and ``run.storage_secret``, the Secret block this
+    flow run loads the storage's credentials from (its ranks inherit them)."""
+    from prefect.context import get_run_context
+
+    flow_run_id = get_run_context().flow_run.id
+    if storage_secret:
+        hand_over_secret_block(*storage_secret)
+    watch = DriverWatch(driver)
+    with PrefectRunLog(flow_run_id):
+        if serve is not None:
+            return _serve_node_0(run, serve, env or {}, flow_run_id, watch)
+        return _run_node(run, node, argv, env, watch)
+
+
+def _serve_node_0(
+    run: str, serve: dict[str, Any], env: dict[str, str], flow_run_id, watch: DriverWatch
+) -> dict:
+    """Node 0's body: its launcher, bound to the address its host reaches the run's host from
+    (``serve["reach"]``), ``trainer.master_addr = "auto"`` made that address; where it serves
+    and meets the other nodes written to the run's storage (``NODE_0_FILE``) before it starts;
+    its log said line by line, to its end."""
+    from rollflow.infra.network import route_source
+    from rollflow.infra.processes import free_port
+    from rollflow.infra.storage import RunStorage
+    from rollflow.services.placed import read_key
+    from rollflow.services.trainer_process import TrainerProcess
+    from rollflow.trainer.protocol import ServiceArgs
+
+    storage = RunStorage(serve["storage"], run, serve.get("storage_options") or {})
+    address = route_source(serve["reach"])
+    args = ServiceArgs.model_validate_json(serve["args"])
+    tr = args.trainer
+    if tr.master_addr == "auto":
+        tr = tr.model_copy(update={"master_addr": address})
+    args = args.model_copy(update={"trainer": tr, "host": address, "port": free_port(address)})
+    log_dir = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-node-0-"))
+    trainer = TrainerProcess(
+        args,
+        token=read_key(storage),
+        log_dir=log_dir,
+        device_env=env,
+        cpus=tuple(serve.get("cpus") or ()),
+        progress=say,
+    )
+    where = {
+        "flow_run_id": str(flow_run_id),
+        "url": trainer.endpoint.url,
+        "master_addr": tr.master_addr,
+        "started_at": time.time(),
+    }
+    storage.write_json(NODE_0_FILE, where)
+    say(
+        f"trainer node 0 of run {run}: serving at {trainer.endpoint.url}, the other nodes meet it "
+        f"at {tr.master_addr}; its log on this host: {trainer.process.log_path}"
+    )
+    trainer.start()
+    code = follow_to_its_end(trainer.process, f"trainer node 0 of run {run}", watch)
+    say(f"trainer node 0 of run {run}: ended with the run's trainer")
+    return {"run": run, "node": 0, "url": trainer.endpoint.url, "exit_code": code}
+
+
+def _run_node(
+    run: str,
+    node: int,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    watch: DriverWatch | None = None,
+) -> dict:
+    """The node's launcher under the guard, each of its log lines said (``say``: the flow run's
+    log and the worker's output), to its end."""
+    log_path = Path(tempfile.mkdtemp(prefix=f"rollflow-{run}-node-{node}-")) / "trainer-node.log"
+    proc = ManagedProcess(f"trainer-node-{node}", argv, log_path, env=env)
+    say(f"trainer node {node} of run {run}: starting; its log on this host: {log_path}")
+    proc.start()
+    code = follow_to_its_end(proc, f"trainer node {node} of run {run}", watch)
+    say(f"trainer node {node} of run {run}: ended with the run's trainer")
+    return {"run": run, "node": node, "exit_code": code}
