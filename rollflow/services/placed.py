@@ -215,3 +215,20 @@ def cancel_flow_run(flow_run_id: UUID) -> None:
 
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+
+
+def policy_in_storage(
+    storage: RunStorage, policy_dir: str, checkpoint_step: int | None, progress=print
+) -> tuple[str, int]:
+    """Where processes on other hosts (trainer nodes, placed vLLM servers) find the policy in the
+    run's storage, as (kind, step): ``checkpoint_step``'s checkpoint (the one being resumed),
+    else the policy itself, put there once."""
+    if checkpoint_step:
+        return ("checkpoints", checkpoint_step)
+    if 0 not in storage.committed_steps("policy"):
+        progress(
+            f"services: putting the policy in {storage.step_uri('policy', 0)} for the "
+            "processes on other hosts"
+        )
+        storage.upload_dir(policy_dir, "policy", 0)
+    return ("policy", 0)

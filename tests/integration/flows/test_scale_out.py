@@ -88,12 +88,12 @@ def test_a_fleet_grown_to_two_servers_and_a_two_rank_trainer_serve_the_trainers_
 
     def fleet_becomes(servers: int) -> None:
         deadline = time.monotonic() + 300
-        while len(services.supervisors) != servers or services._joining is not None:
+        while len(services.supervisors) != servers or services.servers._joining is not None:
             assert time.monotonic() < deadline, f"the fleet did not reach {servers} in 300 s"
             services.check_alive()  # what the run's step loop calls every 5 s
             time.sleep(1)
         assert services.fleet.urls() == services.inference_urls
-        assert services.group.world_size == 1 + servers
+        assert services.weights.spec_for(services.servers.num_workers()).world_size == 1 + servers
 
     def train_and_sync(step: int) -> None:
         urls = services.inference_urls
@@ -115,9 +115,12 @@ def test_a_fleet_grown_to_two_servers_and_a_two_rank_trainer_serve_the_trainers_
 
     with services:
         t = services.trainer
-        assert len(services.inference_urls) == 1 and services.group.world_size == 2
+        assert (
+            len(services.inference_urls) == 1
+            and services.weights.spec_for(services.servers.num_workers()).world_size == 2
+        )
         assert pinned(services.supervisors[0]) == {(cores[0],)}
-        ranks = [psutil.Process(r["pid"]) for r in services.trainer_proc.ranks]
+        ranks = [psutil.Process(r["pid"]) for r in services.life.proc.ranks]
         assert len(ranks) == 2 and all(r.cpu_affinity() == cores for r in ranks), ranks
         before = greedy(services.inference_urls[0])
         train_and_sync(1)

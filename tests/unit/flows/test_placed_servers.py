@@ -13,12 +13,12 @@ import pytest
 from placed_support import FakeFlowRuns, in_a_placed_flow_run
 
 from rollflow.flows import inference_server
-from rollflow.inference import auth
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import ConfigError, InferenceError, ServiceError
 from rollflow.infra.placement import Machine, make_plan
 from rollflow.infra.processes import free_port
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.vllm_fleet import keys
 from rollflow.services import placed as toolkit
 from rollflow.services import placed_server as servers
 
@@ -125,7 +125,7 @@ def test_a_restart_placed_on_another_host_serves_at_its_new_address(tmp_path, mo
     api.states[server.flow_run_id] = "RUNNING"
     _serving(storage, server.flow_run_id, health)
     server.wait_ready()
-    assert server.url == health and auth.auth_headers(health) == auth.auth_headers(health, "key")
+    assert server.url == health and keys.auth_headers(health) == keys.auth_headers(health, "key")
 
 
 def test_a_server_no_worker_takes_fails_naming_the_deployment_and_queue(tmp_path, monkeypatch):
@@ -252,10 +252,10 @@ def test_a_placed_server_loads_the_runs_storage_secret_itself(tmp_path, monkeypa
 def test_the_runs_services_hand_the_storage_secrets_name_to_its_placed_servers(
     tmp_path, monkeypatch
 ):
-    from rollflow.services import run_services as services_module
+    from rollflow.services import server_maker
     from rollflow.services.run_services import RunServices
 
-    monkeypatch.setattr(services_module, "max_model_len", lambda policy: 64)
+    monkeypatch.setattr(server_maker, "max_model_len", lambda policy: 64)
     cfg = _cfg(
         f"run.storage='{tmp_path}'",
         "run.storage_secret='creds'",
@@ -263,4 +263,4 @@ def test_the_runs_services_hand_the_storage_secrets_name_to_its_placed_servers(
         "trainer.master_addr='10.0.0.1'",
     )
     run = RunServices(cfg, "/m", None, tmp_path / "logs", lambda _: None, Machine(gpus=0))
-    assert run._placed_server(0).storage_secret == "creds"
+    assert run.maker.placed_server(0).storage_secret == "creds"

@@ -231,7 +231,7 @@ class _Api(FakeFlowRuns):
 
 def _node_0(tmp_path, startup_timeout_s: float = 5.0):
     from rollflow.infra.storage import RunStorage
-    from rollflow.services.run_services import trainer_args
+    from rollflow.services.trainer_life import trainer_args
 
     cfg = _cfg(
         "trainer.num_nodes=2",
@@ -321,7 +321,7 @@ def test_node_0_no_worker_takes_or_that_ends_first_fails_the_start_naming_it(tmp
 
 def test_node_0_started_by_hand_without_the_runs_key_refuses(tmp_path):
     """The flow body reads the trainer's key from the run's storage, not a UI-visible parameter."""
-    from rollflow.services.run_services import trainer_args
+    from rollflow.services.trainer_life import trainer_args
 
     cfg = _cfg("trainer.master_addr=auto", "trainer.node_deployment='rollflow-trainer-node/gpu'")
     serve = {

@@ -8,7 +8,8 @@ import pytest
 from rollflow.infra.config import InferenceSection, TrainerSection, load_config
 from rollflow.infra.errors import ConfigError
 from rollflow.infra.placement import Machine
-from rollflow.services.run_services import RunServices, trainer_args
+from rollflow.services.run_services import RunServices
+from rollflow.services.trainer_life import trainer_args
 from rollflow.services.vllm_server import InferenceServer
 
 
