@@ -247,145 +247,208 @@ def resolve_addresses(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"trainer": trainer})
 
 
+@dataclass(frozen=True)
+class Sites:
+    """Where the run's processes run: beside the run, on this machine (whose devices the plan
+    knows and checks), or each on a host of its own as a Prefect flow run (whose devices it
+    does not: each uses its host's own first GPUs)."""
+
+    servers_placed: bool  # inference.server_deployment: each server a flow run
+    node0_placed: bool  # trainer.node_deployment: every trainer node a flow run, node 0 too
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Sites:
+        return cls(bool(cfg.inference.server_deployment), bool(cfg.trainer.node_deployment))
+
+    @property
+    def all_here(self) -> bool:
+        """vLLM and trainer node 0 share this machine (and may share its GPUs)."""
+        return not (self.servers_placed or self.node0_placed)
+
+    def trainer_node_here(self, node: int) -> bool:
+        return node == 0 and not self.node0_placed
+
+
 def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
-    """Place the run's processes on ``machine``; raise ``PlanError`` naming the fix if impossible."""
+    """Place the run's processes on ``machine``; raise ``PlanError`` naming the fix if impossible.
+
+    The steps: where each process runs (``Sites``) → the device kind of vLLM and of the trainer
+    → vLLM's GPUs → the trainer's GPUs (what vLLM left, or its own) → the weight group's wire →
+    the planned processes (devices, cores, weight ranks) → vLLM's memory share."""
     inf, tr = cfg.inference, cfg.trainer
-    tp, n_servers = inf.tensor_parallel_size, inf.fleet_slots()
     if tr.num_nodes > machine.nodes:
         raise PlanError(
             f"trainer.num_nodes = {tr.num_nodes} but the machine has {machine.nodes} node(s): "
             f"lower trainer.num_nodes or plan with --nodes {tr.num_nodes}"
         )
-    placed = bool(inf.server_deployment)  # each server a flow run on a host of its own
-    node0_placed = bool(tr.node_deployment)  # node 0 a flow run on a host of its own too
+    sites = Sites.of(cfg)
     inf_device = (
         _placed_device(inf.device, machine)
-        if placed
+        if sites.servers_placed
         else _device("inference", inf.device, inf.devices, machine)
     )
     tr_device = (
         _placed_device(tr.device, machine)
-        if node0_placed
+        if sites.node0_placed
         else _device("trainer", tr.device, tr.devices, machine)
     )
     choose_backend(tr_device, inf_device, tr.weight_backend)  # a bad pair fails before the GPUs
-    _check_tensor_parallel(cfg, tp)
-
-    inference_gpus: list[tuple[int, ...]] = [() for _ in range(n_servers)]
-    trainer_gpus: tuple[int, ...] = ()
-    if inf_device == "cuda":
-        wanted = n_servers * tp
-        gpus = list(inf.devices) if inf.devices is not None else None
-        if gpus is None:
-            start = 0
-            gpus = list(range(start, start + wanted))
-        if len(gpus) != wanted:
-            raise PlanError(
-                f"inference.devices lists {len(gpus)} GPU(s) but {_servers_key(inf)} × "
-                f"tensor_parallel_size = {n_servers} × {tp} = {wanted}: list {wanted}"
-            )
-        if not placed:  # a placed server's GPUs are on its own host
-            _check_exist("inference.devices", gpus, machine)
-        elif inf.devices is None:  # each its host's first ones
-            gpus = list(range(tp)) * n_servers
-        inference_gpus = [tuple(gpus[i * tp : (i + 1) * tp]) for i in range(n_servers)]
-    if tr_device == "cuda":
-        used = set() if placed or node0_placed else {g for s in inference_gpus for g in s}
-        if tr.devices is not None:
-            trainer_gpus = tuple(tr.devices)
-        elif inf.colocate or node0_placed:  # a placed node 0: its host's first ones
-            trainer_gpus = tuple(range(tr.num_ranks))
-        else:
-            free = [g for g in range(machine.gpus) if g not in used]
-            trainer_gpus = tuple(free[: tr.num_ranks])
-        if len(trainer_gpus) != tr.num_ranks:
-            raise PlanError(
-                f"the trainer needs trainer.num_ranks = {tr.num_ranks} GPU(s) on node 0 but "
-                f"{len(trainer_gpus)} are left after vLLM's {sorted(used)} of {machine.gpus}: "
-                f"lower trainer.num_ranks or {_servers_key(inf)} / tensor_parallel_size, list "
-                "trainer.devices, or set inference.colocate = true to share GPUs"
-            )
-        if not node0_placed:
-            _check_exist("trainer.devices", trainer_gpus, machine)
-        overlap = used & set(trainer_gpus)
-        if overlap and not inf.colocate:
-            raise PlanError(
-                f"GPU(s) {sorted(overlap)} are given to both vLLM (inference.devices) and the "
-                "trainer (trainer.devices): separate them, or set inference.colocate = true "
-                "(vLLM's memory share is then capped)"
-            )
+    _check_tensor_parallel(cfg, inf.tensor_parallel_size)
+    inference_gpus = _inference_gpus(cfg, machine, sites, inf_device)
+    trainer_gpus = _trainer_gpus(cfg, machine, sites, tr_device, inference_gpus)
     # The weight group's members on node 0: trainer rank 0 (its first GPU) and every vLLM worker.
     shared = (
-        not placed
-        and not node0_placed
+        sites.all_here
         and bool(trainer_gpus)
         and any(trainer_gpus[0] in server for server in inference_gpus)
     )
     wire = choose_backend(tr_device, inf_device, tr.weight_backend, shared_gpu=shared)
-    processes: list[PlannedProcess] = []
-    rank = 1
-    server_cores = [] if placed else _pinned_cores(cfg, machine, inf_device, tr_device)
-    for i, gpus in enumerate(inference_gpus):
-        ranks = tuple(range(rank, rank + tp))
-        rank += tp
-        env = _device_env(inf_device, gpus, tp, machine.cpus, machine.visible)
-        if server_cores:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = _threads_bind(server_cores[i], tp)
-        processes.append(
-            PlannedProcess(
-                name=f"vllm-{i}",
-                role="inference",
-                node=0,
-                device=inf_device,
-                gpus=gpus,
-                weight_ranks=ranks,
-                env=env,
-                cpus=server_cores[i] if server_cores else (),
-                started_by="prefect" if placed else "rollflow",
-                queue=(inf.server_queues[i] if inf.server_queues else "") if placed else None,
-            )
-        )
-    for node in range(tr.num_nodes):
-        here = node == 0 and not node0_placed  # on this machine, beside the run
-        gpus = trainer_gpus if here or tr.devices is not None else tuple(range(tr.num_ranks))
-        if tr_device == "cuda" and node > 0 and not node0_placed:  # (placed: not this machine)
-            _check_exist("trainer.devices", gpus, machine)
-        processes.append(
-            PlannedProcess(
-                name=f"trainer-node-{node}",
-                role="trainer",
-                node=node,
-                device=tr_device,
-                gpus=gpus if tr_device == "cuda" else (),
-                weight_ranks=(0,) if node == 0 else (),
-                env=_device_env(
-                    tr_device,
-                    gpus if tr_device == "cuda" else (),
-                    # this process's CUDA_VISIBLE_DEVICES says nothing of another node's GPUs
-                    visible=machine.visible if here else None,
-                ),
-                started_by="prefect" if node0_placed else "rollflow" if here else "you",
-                queue=_queue(tr, node) if node0_placed else None,
-                # another node is another host, whose cores this plan does not know
-                cpus=tuple(tr.cpus) if tr.cpus and tr_device == "cpu" and here else (),
-            )
-        )
+    servers = _planned_servers(cfg, machine, sites, inf_device, inference_gpus, tr_device)
+    nodes = _planned_trainer_nodes(cfg, machine, sites, tr_device, trainer_gpus)
     memory = inf.gpu_memory_utilization
     if memory is None and inf.colocate:
         memory = COLOCATED_GPU_MEMORY_UTILIZATION
     _check_memory_flag(inf.extra_args, memory, inf.colocate)
     return Plan(
         machine=machine,
-        processes=tuple(processes),
-        weight_world_size=rank,
+        processes=(*servers, *nodes),
+        weight_world_size=1 + sum(len(s.weight_ranks) for s in servers),
         wire=wire,
         # other hosts join the weight group's store: node 0's address as they reach it
-        group_host=tr.master_addr if tr.num_nodes > 1 or placed or node0_placed else "127.0.0.1",
+        group_host=tr.master_addr if tr.num_nodes > 1 or not sites.all_here else "127.0.0.1",
         colocated=inf.colocate,
-        tensor_parallel_size=tp,
+        tensor_parallel_size=inf.tensor_parallel_size,
         gpu_memory_utilization=memory,
         serving_dtype=inf.serving_dtype(on_gpu=inf_device == "cuda"),
     )
+
+
+def _inference_gpus(
+    cfg: RunConfig, machine: Machine, sites: Sites, device: str
+) -> list[tuple[int, ...]]:
+    """Each server slot's GPUs (none on CPU): ``inference.devices`` in slot order, else the
+    machine's first ones; a placed server's are its own host's first ones."""
+    inf = cfg.inference
+    tp, n_servers = inf.tensor_parallel_size, inf.fleet_slots()
+    if device != "cuda":
+        return [() for _ in range(n_servers)]
+    wanted = n_servers * tp
+    gpus = list(inf.devices) if inf.devices is not None else list(range(wanted))
+    if len(gpus) != wanted:
+        raise PlanError(
+            f"inference.devices lists {len(gpus)} GPU(s) but {_servers_key(inf)} × "
+            f"tensor_parallel_size = {n_servers} × {tp} = {wanted}: list {wanted}"
+        )
+    if not sites.servers_placed:
+        _check_exist("inference.devices", gpus, machine)
+    elif inf.devices is None:  # each its host's first ones
+        gpus = list(range(tp)) * n_servers
+    return [tuple(gpus[i * tp : (i + 1) * tp]) for i in range(n_servers)]
+
+
+def _trainer_gpus(
+    cfg: RunConfig,
+    machine: Machine,
+    sites: Sites,
+    device: str,
+    inference_gpus: list[tuple[int, ...]],
+) -> tuple[int, ...]:
+    """Node 0's GPUs (none on CPU): ``trainer.devices``, else the first ones vLLM left (all of
+    them where vLLM shares them: ``inference.colocate``; a placed node 0's host's first ones)."""
+    inf, tr = cfg.inference, cfg.trainer
+    if device != "cuda":
+        return ()
+    used = {g for s in inference_gpus for g in s} if sites.all_here else set()
+    if tr.devices is not None:
+        gpus = tuple(tr.devices)
+    elif inf.colocate or sites.node0_placed:
+        gpus = tuple(range(tr.num_ranks))
+    else:
+        gpus = tuple([g for g in range(machine.gpus) if g not in used][: tr.num_ranks])
+    if len(gpus) != tr.num_ranks:
+        raise PlanError(
+            f"the trainer needs trainer.num_ranks = {tr.num_ranks} GPU(s) on node 0 but "
+            f"{len(gpus)} are left after vLLM's {sorted(used)} of {machine.gpus}: "
+            f"lower trainer.num_ranks or {_servers_key(inf)} / tensor_parallel_size, list "
+            "trainer.devices, or set inference.colocate = true to share GPUs"
+        )
+    if not sites.node0_placed:
+        _check_exist("trainer.devices", gpus, machine)
+    overlap = used & set(gpus)
+    if overlap and not inf.colocate:
+        raise PlanError(
+            f"GPU(s) {sorted(overlap)} are given to both vLLM (inference.devices) and the "
+            "trainer (trainer.devices): separate them, or set inference.colocate = true "
+            "(vLLM's memory share is then capped)"
+        )
+    return gpus
+
+
+def _planned_servers(
+    cfg: RunConfig,
+    machine: Machine,
+    sites: Sites,
+    device: str,
+    inference_gpus: list[tuple[int, ...]],
+    trainer_device: str,
+) -> list[PlannedProcess]:
+    """Each server slot: its devices, its cores (on a CPU machine, pinned apart), its weight
+    ranks (after the trainer's rank 0, in slot order) and who starts it."""
+    inf, tp = cfg.inference, cfg.inference.tensor_parallel_size
+    placed = sites.servers_placed
+    cores = [] if placed else _pinned_cores(cfg, machine, device, trainer_device)
+    servers = []
+    for i, gpus in enumerate(inference_gpus):
+        env = _device_env(device, gpus, tp, machine.cpus, machine.visible)
+        if cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = _threads_bind(cores[i], tp)
+        servers.append(
+            PlannedProcess(
+                name=f"vllm-{i}",
+                role="inference",
+                node=0,
+                device=device,
+                gpus=gpus,
+                weight_ranks=tuple(range(1 + i * tp, 1 + (i + 1) * tp)),
+                env=env,
+                cpus=cores[i] if cores else (),
+                started_by="prefect" if placed else "rollflow",
+                queue=(inf.server_queues[i] if inf.server_queues else "") if placed else None,
+            )
+        )
+    return servers
+
+
+def _planned_trainer_nodes(
+    cfg: RunConfig, machine: Machine, sites: Sites, device: str, node0_gpus: tuple[int, ...]
+) -> list[PlannedProcess]:
+    """Each trainer node: node 0 with ``node0_gpus`` beside the run (or a flow run), the others
+    on hosts of their own (flow runs, or started by a person), each with its host's GPUs."""
+    tr = cfg.trainer
+    nodes = []
+    for node in range(tr.num_nodes):
+        here = sites.trainer_node_here(node)  # on this machine, beside the run
+        gpus = node0_gpus if here or tr.devices is not None else tuple(range(tr.num_ranks))
+        if device == "cuda" and node > 0 and not sites.node0_placed:  # (placed: another host)
+            _check_exist("trainer.devices", gpus, machine)
+        gpus = gpus if device == "cuda" else ()
+        nodes.append(
+            PlannedProcess(
+                name=f"trainer-node-{node}",
+                role="trainer",
+                node=node,
+                device=device,
+                gpus=gpus,
+                weight_ranks=(0,) if node == 0 else (),
+                # this process's CUDA_VISIBLE_DEVICES says nothing of another node's GPUs
+                env=_device_env(device, gpus, visible=machine.visible if here else None),
+                started_by="prefect" if sites.node0_placed else "rollflow" if here else "you",
+                queue=_queue(tr, node) if sites.node0_placed else None,
+                # another node is another host, whose cores this plan does not know
+                cpus=tuple(tr.cpus) if tr.cpus and device == "cpu" and here else (),
+            )
+        )
+    return nodes
 
 
 # ----------------------------------------------------------------------------- helpers
