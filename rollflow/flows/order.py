@@ -1,9 +1,12 @@
 """The order of a run's overlapping step flows: whose turn the trainer is, which step commits next.
 
-Owns: the trainer order (step N trains once step N-1 released the trainer: its weights are out,
-and its checkpoint and evaluation, if it has them, are done), the commit order (step N commits
-once step N-1 committed), and the step clock (consecutive steps' ``step_s`` add up to the run's
-wall clock). Step flows run in threads of the run flow's process; every method is thread-safe.
+Owns: each step's schedule (``StepSchedule``: whether it evaluates, checkpoints, syncs, at which
+point of its flow it releases the trainer), the trainer order (step N trains once step N-1
+released the trainer: its weights are out, and its checkpoint and evaluation, if it has them, are
+done), the sync order (step N's weights reach vLLM after step N-1's), the commit order (step N
+commits once step N-1 committed), and the step clock (consecutive steps' ``step_s`` add up to the
+run's wall clock). Step flows run in threads of the run flow's process, which hands its order to
+each (a live object, not looked up); every method is thread-safe.
 
 Invariant: ``close()`` ends every waiter at once (they raise, naming what they waited for), and
 every wait has a deadline whose message says what was waited for.
@@ -11,28 +14,78 @@ every wait has a deadline whose message says what was waited for.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import TrainingFinished
 
-_ORDERS: dict[str, StepOrder] = {}
+
+class Phase(enum.Enum):
+    """The points of a step's flow after which it may release the trainer."""
+
+    TRAINED = "trained"  # its optimizer steps are done (and its weights captured, if it syncs)
+    SYNCED = "synced"  # its weights are in vLLM
+    CHECKPOINTED = "checkpointed"  # its checkpoint (and evaluation) saw its weights
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """What one step does, and when the next step may train: one decision, from the config."""
+
+    evaluates: bool
+    checkpoints: bool
+    syncs: bool
+    # Optimizer steps before the step's end at which its weights go to vLLM (0: at its end).
+    lag: int
+    # The weights are captured on the trainer at ``TRAINED`` so that their broadcast runs while
+    # the next step trains (``trainer.background_sync``).
+    captures: bool
+    releases_after: Phase
+
+    @classmethod
+    def of(cls, cfg: RunConfig, step: int) -> StepSchedule:
+        evaluates = step == cfg.run.num_steps or bool(
+            cfg.run.eval_every and step % cfg.run.eval_every == 0
+        )
+        checkpoints = step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps
+        syncs = step % cfg.train.sync_every == 0 or evaluates
+        lag = 0 if evaluates else cfg.train.sync_lag()  # evaluation sees the whole step
+        syncs_at_end = syncs and not lag
+        if evaluates or checkpoints:  # they must see this step's weights
+            releases_after = Phase.CHECKPOINTED
+        elif syncs_at_end and not cfg.trainer.background_sync:
+            releases_after = Phase.SYNCED
+        else:
+            releases_after = Phase.TRAINED
+        captures = syncs_at_end and releases_after is Phase.TRAINED
+        return cls(evaluates, checkpoints, syncs, lag, captures, releases_after)
 
 
 class StepOrder:
     """The trainer order and the commit order of one run (see the module docstring)."""
 
-    def __init__(self, run: str, resumed_from: int):
-        self.run = run
+    def __init__(self, cfg: RunConfig, resumed_from: int):
+        self.cfg = cfg
         self._released = self._committed = self._synced = resumed_from
         self._released_at = self._last_step_end = time.perf_counter()
         self._closed: BaseException | None = None
         self._cond = threading.Condition()
 
     def __enter__(self) -> StepOrder:
-        _ORDERS[self.run] = self
         return self
+
+    def schedule(self, step: int) -> StepSchedule:
+        return StepSchedule.of(self.cfg, step)
+
+    def passed(self, step: int, phase: Phase) -> None:
+        """Step ``step``'s flow passed ``phase``: the trainer is released where its schedule
+        says so."""
+        if self.schedule(step).releases_after is phase:
+            self.release(step)
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -100,8 +153,6 @@ class StepOrder:
             if self._closed is None:
                 self._closed = reason or TrainingFinished("the run is closing")
             self._cond.notify_all()
-        if _ORDERS.get(self.run) is self:
-            del _ORDERS[self.run]
 
     def _wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
         with self._cond:
@@ -110,14 +161,3 @@ class StepOrder:
                 raise TrainingFinished(f"run closed: {what}") from self._closed
             if not ok:
                 raise TimeoutError(f"{what} for {timeout_s:.0f}s")
-
-
-def step_order(run: str) -> StepOrder:
-    """The live step order of ``run`` in this process (step flows run inside its rl-run flow)."""
-    try:
-        return _ORDERS[run]
-    except KeyError:
-        raise RuntimeError(
-            f"no step order for run {run!r} in this process; step flows run inside "
-            "the rl-run flow, which keeps it"
-        ) from None

@@ -175,7 +175,7 @@ def _train_steps(
     )
     end = TrainingEnd(services.trainer, host)
     try:
-        with StepOrder(cfg.run.name, resumed_from) as order:
+        with StepOrder(cfg, resumed_from) as order:
             run_steps(ctx, services, host, order, resumed_from, report)
         # The end is the trainer's to say; the producer has stopped on it already.
         finished = end.wait(TRAINING_FINISHED_DEADLINE_S)
@@ -296,7 +296,7 @@ def run_steps(
                     run = (
                         contextvars.copy_context().run
                     )  # each thread's flow is a child of this run
-                    running.append((step, pool.submit(run, train_step, ctx, step)))
+                    running.append((step, pool.submit(run, train_step, ctx, step, order, host)))
                 if not running:
                     return
                 step, future = running.popleft()

@@ -1,8 +1,9 @@
 """One outer training step as one Prefect flow run: generate → advantage → train → sync → commit.
 
 Step flows overlap (see ``rl_run.run_steps``): step N+1's flow takes its groups from the rollout
-producer while step N trains, never further ahead than ``max_staleness``. Two orders hold
-(``order.StepOrder``): step N trains once step N-1 released the trainer: when its training ended
+producer while step N trains, never further ahead than ``max_staleness``. What a step does and
+when it releases the trainer is one decision, its schedule (``order.StepSchedule``); the orders
+hold (``order.StepOrder``): step N trains once step N-1 released the trainer: when its training ended
 and its weights were captured for the sync (``trainer.background_sync``: the broadcast then runs
 while step N trains), or after its checkpoint or evaluation, when it has one (those must see
 step N-1's weights); step N's sync follows step N-1's; and step N commits after step N-1. So step N-1's metrics and commit run
@@ -24,14 +25,14 @@ from prefect import flow
 from prefect.utilities.annotations import quote
 
 from rollflow.flows.artifacts import publish_step_metrics
-from rollflow.flows.order import StepOrder, step_order
+from rollflow.flows.order import Phase, StepOrder
 from rollflow.flows.step_metrics import StepMetrics
 from rollflow.infra.context import RunContext
 from rollflow.infra.events import Event, publish
 from rollflow.infra.metric_names import Metric
 from rollflow.tasks.advantage.advantage_task import Batch, advantage
 from rollflow.tasks.generate.generate_task import evaluate, generate, take_timeout_s
-from rollflow.tasks.generate.host import ProducerHost, host_for
+from rollflow.tasks.generate.host import ProducerHost
 from rollflow.tasks.sync.sync_task import Synced, sync
 from rollflow.tasks.train.train_task import MidStepCapture, checkpoint, train, trainer_client
 
@@ -42,23 +43,17 @@ from rollflow.tasks.train.train_task import MidStepCapture, checkpoint, train, t
     persist_result=False,
     validate_parameters=False,
 )
-def train_step(ctx: RunContext, step: int) -> dict:
-    """Run step ``step``: its groups were sampled by versions ≥ step - 1 - max_staleness."""
-    cfg = ctx.config
-    order, host, deadline_s = step_order(cfg.run.name), host_for(cfg.run.name), take_timeout_s(cfg)
-    evaluates = step == cfg.run.num_steps or bool(
-        cfg.run.eval_every and step % cfg.run.eval_every == 0
-    )
-    checkpoints = step % cfg.run.checkpoint_every == 0 or step == cfg.run.num_steps
-    syncs = step % cfg.train.sync_every == 0 or evaluates
-    lag = 0 if evaluates else cfg.train.sync_lag()  # optimizer steps: > 0 syncs mid-step
+def train_step(ctx: RunContext, step: int, order: StepOrder, host: ProducerHost) -> dict:
+    """Run step ``step``: its groups were sampled by versions ≥ step - 1 - max_staleness.
+    ``order`` and ``host`` are the run flow's own (live objects: the UI shows their type)."""
+    plan, deadline_s = order.schedule(step), take_timeout_s(ctx.config)
     m = StepMetrics()
     # Handed to each task as it is: Prefect would otherwise walk the whole config for task inputs
     # at every call (~1-2 ms of the run process's CPU per task, measured).
     run = quote(ctx)
 
     with m.timed(Metric.GENERATE_PHASE_S):
-        rollouts = generate(run, step)
+        rollouts = generate(run, step, quote(host))
     with m.timed(Metric.ADVANTAGE_PHASE_S):
         batch = advantage(
             run, step, reuse=rollouts.reused, group_scored_envs=rollouts.group_scored_envs
@@ -66,8 +61,8 @@ def train_step(ctx: RunContext, step: int) -> dict:
     with m.timed(Metric.WAIT_FOR_PREVIOUS_STEP_S):
         m.record_trainer_wait(order.wait_trainer(step, deadline_s))
     with m.timed(Metric.TRAIN_PHASE_S):
-        if lag:
-            trained, synced = train_syncing_mid_step(ctx, step, batch, lag, order, host)
+        if plan.lag:
+            trained, synced = train_syncing_mid_step(ctx, step, batch, plan.lag, order, host)
         else:
             trained = train(
                 run,
@@ -76,41 +71,37 @@ def train_step(ctx: RunContext, step: int) -> dict:
                 quote(batch.sample_keys),
                 num_loss_tokens=batch.num_loss_tokens,
             )
-    syncs_at_end = syncs and not lag
-    holds_trainer = evaluates or checkpoints  # they must see this step's weights
-    if not holds_trainer and (not syncs_at_end or cfg.trainer.background_sync):
-        if syncs_at_end:
-            with m.timed(Metric.CAPTURE_S):
-                trainer_client(ctx).weights_capture(step)  # the sync below sends this copy
-        order.release(step)  # the next step trains while this one's weights go to vLLM
+    if plan.captures:
+        with m.timed(Metric.CAPTURE_S):
+            trainer_client(ctx).weights_capture(step)  # the sync below sends this copy
+    order.passed(step, Phase.TRAINED)  # the next step may train while the weights go out
     with m.timed(Metric.SYNC_PHASE_S):
-        if not lag:
+        if not plan.lag:
             order.wait_sync_turn(step, deadline_s)
-            synced = sync(run, step, trainer_client(ctx)) if syncs else None
+            synced = sync(run, step, trainer_client(ctx)) if plan.syncs else None
             order.synced(step)
             if synced:
                 host.set_version(step)  # vLLM serves it: the producer admits what it unblocks
-    if not holds_trainer:
-        order.release(step)  # (a no-op where it released above)
+    order.passed(step, Phase.SYNCED)
     m.record_rollouts(rollouts)
     m.record_batch(batch)
     m.record_train(trained)
     m.record_sync(synced)
     m.record_trainer_restarts(ctx.trainer_restarts)
-    if evaluates:
+    if plan.evaluates:
         with m.timed(Metric.EVAL_PHASE_S):
             m.record_eval(evaluate(run))
 
     metrics = m.record_end(order.wait_commit_turn(step, deadline_s))
     ctx.storage.write_metrics(step, metrics)
-    if checkpoints:
+    if plan.checkpoints:
         checkpoint(run, step)
-    order.release(step)  # (again, for a step that released already: a no-op)
+    order.passed(step, Phase.CHECKPOINTED)
     publish(ctx.storage, Event.STEP_COMMITTED, step=step)
     order.committed(step)
     # For people, after the commit: the artifact is a call to the Prefect API that the next
     # step's trainer must not wait for.
-    publish_step_metrics(cfg.run.name, step, metrics)
+    publish_step_metrics(ctx.config.run.name, step, metrics)
     return metrics
 
 

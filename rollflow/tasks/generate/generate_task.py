@@ -31,7 +31,7 @@ from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.infra.vllm_fleet.pool import InferencePool
 from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
-from rollflow.tasks.generate.host import host_for, step_flows_in_flight
+from rollflow.tasks.generate.host import ProducerHost, step_flows_in_flight
 from rollflow.tasks.generate.rollouts import (
     GroupResult,
     RetryPolicy,
@@ -173,10 +173,10 @@ def reused_steps(ctx: RunContext, resumed_from: int) -> list[int]:
 
 
 @task(name="generate", cache_policy=NO_CACHE, persist_result=False)
-def generate(ctx: RunContext, step: int) -> Rollouts:
-    """Take ``train_batch_size`` finished groups for ``step`` from the run's producer; commit them."""
+def generate(ctx: RunContext, step: int, host: ProducerHost) -> Rollouts:
+    """Take ``train_batch_size`` finished groups for ``step`` from the run's producer (``host``,
+    the run flow's); commit them."""
     storage, cfg = ctx.storage, ctx.config
-    host = host_for(cfg.run.name)
     # Malformed dataset rows are skipped when an env loads; the count travels with every step.
     envs = {
         "num_skipped_rows": sum(env.num_skipped_rows for env in host.envs.values()),

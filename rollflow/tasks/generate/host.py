@@ -28,8 +28,6 @@ from rollflow.tasks.generate.producer import FinishedGroup, RolloutProducer, pro
 from rollflow.tasks.generate.quarantine import EnvQuarantine
 from rollflow.tasks.generate.rollouts import SamplingStats, group_has_signal, group_runner
 
-_HOSTS: dict[str, ProducerHost] = {}
-
 # Step flows in flight beyond the staleness bound's S + 2: a flow run's own start and finish
 # (~1 s on 2 cores: API calls, and the heartbeat thread it joins at the end) then happen while
 # earlier steps train, also when a step takes less than that (a tiny step: ~0.3 s).
@@ -39,17 +37,6 @@ EXTRA_STEP_FLOWS = 2
 def step_flows_in_flight(cfg: RunConfig) -> int:
     """How many step flows run at once: the ones within the staleness bound, and a margin."""
     return cfg.train.whole_staleness() + 2 + EXTRA_STEP_FLOWS
-
-
-def host_for(run: str) -> ProducerHost:
-    """The live producer host of ``run`` in this process."""
-    try:
-        return _HOSTS[run]
-    except KeyError:
-        raise RuntimeError(
-            f"no rollout producer is running for run {run!r} in this process; "
-            "step flows run inside the rl-run flow, which starts it"
-        ) from None
 
 
 MakeContext = Callable[[InferencePool, SamplingStats], RolloutContext]
@@ -149,7 +136,6 @@ class ProducerHost:
             self._stop_loop()
             raise
         freeze_heap()
-        _HOSTS[cfg.run.name] = self
 
     def _call(self, coro, timeout_s: float):
         future: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -219,7 +205,6 @@ class ProducerHost:
                 return
             self._closed = reason or TrainingFinished("training finished")
             self._cond.notify_all()
-        _HOSTS.pop(self.cfg.run.name, None)
         try:
             self._call(self.producer.finish(timeout_s), timeout_s + 5)
             self._call(self.client.aclose(), 10)

@@ -218,7 +218,7 @@ def test_generate_task_reports_the_skipped_rows(tmp_path):
         reused_steps=[1],
     )
     try:
-        result = generate.fn(ctx, 1)
+        result = generate.fn(ctx, 1, host)
     finally:
         host.close()
     assert result.reused and result.num_skipped_rows == 3 and result.num_rollouts == 4
