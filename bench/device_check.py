@@ -230,7 +230,7 @@ def _trainer(smoke: bool, backend: str, zero_stage: int | None, attention: str |
 
     from rollflow.infra.config import InferenceSection, TrainerSection, TrainSection
     from rollflow.trainer import policy
-    from rollflow.trainer.trainer import Trainer, TrainerSpec
+    from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
 
     device = _device(smoke)
     _init_dist(device)

@@ -28,7 +28,7 @@ import duckdb
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollflow.infra.models.chat import save_tiny_chat_model
+from rollflow.infra.models.tiny_chat import save_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Guess my number between 1 and {high}. Say one number."

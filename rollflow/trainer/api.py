@@ -39,7 +39,7 @@ from rollflow.trainer.protocol import (
     StepRef,
     WeightConnect,
 )
-from rollflow.trainer.trainer import Trainer
+from rollflow.trainer.rank_trainer import Trainer
 from rollflow.trainer.weight_plane import NOT_CONNECTED
 
 log = logging.getLogger("rollflow.trainer")

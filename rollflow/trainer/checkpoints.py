@@ -22,7 +22,7 @@ from rollflow.infra.errors import StorageError
 from rollflow.infra.storage import LOCAL_CHECKPOINTS, RunStorage
 from rollflow.trainer.control import ControlGroup, pid_alive
 from rollflow.trainer.protocol import ExportHF, Gradients, StepRef
-from rollflow.trainer.trainer import Trainer
+from rollflow.trainer.rank_trainer import Trainer
 
 
 def assign_uploads(listings: list[list[str]]) -> list[list[str]]:

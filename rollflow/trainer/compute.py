@@ -22,7 +22,7 @@ from rollflow.trainer.losses import ratio_quantiles
 from rollflow.trainer.metrics import PerEnvMoments, effective_sample_size
 from rollflow.trainer.packing import PackedBatch
 from rollflow.trainer.protocol import BatchRef, ForwardBackward
-from rollflow.trainer.trainer import SUM_KEYS, Trainer, add_counts
+from rollflow.trainer.rank_trainer import SUM_KEYS, Trainer, add_counts
 
 
 def agree(control: ControlGroup, prepare: Callable[[], Any]) -> list[Any]:

@@ -20,7 +20,7 @@ from rollflow.trainer.batches import BatchReader
 from rollflow.trainer.checkpoints import CheckpointOps
 from rollflow.trainer.compute import StepOps
 from rollflow.trainer.control import ControlGroup
-from rollflow.trainer.trainer import Trainer
+from rollflow.trainer.rank_trainer import Trainer
 from rollflow.trainer.weight_plane import WeightPlane
 
 # Rank 0's command while idle: every rank answers, so a dead one is found between calls.

@@ -42,7 +42,7 @@ from rollflow.trainer.control import ControlGroup, PeerWatch, rank_identity
 from rollflow.trainer.dispatch import Dispatcher
 from rollflow.trainer.ops import HEARTBEAT, RankOps
 from rollflow.trainer.protocol import SHUTDOWN, ServiceArgs
-from rollflow.trainer.trainer import Trainer, TrainerSpec
+from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
 

@@ -19,7 +19,7 @@ from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.weights.group import WeightSender
 from rollflow.trainer.control import ControlGroup
 from rollflow.trainer.protocol import WEIGHTS_CONNECT, Broadcast, WeightConnect
-from rollflow.trainer.trainer import Trainer
+from rollflow.trainer.rank_trainer import Trainer
 
 NOT_CONNECTED = f"weight group not connected: call {WEIGHTS_CONNECT.path} first"
 

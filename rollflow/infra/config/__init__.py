@@ -11,7 +11,7 @@ Owns: every default of the run's config. Everything is re-exported here, so call
 """
 
 from rollflow.infra.config.base import Section
-from rollflow.infra.config.inference import InferenceSection, vllm_flag
+from rollflow.infra.config.inference_section import InferenceSection, vllm_flag
 from rollflow.infra.config.loading import (
     UNSET_VALUES,
     apply_override,
@@ -21,13 +21,13 @@ from rollflow.infra.config.loading import (
     validate_config,
 )
 from rollflow.infra.config.loss import VLLM_MAX_LORA_RANKS, LoraSection, LossConfig
-from rollflow.infra.config.metrics import MetricsSection, MlflowOptions, WandbOptions
-from rollflow.infra.config.model import DEFAULT_ALPHABET, ModelSection, TinyModelSpec
+from rollflow.infra.config.metrics_section import MetricsSection, MlflowOptions, WandbOptions
+from rollflow.infra.config.model_section import DEFAULT_ALPHABET, ModelSection, TinyModelSpec
 from rollflow.infra.config.root import RunConfig
-from rollflow.infra.config.run import RunSection
-from rollflow.infra.config.sampling import EnvSpec, PromptSection, SamplingSection
-from rollflow.infra.config.train import TrainSection
-from rollflow.infra.config.trainer import TrainerSection
+from rollflow.infra.config.run_section import RunSection
+from rollflow.infra.config.sampling_section import EnvSpec, PromptSection, SamplingSection
+from rollflow.infra.config.train_section import TrainSection
+from rollflow.infra.config.trainer_section import TrainerSection
 from rollflow.infra.errors import ConfigError
 from rollflow.infra.staleness import STALENESS_EPS
 

@@ -7,13 +7,13 @@ import ipaddress
 from pydantic import Field, model_validator
 
 from rollflow.infra.config.base import Section
-from rollflow.infra.config.inference import InferenceSection
-from rollflow.infra.config.metrics import MetricsSection
-from rollflow.infra.config.model import ModelSection
-from rollflow.infra.config.run import RunSection
-from rollflow.infra.config.sampling import EnvSpec, PromptSection, SamplingSection
-from rollflow.infra.config.train import TrainSection
-from rollflow.infra.config.trainer import TrainerSection
+from rollflow.infra.config.inference_section import InferenceSection
+from rollflow.infra.config.metrics_section import MetricsSection
+from rollflow.infra.config.model_section import ModelSection
+from rollflow.infra.config.run_section import RunSection
+from rollflow.infra.config.sampling_section import EnvSpec, PromptSection, SamplingSection
+from rollflow.infra.config.train_section import TrainSection
+from rollflow.infra.config.trainer_section import TrainerSection
 
 
 class RunConfig(Section):

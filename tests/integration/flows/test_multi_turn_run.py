@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 
 from rollflow.cli import main
 from rollflow.gpu_kernels.logprobs import reference_logprobs_entropy
-from rollflow.infra.models.chat import save_tiny_chat_model
+from rollflow.infra.models.tiny_chat import save_tiny_chat_model
 from rollflow.infra.storage import RunStorage
 
 from run_support import env_for

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollflow.gpu_kernels.logprobs import reference_logprobs_entropy
 from rollflow.infra.config import SamplingSection, TrainerSection, TrainSection
-from rollflow.infra.models.chat import ARCHS, save_tiny_chat_model
+from rollflow.infra.models.tiny_chat import ARCHS, save_tiny_chat_model
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.vllm_fleet.client import InferenceClient

@@ -10,7 +10,7 @@ from test_trainer import _micro_batches, _tokens, one_rank  # noqa: F401 (one_ra
 from rollflow.infra.config import LoraSection, LossConfig, TrainSection
 from rollflow.infra.errors import ConfigError
 from rollflow.trainer import lora
-from rollflow.trainer.trainer import Trainer, TrainerSpec
+from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
 
 from trainer_support import load, make_rows, max_abs_diff
 

@@ -404,7 +404,7 @@ def test_ratio_quantiles_from_the_histogram():
 
 def test_correction_metrics_reach_the_step_metrics():
     from rollflow.trainer.compute import merge_forward_backward
-    from rollflow.trainer.trainer import SUM_KEYS
+    from rollflow.trainer.rank_trainer import SUM_KEYS
 
     hist = [0.0] * (len(IS_HIST_EDGES) + 1)
     hist[151] = (

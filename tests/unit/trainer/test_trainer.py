@@ -9,7 +9,7 @@ import torch
 from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
 from rollflow.infra.weights.group import metadata_bytes
 from rollflow.trainer.packing import pack, plan_micro_batches
-from rollflow.trainer.trainer import Trainer, TrainerSpec
+from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
 
 from trainer_support import (
     adamw_step,

@@ -58,7 +58,7 @@ from rollflow.trainer.batches import BatchReader  # noqa: E402
 from rollflow.trainer.compute import StepOps  # noqa: E402
 from rollflow.trainer.control import ControlGroup  # noqa: E402
 from rollflow.trainer.protocol import BatchRef, ForwardBackward  # noqa: E402
-from rollflow.trainer.trainer import Trainer, TrainerSpec  # noqa: E402
+from rollflow.trainer.rank_trainer import Trainer, TrainerSpec  # noqa: E402
 
 from trainer_support import load, max_abs_diff, one_process_group  # noqa: E402
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from rollflow.infra.config import PromptSection
 from rollflow.infra.errors import InputError
-from rollflow.infra.models.chat import build_bpe_tokenizer
+from rollflow.infra.models.tiny_chat import build_bpe_tokenizer
 from rollflow.infra.models.tiny import build_char_tokenizer
 from rollflow.infra.vllm_fleet.client import Completion
 from rollflow.tasks.generate.chat import PromptRenderer

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rollflow.infra.config import PromptSection
-from rollflow.infra.models.chat import build_bpe_tokenizer
+from rollflow.infra.models.tiny_chat import build_bpe_tokenizer
 from rollflow.infra.schema import ROLLOUT_SCHEMA, rows_to_table
 from rollflow.infra.vllm_fleet.client import Completion
 from rollflow.tasks.generate.chat import PromptRenderer
