@@ -169,12 +169,26 @@ def test_requests_aborted_by_a_real_pause_are_retried_and_complete(server):
     assert all(c.finish_reason in ("stop", "length") and c.token_ids for g in results for c in g)
 
 
+def _api_server(server) -> psutil.Process:
+    """vLLM's API server: the one child of the server's guard (``ManagedProcess``).
+
+    vLLM's processes are found by where they are in the tree, not by their names: vLLM names them
+    (``VLLM::EngineCore``) with setproctitle, which finds the command line's memory by walking
+    back from the first environment string, and gives up once that string was set anew. bash (the
+    guard) passes the environment on in an order of its own; in a clean environment its first
+    variable is ``PYTORCH_NVML_BASED_CUDA_CHECK``, which vLLM sets on import, and the engine core
+    kept the name ``python``."""
+    (api,) = psutil.Process(server.pids()[0]).children()
+    assert api.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], api.cmdline()
+    return api
+
+
 def _worker_cpu_s(server) -> float:
     """CPU seconds of the processes that run the model: the engine core, where the worker runs
-    for one rank (``--distributed-executor-backend uni``), and worker processes where there are."""
-    procs = [psutil.Process(pid) for pid in server.pids()]
-    engine = [p for p in procs if p.name().startswith(("VLLM::EngineCore", "VLLM::Worker"))]
-    assert engine, f"no engine or worker process among {[p.name() for p in procs]}"
+    for one rank (``--distributed-executor-backend uni``), and worker processes where there are:
+    every process under the API server."""
+    engine = _api_server(server).children(recursive=True)
+    assert engine, "no engine core under vLLM's API server"
     return sum(sum(p.cpu_times()[:2]) for p in engine)
 
 
@@ -214,10 +228,8 @@ def test_the_engine_core_is_forked_from_the_api_server_not_spawned(server):
     it does not import vLLM a second time (~11 s of CPU per start). A forked process keeps its
     parent's auxiliary vector (written by the kernel at exec, with the addresses of that exec's
     randomised stack); a spawned one is exec'd anew and gets a vector of its own."""
-    procs = [psutil.Process(pid) for pid in server.pids()]
-    (engine,) = [p for p in procs if p.name().startswith("VLLM::EngineCore")]
-    api = engine.parent()
-    assert api.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], api.cmdline()
+    api = _api_server(server)
+    (engine,) = api.children()  # one rank: the engine core, its worker inside it
     auxv = [Path(f"/proc/{p.pid}/auxv").read_bytes() for p in (api, engine)]
     assert auxv[0] == auxv[1], "the engine core was exec'd (spawned), not forked"
 
