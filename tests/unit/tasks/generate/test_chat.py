@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from rollflow.infra.config import PromptSection
 from rollflow.infra.errors import InputError
-from rollflow.infra.models.tiny_chat import build_bpe_tokenizer
 from rollflow.infra.models.tiny import build_char_tokenizer
+from rollflow.infra.models.tiny_chat import build_bpe_tokenizer
 from rollflow.infra.vllm_fleet.client import Completion
 from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Prompt, RolloutContext, SingleTurnEnv
