@@ -2,16 +2,19 @@
 
 ``two_hosts()`` makes two network namespaces joined by one veth pair, host 0 at ``10.231.7.1``
 and host 1 at ``10.231.7.2`` (a private /30, no route anywhere else: the two can reach each
-other and nothing more). Each host has a folder of its own (under /var/tmp) holding its HOME.
+other and nothing more). Each host has a folder of its own holding its HOME, under /var/tmp:
+not under /tmp, which host 1 replaces by a tmpfs of its own.
 
 - Host 0 is the test's own host, as node 0 is the orchestrator's: while the hosts exist, the
   test's main thread is in host 0's network namespace (``setns``), so everything the test starts
   from it (node 0's launcher, an S3 endpoint, the test's HTTP clients) is on host 0. It shares
   the test's files, as node 0 shares the orchestrator's.
 - Host 1 runs each command (``Host.wrap``) in host 1's network namespace and a mount namespace of
-  its own: a fresh tmpfs on ``/tmp``, host 0's folder hidden, HOME its own, a host name of its
-  own. It sees nothing host 0 wrote but the code and the virtualenv (the image every node has)
-  and what the test copied into its folder; anything else it gets from the run's object storage.
+  its own: a fresh tmpfs on ``/tmp``, host 0's folder hidden, HOME, TMPDIR and PREFECT_HOME its
+  own, a host name of its own. It sees nothing host 0 wrote but ``IMAGE`` (the checkout, its
+  virtualenv and the interpreter that made it: the image every node has, bound read-only, also
+  where it lives under /tmp) and what the test copied into its folder; anything else it gets
+  from the run's object storage.
 
 Every namespace, link and folder is removed when the context exits, also on failure; the names
 carry this process's id, and leftovers of dead test processes are removed first. Where
@@ -24,8 +27,10 @@ import contextlib
 import ctypes
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +41,16 @@ import pytest
 SUBNET = "10.231.7.{}/30"
 CLONE_NEWNET = 0x40000000
 _PREFIX = "rfh"  # namespaces rfh<pid>-<n>, links rfh<pid>v<n>
+
+
+def _image() -> tuple[Path, ...]:
+    """The checkout (this file's), the virtualenv that runs the tests and the interpreter that
+    made it: each outermost folder once (a ``.venv`` inside the checkout is the checkout's)."""
+    found = {Path(p).resolve() for p in (Path(__file__).parents[1], sys.prefix, sys.base_prefix)}
+    return tuple(sorted(p for p in found if not any(p != o and p.is_relative_to(o) for o in found)))
+
+
+IMAGE = _image()
 
 
 @dataclass
@@ -56,11 +71,24 @@ class Host:
         """``argv`` run on this host, with its HOME (host 0 shares the test's network and files)."""
         if self.index == 0:
             return ["env", f"HOME={self.home}", *argv]
-        hide = "".join(f" && mount -t tmpfs rfh-hidden {h}" for h in self.hidden)
-        script = (
-            f"hostname rollflow-host-{self.index} && mount -t tmpfs rfh-tmp /tmp{hide}"
-            f' && export HOME={self.home} TMPDIR=/tmp && exec "$@"'
-        )
+        # The image is bound aside before the tmpfs covers /tmp (a checkout under /tmp would
+        # vanish with it), and moved back to its own path, read-only, once /tmp is this host's.
+        q = shlex.quote
+        image = [(q(str(p)), q(str(self.root / "image" / str(i)))) for i, p in enumerate(IMAGE)]
+        home = q(str(self.home))
+        steps = [
+            f"hostname rollflow-host-{self.index}",
+            *(f"mkdir -p {aside} && mount --bind {path} {aside}" for path, aside in image),
+            "mount -t tmpfs rfh-tmp /tmp",
+            *(f"mount -t tmpfs rfh-hidden {q(str(h))}" for h in self.hidden),
+            *(
+                f"mkdir -p {path} && mount --move {aside} {path} && mount -o remount,bind,ro {path}"
+                for path, aside in image
+            ),
+            f"export HOME={home} TMPDIR=/tmp PREFECT_HOME={home}/.prefect",
+            'exec "$@"',
+        ]
+        script = " && ".join(steps)
         return [
             *("ip", "netns", "exec", self.netns),
             *("unshare", "--mount", "--uts", "--propagation", "private"),

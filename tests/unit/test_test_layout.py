@@ -1,6 +1,8 @@
 """The suite's own layout: pytest imports test modules by basename (no packages), so two test
 files of one name in different tiers break collection of the whole suite."""
 
+import ipaddress
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -96,3 +98,34 @@ def test_a_process_that_outlives_the_suite_is_named_and_killed(tmp_path):
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(), f"the process left by the test (pid {pid}) still runs"
+
+
+# docs/reference/tests.md, "No test connects to an address outside what it made".
+IPV4 = re.compile(r"(?<![\d.])\d{1,3}(?:\.\d{1,3}){3}(?!\.?\d)")
+DOCUMENTATION = ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24")  # RFC 5737: no host's
+NOT_CONNECTED = "# not connected to"
+
+
+def test_no_test_names_an_address_outside_what_it_made():
+    """Every literal IPv4 address in the tests is loopback, the two hosts' link
+    (host_support.SUBNET), a documentation address (a stand-in value, RFC 5737), or on a line
+    marked ``# not connected to``. The rule came from test_hosts.py, which connected to an
+    address past the hosts' link to show that host 1 reached nothing there."""
+    from host_support import SUBNET
+
+    allowed = [ipaddress.ip_network(n) for n in ("127.0.0.0/8", *DOCUMENTATION)]
+    allowed.append(ipaddress.ip_network(SUBNET.format(0), strict=False))
+    found = []
+    for path in sorted(TESTS.rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts:
+            continue
+        text = path.read_text(errors="replace")
+        for number, line in enumerate(text.splitlines(), start=1):
+            for literal in IPV4.findall(line):
+                try:
+                    address = ipaddress.ip_address(literal)
+                except ValueError:  # not an address (an octet over 255)
+                    continue
+                if not any(address in net for net in allowed) and not line.endswith(NOT_CONNECTED):
+                    found.append(f"{path.relative_to(TESTS.parent)}:{number}: {literal}")
+    assert not found, "addresses outside what the tests make:\n" + "\n".join(found)

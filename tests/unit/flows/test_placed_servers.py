@@ -64,7 +64,7 @@ def _placed(tmp_path, startup_timeout_s: float = 5.0, queue: str = "host-1", gpu
         1,
         storage,
         ("policy", 0),
-        {"reach": "10.0.0.1", "port": 0, "startup_timeout_s": startup_timeout_s},
+        {"reach": "192.0.2.1", "port": 0, "startup_timeout_s": startup_timeout_s},
         api_key="key",
         progress=lambda line: None,
         job_variables=gpus,
@@ -94,7 +94,7 @@ def test_a_placed_server_is_ready_once_its_own_flow_run_says_where_and_vllm_answ
     )
     assert "key" not in str(asked)  # the key travels through the run's storage, not the UI
     api.states[server.flow_run_id] = "RUNNING"
-    _serving(storage, uuid.uuid4(), "http://10.9.9.9:1")  # an earlier flow run's: not this one
+    _serving(storage, uuid.uuid4(), "http://198.51.100.9:1")  # an earlier flow run's: not this one
     threading.Timer(0.3, _serving, (storage, server.flow_run_id, health)).start()
     server.wait_ready()
     assert server.url == health and server.is_alive()
@@ -117,8 +117,8 @@ def test_a_restart_placed_on_another_host_serves_at_its_new_address(tmp_path, mo
     server, storage = _placed(tmp_path)
     server.spawn()
     api.states[server.flow_run_id] = "RUNNING"
-    _serving(storage, server.flow_run_id, "http://10.0.0.7:8000")
-    assert server._url_of_this_run() == "http://10.0.0.7:8000"
+    _serving(storage, server.flow_run_id, "http://192.0.2.7:8000")
+    assert server._url_of_this_run() == "http://192.0.2.7:8000"
     server.stop(timeout_s=1.0)
     server.spawn()
     assert api.submitted[-1]["server"]["port"] == 8000  # asked for again
@@ -166,7 +166,7 @@ def test_server_queues_name_one_queue_per_slot_of_the_servers_deployment():
         "inference.max_servers=2",
         f"inference.server_deployment='{DEPLOYMENT}'",
         "inference.server_queues=['host-0', 'host-1']",
-        "trainer.master_addr='10.0.0.1'",
+        "trainer.master_addr='192.0.2.1'",
     )
     assert placed.inference.server_queues == ["host-0", "host-1"]
     with pytest.raises(ConfigError, match=r"names 1 queue\(s\) for 2 server slot\(s\)"):
@@ -174,7 +174,7 @@ def test_server_queues_name_one_queue_per_slot_of_the_servers_deployment():
             "inference.max_servers=2",
             f"inference.server_deployment='{DEPLOYMENT}'",
             "inference.server_queues=['host-0']",
-            "trainer.master_addr='10.0.0.1'",
+            "trainer.master_addr='192.0.2.1'",
         )
     with pytest.raises(ConfigError, match="inference.server_deployment is empty"):
         _cfg("inference.server_queues=['host-0']")
@@ -183,7 +183,7 @@ def test_server_queues_name_one_queue_per_slot_of_the_servers_deployment():
     with pytest.raises(ConfigError, match=r"train.lora.sync = 'adapter' is not served there"):
         _cfg(
             f"inference.server_deployment='{DEPLOYMENT}'",
-            "trainer.master_addr='10.0.0.1'",
+            "trainer.master_addr='192.0.2.1'",
             "train.lora={rank=8, sync='adapter'}",
         )
 
@@ -196,14 +196,14 @@ def test_placed_servers_leave_node_0s_gpus_to_the_trainer_and_join_at_its_addres
         f"inference.server_deployment='{DEPLOYMENT}'",
         "inference.server_queues=['gpu-a', 'gpu-b']",
         "trainer.num_ranks=8",
-        "trainer.master_addr='10.0.0.1'",
+        "trainer.master_addr='192.0.2.1'",
     )
     plan = make_plan(cfg, Machine(gpus=8))
     assert [(s.started_by, s.queue, s.gpus) for s in plan.servers] == [
         ("prefect", "gpu-a", (0,)),
         ("prefect", "gpu-b", (0,)),
     ]
-    assert plan.trainer_nodes[0].gpus == tuple(range(8)) and plan.group_host == "10.0.0.1"
+    assert plan.trainer_nodes[0].gpus == tuple(range(8)) and plan.group_host == "192.0.2.1"
     assert "queue gpu-b" in plan.render()
     with pytest.raises(Exception, match="8 GPU"):  # not placed: the servers take two of them
         make_plan(_cfg("inference.num_servers=2", "trainer.num_ranks=8"), Machine(gpus=8))
@@ -260,7 +260,7 @@ def test_the_runs_services_hand_the_storage_secrets_name_to_its_placed_servers(
         f"run.storage='{tmp_path}'",
         "run.storage_secret='creds'",
         "inference.server_deployment='rollflow-inference-server/default'",
-        "trainer.master_addr='10.0.0.1'",
+        "trainer.master_addr='192.0.2.1'",
     )
     run = RunServices(cfg, "/m", None, tmp_path / "logs", lambda _: None, Machine(gpus=0))
     assert run.maker.placed_server(0).storage_secret == "creds"

@@ -148,7 +148,7 @@ def test_every_node_of_a_trainer_placed_by_prefect_is_a_flow_run_with_its_hosts_
     assert re.search(r"^vllm-0 +run's host ", shown, re.M), shown
     assert re.search(r"^trainer-node-0 +queue a ", shown, re.M), shown
     here = make_plan(
-        _cfg("trainer.num_nodes=2", "trainer.master_addr='10.0.0.1'"), Machine(gpus=0, nodes=2)
+        _cfg("trainer.num_nodes=2", "trainer.master_addr='192.0.2.1'"), Machine(gpus=0, nodes=2)
     )
     assert [(p.started_by, p.queue) for p in here.trainer_nodes] == [
         ("rollflow", None),
@@ -250,7 +250,7 @@ def _node_0(tmp_path, startup_timeout_s: float = 5.0):
         trainer_args(cfg, "/m", None),
         "key",
         storage,
-        {"storage": (storage.root, {}), "reach": "10.0.0.9", "env": {"X": "1"}, "cpus": []},
+        {"storage": (storage.root, {}), "reach": "192.0.2.9", "env": {"X": "1"}, "cpus": []},
         progress=lambda _: None,
     )
     trainer.startup_timeout_s = startup_timeout_s  # no placement allowance in a unit test
@@ -271,7 +271,7 @@ def test_node_0_as_a_flow_run_is_met_where_its_own_flow_run_says_it_serves(tmp_p
         [],
         {"X": "1"},
     )
-    assert asked["serve"]["reach"] == "10.0.0.9" and "key" not in str(asked)
+    assert asked["serve"]["reach"] == "192.0.2.9" and "key" not in str(asked)
     args = json.loads(asked["serve"]["args"])
     assert args["trainer"]["master_addr"] == "auto"  # node 0's flow run finds its address
     api.states[trainer.flow_run_id] = "RUNNING"
@@ -285,13 +285,13 @@ def test_node_0_as_a_flow_run_is_met_where_its_own_flow_run_says_it_serves(tmp_p
             toolkit.NODE_0_FILE,
             {
                 "flow_run_id": str(trainer.flow_run_id),
-                "url": "http://10.0.0.7:4242/",
-                "master_addr": "10.0.0.7",
+                "url": "http://192.0.2.7:4242/",
+                "master_addr": "192.0.2.7",
             },
         ),
     ).start()
-    assert trainer.wait_placed() == "10.0.0.7"
-    assert trainer.client.url == "http://10.0.0.7:4242" and trainer.is_alive()
+    assert trainer.wait_placed() == "192.0.2.7"
+    assert trainer.client.url == "http://192.0.2.7:4242" and trainer.is_alive()
 
     shut = []
     monkeypatch.setattr(trainer.client, "shutdown", lambda timeout_s: shut.append(timeout_s))

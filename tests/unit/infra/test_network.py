@@ -10,7 +10,11 @@ import pytest
 from rollflow.infra import network
 from rollflow.infra.network import bind_gloo_interface, socket_interface
 
-HOST = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.1.2.3", "fe80::1%eth0"], "ib0": ["192.168.7.5"]}
+HOST = {
+    "lo": ["127.0.0.1", "::1"],
+    "eth0": ["198.51.100.3", "fe80::1%eth0"],
+    "ib0": ["203.0.113.5"],
+}
 
 
 def test_a_loopback_master_is_reached_through_lo():
@@ -19,15 +23,17 @@ def test_a_loopback_master_is_reached_through_lo():
 
 
 def test_a_master_on_another_host_is_reached_through_the_interface_that_routes_to_it():
-    name, why = socket_interface("10.1.9.9", env={}, interfaces=HOST, local_address="10.1.2.3")
-    assert name == "eth0" and "10.1.9.9" in why
-    name, _ = socket_interface("192.168.7.1", env={}, interfaces=HOST, local_address="192.168.7.5")
+    name, why = socket_interface(
+        "198.51.100.9", env={}, interfaces=HOST, local_address="198.51.100.3"
+    )
+    assert name == "eth0" and "198.51.100.9" in why
+    name, _ = socket_interface("203.0.113.1", env={}, interfaces=HOST, local_address="203.0.113.5")
     assert name == "ib0"
 
 
 def test_the_hostname_address_is_never_the_default():
     """127.0.1.1 (the hostname on Ubuntu) is on no interface: no interface, not loopback."""
-    name, why = socket_interface("10.1.9.9", env={}, interfaces=HOST, local_address="127.0.1.1")
+    name, why = socket_interface("198.51.100.9", env={}, interfaces=HOST, local_address="127.0.1.1")
     assert name is None and "127.0.1.1" in why
 
 
@@ -45,7 +51,7 @@ def test_the_hostname_address_is_never_the_default():
 )
 def test_an_interface_named_in_the_environment_wins(env, backend, expected):
     name, why = socket_interface(
-        "10.1.9.9", backend, env=env, interfaces=HOST, local_address="10.1.2.3"
+        "198.51.100.9", backend, env=env, interfaces=HOST, local_address="198.51.100.3"
     )
     assert name == expected
     assert ("SOCKET_IFNAME" in why) == (expected == "ib0")
@@ -55,9 +61,9 @@ def test_binding_names_the_interface_for_torch_and_says_so(monkeypatch, caplog):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(network, "_host_interfaces", lambda: HOST)
-    monkeypatch.setattr(network, "route_source", lambda addr: "10.1.2.3")
+    monkeypatch.setattr(network, "route_source", lambda addr: "198.51.100.3")
     with caplog.at_level(logging.INFO, logger=network.__name__):
-        assert bind_gloo_interface("10.1.9.9") == "eth0"
+        assert bind_gloo_interface("198.51.100.9") == "eth0"
     assert network.os.environ["GLOO_SOCKET_IFNAME"] == "eth0"
     assert "binds to interface eth0" in caplog.text
 
@@ -65,7 +71,7 @@ def test_binding_names_the_interface_for_torch_and_says_so(monkeypatch, caplog):
 def test_a_user_list_of_interfaces_stays_whole(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0,ib0")
     monkeypatch.setattr(network, "_host_interfaces", lambda: HOST)
-    assert bind_gloo_interface("10.1.9.9") == "eth0"
+    assert bind_gloo_interface("198.51.100.9") == "eth0"
     assert network.os.environ["GLOO_SOCKET_IFNAME"] == "eth0,ib0"
 
 
@@ -77,7 +83,7 @@ def test_an_unreachable_master_leaves_torch_its_default(monkeypatch):
         raise OSError("Network is unreachable")
 
     monkeypatch.setattr(network, "route_source", no_route)
-    assert bind_gloo_interface("10.1.9.9") is None
+    assert bind_gloo_interface("198.51.100.9") is None
     assert "GLOO_SOCKET_IFNAME" not in network.os.environ
 
 
@@ -97,7 +103,10 @@ def test_auto_master_addr_is_this_hosts_own_address(monkeypatch):
     monkeypatch.setattr(
         network,
         "_host_interfaces",
-        lambda: {"lo": ["127.0.0.1", "::1"], "eth0": ["fe80::1", "169.254.3.3", "10.231.7.1"]},
+        lambda: {
+            "lo": ["127.0.0.1", "::1"],
+            "eth0": ["fe80::1", "169.254.3.3", "10.231.7.1"],  # not connected to
+        },
     )
     assert network.own_address() == "10.231.7.1"
     cfg = load_config(

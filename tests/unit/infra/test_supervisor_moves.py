@@ -48,7 +48,7 @@ def test_a_server_restarted_at_another_url_takes_its_gate_and_fleet_entry_along(
     cfg = load_config(
         None, ["model.path='/m'", "envs=[{name='sort_letters'}]", "inference.max_restarts=2"]
     )
-    old, new = "http://10.0.0.5:8000", "http://10.0.0.9:8000"
+    old, new = "http://192.0.2.5:8000", "http://192.0.2.9:8000"
     fleet, lock, moved, restarted = Fleet({1: old}), threading.Lock(), [], []
 
     def follow(slot, url):
@@ -87,6 +87,6 @@ def test_a_server_restarted_at_another_url_takes_its_gate_and_fleet_entry_along(
         assert serving_gate(old) is None and serving_gate(new) is sup.gate and sup.gate.is_open
         assert sup.gate.restarts == 1 and sup.restarts == 1
         assert [(r["url"], r["version"]) for r in restarted] == [(new, 3)]
-        assert waiter_error and "moved to http://10.0.0.9:8000" in str(waiter_error[0])
+        assert waiter_error and "moved to http://192.0.2.9:8000" in str(waiter_error[0])
     finally:
         unregister_gate(sup.gate)

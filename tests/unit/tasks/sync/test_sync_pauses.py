@@ -104,6 +104,6 @@ def test_the_weight_group_meets_at_a_port_the_trainer_chose_on_its_own_host(monk
         return await connect()
 
     monkeypatch.setattr(weights, "init_weight_group", init)
-    spec = weights.GroupSpec(world_size=1, wire_device="cpu", bucket_bytes=1, host="10.0.0.2")
+    spec = weights.GroupSpec(world_size=1, wire_device="cpu", bucket_bytes=1, host="192.0.2.2")
     assert weights.join(Source(), [], spec, timeout_s=5) == {"ok": True}
-    assert seen == {"group": 23456, "connect": ("10.0.0.2", 23456)}
+    assert seen == {"group": 23456, "connect": ("192.0.2.2", 23456)}
