@@ -1,7 +1,4 @@
-"""vLLM servers as Prefect flow runs: with ``inference.server_deployment`` set, each server of
-the run's fleet is a flow run of that deployment (``rollflow-inference-server/default`` in
-prefect.yaml) that the run flow submits to its work pool, to the slot's work queue
-(``inference.server_queues``), where a worker on the server's host runs it.
+"""A vLLM server as a Prefect flow run: the body a worker on the server's host runs.
 
 The flow run is the server. Its body loads the policy from the run's storage (no shared file
 system), starts vLLM under the ``ManagedProcess`` guard on its main thread (a cancelled or
@@ -9,16 +6,9 @@ crashed flow run takes vLLM with it), bound to the address its host reaches the 
 says vLLM's log lines in the flow run's log, and ends with vLLM: Completed on exit 0, Failed
 naming the exit code otherwise. Before vLLM starts it writes where it serves
 (``control/servers/<slot>.json``: its flow run, URL) to the run's storage, which is how the run
-finds it.
-
-On the run's side a ``PlacedServer`` stands where a local ``InferenceServer`` does, under the
-same supervisor (``services/vllm_supervisor.py``): alive while its flow run is not over;
-stopped by cancelling the flow run; restarted by submitting the slot again to the same queue
-with the same port, so that on a queue of one host it comes back at the same URL (one that a
-pool placed elsewhere is followed there: the supervisor's ``_follow_move``). The server's key
-(every vLLM route's, and the weight group's secret) is not a parameter, which the Prefect UI
-shows: it is read from the run's storage (``control/servers/key.json``), written there by the
-run for its lifetime.
+(``services/placed_server.py``) finds it. The server's key (every vLLM route's, and the weight
+group's secret) is not a parameter, which the Prefect UI shows: it is read from the run's
+storage, written there by the run for its lifetime (``services/placed.py``).
 This module imports no torch: a worker starts the flow in seconds.
 """
 
