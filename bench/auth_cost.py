@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollflow.inference import auth  # noqa: E402
+from rollflow.inference import auth, protocol  # noqa: E402
+from rollflow.infra.vllm_fleet import keys  # noqa: E402
 
 KEY = "bench-key-" + "x" * 32
 
@@ -39,12 +40,12 @@ async def _noop(scope, receive, send):
 
 def middleware_alone(num_calls: int = 20000, rounds: int = 5) -> tuple[float, float]:
     """Microseconds per call: (open, keyed)."""
-    os.environ[auth.KEY_ENV] = KEY
+    os.environ[protocol.KEY_ENV] = KEY
     keyed = auth.RunKeyMiddleware(_noop)
     scope = {
         "type": "http",
         "method": "POST",
-        "path": "/collective_rpc",
+        "path": protocol.COLLECTIVE_RPC.path,
         "headers": [(b"host", b"x"), (b"authorization", f"Bearer {KEY}".encode())],
     }
 
@@ -97,27 +98,26 @@ def real_servers(num_requests: int = 200) -> dict[str, tuple[float, float]]:
     for server in servers.values():
         server.start()
     routes = {
-        "GET /is_paused": ("GET", "/is_paused", None),
+        "GET /is_paused": (protocol.IS_PAUSED, None),
         "POST /v1/completions (1 token)": (
-            "POST",
-            "/v1/completions",
+            protocol.COMPLETIONS,
             {"model": "policy", "prompt": [1, 10, 11], "max_tokens": 1, "temperature": 0.0},
         ),
     }
     out: dict[str, tuple[float, float]] = {}
     try:
         with httpx.Client(timeout=30) as http:
-            for label, (method, path, body) in routes.items():
+            for label, (route, body) in routes.items():
                 lat: dict[str, list[float]] = {"open": [], "keyed": []}
                 for i in range(num_requests + 10):
                     for name in ("open", "keyed") if i % 2 else ("keyed", "open"):
                         server = servers[name]
                         start = time.perf_counter()
                         response = http.request(
-                            method,
-                            server.url + path,
+                            route.method,
+                            server.url + route.path,
                             json=body,
-                            headers=auth.auth_headers(server.url),
+                            headers=keys.auth_headers(server.url),
                         )
                         took = time.perf_counter() - start
                         assert response.status_code == 200, response.text

@@ -30,6 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 
+from rollflow.inference import protocol  # noqa: E402
 from rollflow.infra.config import LoraSection, TinyModelSpec  # noqa: E402
 from rollflow.infra.models.tiny import (  # noqa: E402
     EOS_ID,
@@ -117,7 +118,7 @@ async def reload_in_pause(url: str, adapter: Path) -> dict:
         await client.pause(mode="keep")
         paused = time.perf_counter()
         body = {"lora_name": "policy", "lora_path": str(adapter), "load_inplace": True}
-        status, answer = await client._send("/v1/load_lora_adapter", body, None, 120)
+        status, answer = await client._send(protocol.LOAD_LORA_ADAPTER, body, None, 120)
         if status != 200:  # the answer is plain text, not JSON
             raise RuntimeError(f"load_lora_adapter: HTTP {status}: {answer[:300]!r}")
         loaded = time.perf_counter()

@@ -141,7 +141,8 @@ class Window:
 
 async def baseline(args, url: str, pids: list[int], prompts_T: list[list[int]], n: int, g: int):
     """Phase (a): N / G requests of n = G always in flight; each answer's tokens counted."""
-    from rollflow.inference.auth import auth_headers
+    from rollflow.inference.protocol import COMPLETIONS
+    from rollflow.infra.vllm_fleet.keys import auth_headers
 
     events, state = [], {"in_flight": 0}
     next_prompt = itertools.cycle(prompts_T).__next__
@@ -156,7 +157,7 @@ async def baseline(args, url: str, pids: list[int], prompts_T: list[list[int]], 
             }
             state["in_flight"] += g
             try:
-                async with http.post(url + "/v1/completions", json=body) as response:
+                async with http.post(url + COMPLETIONS.path, json=body) as response:
                     data = json.loads(await response.read())
             finally:
                 state["in_flight"] -= g

@@ -6,7 +6,7 @@
 Each start is rollflow's own ``InferenceServer`` on the tiny char Llama, measured from spawn to
 ``/health`` answering; then every process of the server is read from ``/proc`` for its CPU
 seconds (API server, engine core), and the server is stopped. "fork" is what rollflow runs
-(``ROLLFLOW_VLLM_FORK_ENGINE=1``, set by the server for one rank on CPU, vllm_plugin.py);
+(``ROLLFLOW_VLLM_FORK_ENGINE=1``, set by the server for one rank on CPU, inference/plugin.py);
 "spawn" sets it to 0: vLLM's own CPU default, a second interpreter that imports vLLM again.
 The two alternate, so that the machine's load falls on both alike; medians are printed with the
 ratio fork / spawn.
@@ -26,7 +26,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollflow.inference.plugin import FORK_ENGINE_ENV  # noqa: E402
+from rollflow.inference.protocol import FORK_ENGINE_ENV  # noqa: E402
 from rollflow.infra.config import TinyModelSpec  # noqa: E402
 from rollflow.infra.models.tiny import (  # noqa: E402
     build_char_tokenizer,

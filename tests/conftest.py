@@ -265,11 +265,11 @@ def restore_weights(server, model_dir) -> None:
     that the tests after one that changed them see the served policy they expect."""
     from transformers import AutoModelForCausalLM
 
-    from rollflow.inference import auth
+    from rollflow.infra.vllm_fleet import keys
     from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish
 
     weights = list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())
-    source = SenderSource(weights, secret=auth.key_for(server.url))
+    source = SenderSource(weights, secret=keys.key_for(server.url))
     join(source, [(server.url, 1)], GroupSpec.single(), timeout_s=30)
     try:
         publish(source, [server.url], None, timeout_s=30)

@@ -8,11 +8,10 @@ to any local process, of any user. rollflow therefore starts vLLM with ``RunKeyM
 ``Authorization: Bearer <key>`` header on every HTTP request and websocket, ``/health``
 included, and answers 401 otherwise.
 
-Owns: the key of each server this process started (``register`` / ``key_for``, by base URL,
-so that every client of that URL sends it without the key being passed around), and the check.
-The key reaches the server in its environment (``KEY_ENV``), which other users cannot read,
-not on its command line, which they can (``ps``). A server started without the key in its
-environment refuses to start (fail closed).
+Owns: the check. The key reaches the server in its environment (``protocol.KEY_ENV``), which
+other users cannot read, not on its command line, which they can (``ps``). A server started
+without the key in its environment refuses to start (fail closed). The run's side, which makes
+each server's key and sends it, is ``infra/vllm_fleet/keys.py``.
 """
 
 from __future__ import annotations
@@ -20,35 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-import threading
 
-KEY_ENV = "ROLLFLOW_VLLM_KEY"
-MIDDLEWARE = "rollflow.inference.auth.RunKeyMiddleware"
-
-_KEYS: dict[str, str] = {}
-_LOCK = threading.Lock()
-
-
-def new_key() -> str:
-    return secrets.token_urlsafe(32)
-
-
-def register(base_url: str, key: str) -> None:
-    """Remember ``key`` as the key of the server at ``base_url`` (for clients in this process)."""
-    with _LOCK:
-        _KEYS[base_url.rstrip("/")] = key
-
-
-def key_for(base_url: str) -> str | None:
-    with _LOCK:
-        return _KEYS.get(base_url.rstrip("/"))
-
-
-def auth_headers(base_url: str, key: str | None = None) -> dict[str, str]:
-    """The header that a request to ``base_url`` needs (none if the server has no known key)."""
-    key = key or key_for(base_url)
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
+from rollflow.inference.protocol import KEY_ENV
 
 _UNAUTHORIZED = b'{"error": "missing or wrong run key (Authorization: Bearer <key>)"}'
 

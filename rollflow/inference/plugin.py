@@ -44,8 +44,8 @@ from __future__ import annotations
 import os
 import time
 
-SPIN_ENV = "ROLLFLOW_VLLM_SPIN_S"
-FORK_ENGINE_ENV = "ROLLFLOW_VLLM_FORK_ENGINE"
+from rollflow.inference.protocol import FORK_ENGINE_ENV, SPIN_ENV
+
 POLL_MS = 1  # how soon a reader in its window looks at the queue again without a wake-up
 
 

@@ -1,16 +1,17 @@
 """vLLM worker extension: receive new policy weights over rollflow's weight group.
 
 vLLM mixes this class into its worker class (``--worker-extension-cls``), so ``self`` is the
-vLLM worker. Its methods are called through the server's ``/collective_rpc`` endpoint, whose
-arguments arrive as strings. The logic lives in ``rollflow.infra.weights``; this is glue.
+vLLM worker. Its methods are called through the server's ``/collective_rpc`` endpoint: each is
+one of ``protocol.WORKER_METHODS``, takes one string (its argument model's JSON) and answers its
+reply model as a dict. The logic lives in ``rollflow.infra.weights``; this is glue.
 
-A server that serves the policy as a LoRA adapter (``adapter.ROOT_ENV`` set, see ``server.py``)
-receives the adapter's tensors instead of the model's and loads them as its adapter.
+A server that serves the policy as a LoRA adapter (``protocol.LORA_ROOT_ENV`` set, see
+``services/vllm_server.py``) receives the adapter's tensors instead of the model's and loads them
+as its adapter.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -18,9 +19,17 @@ from typing import Any
 
 import torch
 
-from rollflow.inference.auth import KEY_ENV
+from rollflow.inference.protocol import (
+    CLOSE_WEIGHT_GROUP,
+    INIT_WEIGHT_GROUP,
+    KEY_ENV,
+    LORA_ROOT_ENV,
+    RECEIVE_WEIGHTS,
+    Joined,
+    Loaded,
+)
 from rollflow.infra.weights import adapter
-from rollflow.infra.weights.group import DEFAULT_BUCKET_BYTES, WeightReceiverGroup
+from rollflow.infra.weights.group import WeightReceiverGroup
 
 logger = logging.getLogger(__name__)
 
@@ -34,57 +43,55 @@ class WeightReceiver:
     mode, exactly the adapter it broadcast as V, under the LoRA id the server's requests name.
     """
 
-    def init_weight_group(
-        self,
-        host: str,
-        port: str,
-        rank: str,
-        world_size: str,
-        timeout_s: str,
-        metadata_json: str,
-        wire_device: str = "cpu",
-        bucket_bytes: str = str(DEFAULT_BUCKET_BYTES),
-    ) -> int:
-        """Join the group as ``rank`` + this worker's rank in its engine; returns the rank used.
+    def init_weight_group(self, request: str) -> dict[str, Any]:
+        """Join the group as ``first_rank`` + this worker's rank in its engine; answers the rank.
 
         ``wire_device`` is the plan's (``placement.choose_backend``): ``"cuda"`` puts the bucket
         on this worker's GPU (NCCL), ``"cpu"`` in host memory (gloo) whatever the worker's device.
         """
-        self.close_weight_group()
+        args = INIT_WEIGHT_GROUP.decode(request)
+        self._leave_weight_group()
         # With tensor parallelism every worker of the engine is one rank of the weight group.
-        my_rank = int(rank) + int(getattr(self, "rank", 0))
-        device = self.device if wire_device == "cuda" else "cpu"
+        my_rank = args.first_rank + int(getattr(self, "rank", 0))
+        device = self.device if args.wire_device == "cuda" else "cpu"
         # The run's secret proves membership (weights/group.py); this server holds it as its key.
         group = WeightReceiverGroup(
-            host,
-            int(port),
+            args.host,
+            args.port,
             my_rank,
-            int(world_size),
-            float(timeout_s),
+            args.world_size,
+            args.timeout_s,
             device=device,
-            bucket_bytes=int(bucket_bytes),
+            bucket_bytes=args.bucket_bytes,
             secret=os.environ.get(KEY_ENV, ""),
         )
         group.connect()
         self._rollflow_weight_group = group
-        self._rollflow_weight_metadata: list[dict[str, Any]] = json.loads(metadata_json)
-        logger.info("joined weight group %s:%s as rank %d/%s", host, port, my_rank, world_size)
-        return my_rank
+        self._rollflow_weight_metadata: list[dict[str, Any]] = args.metadata
+        logger.info(
+            "joined weight group %s:%s as rank %d/%d",
+            args.host,
+            args.port,
+            my_rank,
+            args.world_size,
+        )
+        return INIT_WEIGHT_GROUP.answer(Joined(rank=my_rank))
 
-    def receive_weights(self) -> int:
-        """Receive one broadcast and load it into the model; returns its policy version."""
+    def receive_weights(self, request: str) -> dict[str, Any]:
+        """Receive one broadcast and load it into the model; answers its policy version."""
+        RECEIVE_WEIGHTS.decode(request)
         group = getattr(self, "_rollflow_weight_group", None)
         if group is None:
             raise RuntimeError("receive_weights called before init_weight_group")
         version, named_tensors = group.receive(self._rollflow_weight_metadata)
-        root = os.environ.get(adapter.ROOT_ENV)
+        root = os.environ.get(LORA_ROOT_ENV)
         if root:
             self._load_adapter(root, version, named_tensors)
         else:
             self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
         for _ in named_tensors:  # a loader that skipped tensors must not leave buckets unread
             pass
-        return version
+        return RECEIVE_WEIGHTS.answer(Loaded(version=version))
 
     def _load_adapter(
         self, root: str, version: int, named_tensors: Iterator[tuple[str, torch.Tensor]]
@@ -109,8 +116,12 @@ class WeightReceiver:
         if not self.add_lora(request):
             raise RuntimeError(f"adapter sync: vLLM did not load the adapter of v{version}")
 
-    def close_weight_group(self) -> None:
+    def close_weight_group(self, request: str) -> None:
         """Leave the weight group (a no-op if not joined)."""
+        CLOSE_WEIGHT_GROUP.decode(request)
+        self._leave_weight_group()
+
+    def _leave_weight_group(self) -> None:
         group = getattr(self, "_rollflow_weight_group", None)
         if group is not None:
             group.close()

@@ -28,9 +28,9 @@ import time
 from typing import Any
 from uuid import UUID
 
-from rollflow.inference import auth
 from rollflow.infra.errors import InferenceError
 from rollflow.infra.storage import RunStorage
+from rollflow.infra.vllm_fleet import keys
 from rollflow.services import placed
 from rollflow.services.placed import (
     PLACEMENT_S,
@@ -195,7 +195,7 @@ class PlacedServer:
         if url != self._url:  # its first start, or a restart placed on another host
             self._url = url
             self.settings["port"] = int(url.rsplit(":", 1)[1])  # a restart asks for it again
-            auth.register(url, self.api_key)
+            keys.register(url, self.api_key)
         return url
 
     def _late(self, state: str) -> str:

@@ -23,7 +23,7 @@ from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.http import Endpoint
 from rollflow.infra.processes import ManagedProcess, cpu_split, free_port, log_tail, wait_port_free
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.trainer.protocol import RANK_MAIN_MODULE, ServiceArgs
+from rollflow.trainer.protocol import RANK_MAIN_MODULE, THREADS_ENV, TOKEN_ENV, ServiceArgs
 
 # DeepSpeed's JIT-compiled ops (on CPU: its shared-memory all-reduce, ~2-6 min to build). One
 # folder per Python environment: torch rebuilds an op whose build flags changed, and the flags
@@ -142,12 +142,12 @@ def launcher_env(
     """Per-rank threads (the deepspeed launcher leaves OMP_NUM_THREADS unset; the ranks share
     ``num_cpus`` cores, default all), the run's token, a persistent cache for DeepSpeed's compiled
     ops, and CPU mode where no GPU is to be used."""
-    threads = os.environ.get("ROLLFLOW_TRAINER_THREADS") or str(
+    threads = os.environ.get(THREADS_ENV) or str(
         max(1, (num_cpus or os.cpu_count() or 1) // num_ranks)
     )
     env = {
-        "ROLLFLOW_TOKEN": token,
-        "ROLLFLOW_TRAINER_THREADS": threads,
+        TOKEN_ENV: token,
+        THREADS_ENV: threads,
         "OMP_NUM_THREADS": threads,
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR)),
         "LOCAL_SIZE": str(num_ranks),

@@ -1,9 +1,10 @@
 """The inference deployment: one real vLLM OpenAI server run as a subprocess.
 
-The server is started with ``VLLM_SERVER_DEV_MODE=1`` (which adds ``/pause``, ``/resume``,
-``/collective_rpc`` and ``/reset_prefix_cache``) and with rollflow's worker extension, so that
-new weights can be received over the weight group (see ``worker_extension.py``). Every route,
-those included, refuses a request without the server's key (``auth.py``).
+The server is started with ``VLLM_SERVER_DEV_MODE=1`` (which adds the development routes that
+a weight sync calls: pause, resume, collective RPC and prefix-cache reset) and with rollflow's
+worker extension, so that new weights can be received over the weight group. Every route, those
+included, refuses a request without the server's key (``inference/auth.py``). What the server is
+given (its extension, middleware and environment) is named in ``inference/protocol.py``.
 
 Given ``lora_adapter`` (``train.lora.sync = "adapter"``), the server serves the base model under
 ``<name>-base`` and the adapter as ``<name>``, the name the clients request, so that sampling and
@@ -22,15 +23,14 @@ from types import TracebackType
 
 import httpx
 
-from rollflow.inference import auth
-from rollflow.inference.plugin import FORK_ENGINE_ENV, SPIN_ENV
+from rollflow.inference import protocol
 from rollflow.infra import http
 from rollflow.infra.config import VLLM_MAX_LORA_RANKS, vllm_flag
 from rollflow.infra.errors import InferenceError, ServiceError
 from rollflow.infra.processes import ManagedProcess, cpu_split, free_port, wait_port_free
+from rollflow.infra.vllm_fleet import keys
 from rollflow.infra.weights import adapter
 
-WORKER_EXTENSION_CLS = "rollflow.inference.worker_extension.WeightReceiver"
 # How long a start waits for its port to be let go (a previous process of the server exiting).
 PORT_FREE_TIMEOUT_S = 15.0
 
@@ -78,9 +78,9 @@ class InferenceServer:
         self.lora_adapter = Path(lora_adapter) if lora_adapter is not None else None
         self.lora_root: Path | None = None
         self._proc: ManagedProcess | None = None
-        # Every route needs this key (auth.py); clients of this URL in this process send it.
-        self.api_key = api_key or auth.new_key()
-        auth.register(self.url, self.api_key)
+        # Every route needs this key (inference/auth.py); this process's clients of the URL send it.
+        self.api_key = api_key or keys.new_key()
+        keys.register(self.url, self.api_key)
 
     @property
     def url(self) -> str:
@@ -103,9 +103,9 @@ class InferenceServer:
             "--port",
             str(self.port),
             "--worker-extension-cls",
-            WORKER_EXTENSION_CLS,
+            protocol.WORKER_EXTENSION_CLS,
             "--middleware",
-            auth.MIDDLEWARE,
+            protocol.MIDDLEWARE,
             "--disable-log-stats",
             # Log-probs after temperature and top-p: the behaviour policy that sampled, which the
             # trainer reproduces (SamplingSection.behaviour). vLLM's default is raw (T = 1).
@@ -144,26 +144,26 @@ class InferenceServer:
         """Environment of the server process."""
         env = dict(os.environ)
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        env[auth.KEY_ENV] = self.api_key  # in the environment: `ps` shows a command line to all
+        env[protocol.KEY_ENV] = self.api_key  # in the environment: `ps` shows a command line to all
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         if _on_cpu():  # the worker's OpenMP threads on vLLM's share of the cores (see cpu_split)
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpu_split()[0])))
-            # No spinning between engine steps: the cores are shared (see vllm_plugin.py).
-            env.setdefault(SPIN_ENV, "0.02")
+            # No spinning between engine steps: the cores are shared (see inference/plugin.py).
+            env.setdefault(protocol.SPIN_ENV, "0.02")
             if not _tensor_parallel(self.extra_args):
                 # vLLM's CPU platform turns "uni" into "mp" unless this is 0; it is read nowhere
                 # else by the API server (its engine core is always a process of its own).
                 env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-                # The engine core forked from the API server, not spawned (vllm_plugin.py).
-                env.setdefault(FORK_ENGINE_ENV, "1")
+                # The engine core forked from the API server, not spawned (inference/plugin.py).
+                env.setdefault(protocol.FORK_ENGINE_ENV, "1")
         _use_jemalloc(env)
         # The worker extension is imported by module path inside vLLM's worker processes.
         root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if self.lora_root is not None:
-            env[adapter.ROOT_ENV] = str(self.lora_root)
+            env[protocol.LORA_ROOT_ENV] = str(self.lora_root)
         env.update(self.extra_env)
         return env
 
@@ -250,7 +250,7 @@ def answers_health(url: str, timeout_s: float) -> bool:
     the process's shared client: httpx.get builds a TLS context per call (~70 ms of CPU)."""
     try:
         response = http.client().get(
-            f"{url}/health", headers=auth.auth_headers(url), timeout=timeout_s
+            url + protocol.HEALTH.path, headers=keys.auth_headers(url), timeout=timeout_s
         )
     except httpx.HTTPError:
         return False

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Literal
 
+from rollflow.inference.protocol import COMPLETIONS, HEALTH
 from rollflow.testing.loop_server import LoopServer
 
 Fault = Literal["ok", "abort", "disconnect"]
@@ -71,9 +72,9 @@ class FakeOpenAI(LoopServer):
                 if request is None:
                     return
                 method, path, body = request
-                if method == "GET" and path == "/health":
+                if (method, path) == (HEALTH.method, HEALTH.path):
                     _respond(writer, 200, b"")
-                elif method == "POST" and path == "/v1/completions":
+                elif (method, path) == (COMPLETIONS.method, COMPLETIONS.path):
                     answer = await self._complete(json.loads(body))
                     if answer is None:  # injected disconnect: no response, connection closed
                         return

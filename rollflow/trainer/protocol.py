@@ -22,6 +22,11 @@ from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, T
 # The ranks' entry point (``rank_main.py``), run by the launcher as a module. Named, not imported:
 # importing it would load torch's distributed stack and DeepSpeed into the run process (~7 s).
 RANK_MAIN_MODULE = "rollflow.trainer.rank_main"
+# The ranks' environment, set by the launcher (``services/trainer_process.py``): the run's token
+# (rank 0's API refuses a request without it; it is the weight group's secret too, which vLLM's
+# workers hold as their server's key), and each rank's threads (default: its share of the cores).
+TOKEN_ENV = "ROLLFLOW_TOKEN"
+THREADS_ENV = "ROLLFLOW_TRAINER_THREADS"
 
 
 class _Body(BaseModel):

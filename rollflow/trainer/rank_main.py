@@ -41,7 +41,7 @@ from rollflow.trainer.checkpoints import LOCAL_CHECKPOINTS
 from rollflow.trainer.control import ControlGroup, PeerWatch, rank_identity
 from rollflow.trainer.dispatch import Dispatcher
 from rollflow.trainer.ops import HEARTBEAT, RankOps
-from rollflow.trainer.protocol import SHUTDOWN, ServiceArgs
+from rollflow.trainer.protocol import SHUTDOWN, THREADS_ENV, TOKEN_ENV, ServiceArgs
 from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
@@ -122,7 +122,7 @@ def _init_distributed(args: ServiceArgs) -> torch.device:
 def _threads() -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
     default = max(1, (os.cpu_count() or 1) // local)
-    return int(os.environ.get("ROLLFLOW_TRAINER_THREADS") or default)
+    return int(os.environ.get(THREADS_ENV) or default)
 
 
 def _reference_path(args: ServiceArgs) -> str | None:
@@ -169,9 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     text = ns.args if ns.args.lstrip().startswith("{") else Path(ns.args).read_text()
     args = ServiceArgs.model_validate_json(text)
     rank = int(os.environ.get("RANK", 0))
-    token = os.environ.get("ROLLFLOW_TOKEN")
+    token = os.environ.get(TOKEN_ENV)
     if not token and rank == 0:  # rank 0 serves the API; the others take commands from it
-        sys.exit("ROLLFLOW_TOKEN is not set: the trainer refuses to run without the run's token")
+        sys.exit(f"{TOKEN_ENV} is not set: the trainer refuses to run without the run's token")
     torch.set_num_threads(_threads())
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s"

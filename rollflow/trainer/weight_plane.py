@@ -18,7 +18,7 @@ import torch
 from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.weights.group import WeightSender
 from rollflow.trainer.control import ControlGroup
-from rollflow.trainer.protocol import WEIGHTS_CONNECT, Broadcast, WeightConnect
+from rollflow.trainer.protocol import TOKEN_ENV, WEIGHTS_CONNECT, Broadcast, WeightConnect
 from rollflow.trainer.rank_trainer import Trainer
 
 NOT_CONNECTED = f"weight group not connected: call {WEIGHTS_CONNECT.path} first"
@@ -51,7 +51,7 @@ class WeightPlane:
                 req.timeout_s,
                 device,
                 req.bucket_bytes,
-                secret=os.environ["ROLLFLOW_TOKEN"],  # the run's token: vLLM's key too
+                secret=os.environ[TOKEN_ENV],  # the run's token: vLLM's key too
             )
             try:
                 sender.connect()

@@ -23,9 +23,11 @@ from typing import Any
 
 import aiohttp
 
-from rollflow.inference.auth import auth_headers
+from rollflow.inference import protocol
+from rollflow.inference.protocol import Route
 from rollflow.infra.errors import InferenceError, InferenceUnavailable, RequestAborted
 from rollflow.infra.vllm_fleet.gate import serving_gate
+from rollflow.infra.vllm_fleet.keys import auth_headers
 
 # vLLM's uvicorn closes a keep-alive connection after 5 s idle (--timeout-keep-alive); the client
 # drops its own a little earlier, so that it rarely sends on a connection the server is closing.
@@ -60,7 +62,7 @@ class InferenceClient:
         api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        # The server's key (auth.py): given, or the one of the server this process started there.
+        # The server's key (keys.py): given, or the one of the server this process started there.
         self._headers = auth_headers(self.base_url, api_key)
         self.model = model
         self.timeout_s = timeout_s
@@ -110,35 +112,37 @@ class InferenceClient:
         }
         if seed is not None:
             body["seed"] = seed
-        data = await self._post("/v1/completions", body=body, timeout_s=timeout_s or self.timeout_s)
+        data = await self._post(
+            protocol.COMPLETIONS, body=body, timeout_s=timeout_s or self.timeout_s
+        )
         choices = sorted(data["choices"], key=lambda c: c["index"])
         return [_completion(c) for c in choices]
 
     async def pause(self, mode: str = "keep") -> None:
         """Stop scheduling; ``keep`` freezes in-flight requests, ``abort`` ends them, ``wait`` drains."""
-        await self._post("/pause", params={"mode": mode})
+        await self._post(protocol.PAUSE, params={"mode": mode})
 
     async def resume(self) -> None:
         """Resume scheduling after ``pause``."""
-        await self._post("/resume")
+        await self._post(protocol.RESUME)
 
     async def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (they were computed by the old weights)."""
-        await self._post("/reset_prefix_cache")
+        await self._post(protocol.RESET_PREFIX_CACHE)
 
     async def collective_rpc(
-        self, method: str, args: list[Any] | None = None, *, timeout_s: float | None = None
+        self, method: str, args: list[str], *, timeout_s: float | None = None
     ) -> list[Any]:
         """Call ``method`` of every worker (the worker extension); returns one result per worker.
 
-        Arguments are sent as strings: vLLM accepts nothing else on this endpoint.
+        Arguments are strings: vLLM accepts nothing else on this endpoint. ``workers.py`` makes
+        the typed calls of rollflow's worker methods.
         """
-        body: dict[str, Any] = {"method": method, "args": [str(a) for a in (args or [])]}
         timeout_s = timeout_s or self.control_timeout_s
-        body["timeout"] = timeout_s
+        body = protocol.CollectiveRpc(method=method, args=args, timeout=timeout_s).model_dump()
         # Never re-sent: a worker method may have run even if the connection broke.
         data = await self._post(
-            "/collective_rpc", body=body, timeout_s=timeout_s + 5.0, resend_on_stale=False
+            protocol.COLLECTIVE_RPC, body=body, timeout_s=timeout_s + 5.0, resend_on_stale=False
         )
         return (data or {}).get("results", [])
 
@@ -153,7 +157,8 @@ class InferenceClient:
         for attempt in range(2):  # the first try may meet a pooled connection the server closed
             try:
                 async with self._http().get(
-                    self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+                    self.base_url + protocol.HEALTH.path,
+                    timeout=aiohttp.ClientTimeout(total=timeout_s),
                 ) as response:
                     await response.read()
                     return response.status == 200
@@ -176,7 +181,7 @@ class InferenceClient:
 
     async def _post(
         self,
-        path: str,
+        route: Route,
         *,
         body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
@@ -184,9 +189,10 @@ class InferenceClient:
         resend_on_stale: bool = True,
     ) -> Any:
         timeout_s = timeout_s or self.control_timeout_s
+        what = f"{route.method} {route.path}"
         try:
             try:
-                status, data = await self._send(path, body, params, timeout_s)
+                status, data = await self._send(route, body, params, timeout_s)
             except _STALE_CONNECTION as err:
                 # uvicorn closes a connection after an unhandled error (vLLM's /collective_rpc
                 # raises one for a failed worker call), or after its keep-alive timeout; the pool
@@ -194,11 +200,11 @@ class InferenceClient:
                 # send again.
                 if not resend_on_stale or isinstance(err, aiohttp.ClientConnectorError):
                     raise
-                status, data = await self._send(path, body, params, timeout_s)
+                status, data = await self._send(route, body, params, timeout_s)
         except TimeoutError as err:
-            raise InferenceUnavailable(f"POST {path} timed out after {timeout_s:.0f} s") from err
+            raise InferenceUnavailable(f"{what} timed out after {timeout_s:.0f} s") from err
         except aiohttp.ClientError as err:
-            raise InferenceUnavailable(f"POST {path} to {self.base_url} failed: {err!r}") from err
+            raise InferenceUnavailable(f"{what} to {self.base_url} failed: {err!r}") from err
         if status >= 400:
             raise InferenceError(f"HTTP {status}: {_error_message(data)}", status)
         if not data:
@@ -207,13 +213,14 @@ class InferenceClient:
 
     async def _send(
         self,
-        path: str,
+        route: Route,
         body: dict[str, Any] | None,
         params: dict[str, Any] | None,
         timeout_s: float,
     ) -> tuple[int, bytes]:
-        async with self._http().post(
-            self.base_url + path,
+        async with self._http().request(
+            route.method,
+            self.base_url + route.path,
             json=body,
             params=params,
             timeout=aiohttp.ClientTimeout(total=timeout_s),

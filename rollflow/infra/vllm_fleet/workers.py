@@ -1,16 +1,25 @@
 """The orchestrator's typed client of a vLLM server's workers: the worker extension's methods.
 
-Owns: the name and the argument order of every method of ``worker_extension.WeightReceiver``
-that is called from outside the server, each declared once below. A call goes through the
-server's ``/collective_rpc`` (``InferenceClient.collective_rpc``), runs on every worker of the
-server, and returns one result per worker. No other module names a worker method.
+Every method it calls is one of ``inference/protocol.WORKER_METHODS`` (name, argument model,
+reply), which the worker extension (``inference/worker_extension.WeightReceiver``) parses with
+the same models. A call goes through the server's ``/collective_rpc``
+(``InferenceClient.collective_rpc``), runs on every worker of the server, and returns one reply
+per worker. No other module of the run's side calls a worker method.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from rollflow.inference.protocol import (
+    CLOSE_WEIGHT_GROUP,
+    INIT_WEIGHT_GROUP,
+    RECEIVE_WEIGHTS,
+    CloseWeightGroup,
+    JoinWeightGroup,
+    ReceiveWeights,
+    WorkerMethod,
+)
 from rollflow.infra.vllm_fleet.client import InferenceClient
 
 
@@ -34,24 +43,30 @@ class WeightWorkers:
         timeout_s: float,
     ) -> list[int]:
         """Every worker joins the weight group from rank ``first_rank`` on; their ranks."""
-        args = [
-            host,
-            port,
-            first_rank,
-            world_size,
-            group_timeout_s,
-            json.dumps(metadata),
-            wire_device,
-            bucket_bytes,
-        ]
-        ranks = await self.client.collective_rpc("init_weight_group", args, timeout_s=timeout_s)
-        return [int(r) for r in ranks]
+        args = JoinWeightGroup(
+            host=host,
+            port=port,
+            first_rank=first_rank,
+            world_size=world_size,
+            timeout_s=group_timeout_s,
+            metadata=metadata,
+            wire_device=wire_device,
+            bucket_bytes=bucket_bytes,
+        )
+        joined = await self._call(INIT_WEIGHT_GROUP, args, timeout_s)
+        return [j.rank for j in joined]
 
     async def receive_weights(self, timeout_s: float) -> list[int]:
         """Every worker receives one broadcast and loads it; the policy version each loaded."""
-        versions = await self.client.collective_rpc("receive_weights", timeout_s=timeout_s)
-        return [int(v) for v in versions]
+        loaded = await self._call(RECEIVE_WEIGHTS, ReceiveWeights(), timeout_s)
+        return [v.version for v in loaded]
 
     async def close_weight_group(self, timeout_s: float | None = None) -> None:
         """Every worker leaves the weight group (a no-op where not joined)."""
-        await self.client.collective_rpc("close_weight_group", [], timeout_s=timeout_s)
+        await self._call(CLOSE_WEIGHT_GROUP, CloseWeightGroup(), timeout_s)
+
+    async def _call(self, method: WorkerMethod, args: Any, timeout_s: float | None) -> list[Any]:
+        results = await self.client.collective_rpc(
+            method.name, method.encode(args), timeout_s=timeout_s
+        )
+        return method.replies(results)

@@ -1,11 +1,11 @@
 """An adapter-only sync's files on a vLLM server (``train.lora.sync = "adapter"``).
 
 vLLM serves the policy as a LoRA adapter (``--lora-modules policy=<initial adapter>``) and reads a
-new adapter only from a folder in peft's format. The server owns a local root folder
-(``ROOT_ENV``): ``prepare_root`` puts the initial adapter's ``adapter_config.json`` there (rank,
-alpha and target modules do not change during a run), and the worker extension writes each
-received version as ``<root>/v<version>-w<worker>/`` with ``write_version``. Nothing crosses
-nodes: the tensors arrive over the weight group.
+new adapter only from a folder in peft's format. The server owns a local root folder (named in
+its environment, ``inference/protocol.LORA_ROOT_ENV``): ``prepare_root`` puts the initial
+adapter's ``adapter_config.json`` there (rank, alpha and target modules do not change during a
+run), and the worker extension writes each received version as ``<root>/v<version>-w<worker>/``
+with ``write_version``. Nothing crosses nodes: the tensors arrive over the weight group.
 
 Invariant: after ``write_version`` returns, its folder holds exactly the received tensors beside
 the config, and it is the only version folder of that worker left under the root.
@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-ROOT_ENV = "ROLLFLOW_LORA_ROOT"  # set on the server process in adapter mode (server.py)
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 

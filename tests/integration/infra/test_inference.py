@@ -17,10 +17,10 @@ import httpx
 import psutil
 import pytest
 
-from rollflow.inference.auth import auth_headers
 from rollflow.infra.errors import InferenceError, InferenceUnavailable
 from rollflow.infra.processes import free_port
 from rollflow.infra.vllm_fleet.client import InferenceClient
+from rollflow.infra.vllm_fleet.keys import auth_headers
 from rollflow.infra.vllm_fleet.workers import WeightWorkers
 from rollflow.services.vllm_server import InferenceServer
 
@@ -194,7 +194,7 @@ def _worker_cpu_s(server) -> float:
 
 @pytest.mark.slow
 def test_worker_sleeps_between_requests_and_wakes_for_each(server):
-    """On CPU, vLLM's engine and worker do not spin between requests (vllm_plugin.py), and no
+    """On CPU, vLLM's engine and worker do not spin between requests (inference/plugin.py), and no
     wake-up is lost: a pause, a no-op RPC, a resume and a short completion each answer at once (a lost
     wake-up costs vLLM's 5 s recheck)."""
 
@@ -224,7 +224,7 @@ def test_worker_sleeps_between_requests_and_wakes_for_each(server):
 
 @pytest.mark.slow
 def test_the_engine_core_is_forked_from_the_api_server_not_spawned(server):
-    """On CPU with one rank, vLLM's engine core is forked from its API server (vllm_plugin.py):
+    """On CPU with one rank, vLLM's engine core is forked from its API server (inference/plugin.py):
     it does not import vLLM a second time (~11 s of CPU per start). A forked process keeps its
     parent's auxiliary vector (written by the kernel at exec, with the addresses of that exec's
     randomised stack); a spawned one is exec'd anew and gets a vector of its own."""
@@ -238,7 +238,7 @@ def test_the_engine_core_is_forked_from_the_api_server_not_spawned(server):
 def test_collective_rpc_surfaces_worker_errors(server):
     async def go(client):
         with pytest.raises(InferenceError, match="before init_weight_group") as err:
-            await client.collective_rpc("receive_weights", timeout_s=10)
+            await WeightWorkers(client).receive_weights(timeout_s=10)
         assert err.value.status >= 500
 
     run(go, server)

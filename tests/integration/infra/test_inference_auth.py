@@ -12,9 +12,9 @@ import asyncio
 import httpx
 import pytest
 
-from rollflow.inference import auth
+from rollflow.inference import auth, protocol
+from rollflow.infra.vllm_fleet import keys
 from rollflow.infra.vllm_fleet.client import InferenceClient
-from rollflow.infra.vllm_fleet.workers import WeightWorkers
 
 from conftest import PROMPT_IDS
 
@@ -25,7 +25,7 @@ async def _ok_app(scope, receive, send):
 
 
 def _guarded(monkeypatch, key="k3y") -> httpx.AsyncClient:
-    monkeypatch.setenv(auth.KEY_ENV, key)
+    monkeypatch.setenv(protocol.KEY_ENV, key)
     app = auth.RunKeyMiddleware(_ok_app)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
@@ -54,8 +54,8 @@ def test_middleware_checks_the_key_on_any_path(monkeypatch, headers, status):
 
 
 def test_server_without_a_key_refuses_to_start(monkeypatch):
-    monkeypatch.delenv(auth.KEY_ENV, raising=False)
-    with pytest.raises(RuntimeError, match=f"{auth.KEY_ENV} is not set"):
+    monkeypatch.delenv(protocol.KEY_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=f"{protocol.KEY_ENV} is not set"):
         auth.RunKeyMiddleware(_ok_app)
 
 
@@ -64,9 +64,9 @@ def test_the_key_is_in_the_environment_not_on_the_command_line(tiny_model_dir):
 
     server = InferenceServer(tiny_model_dir)
     assert server.api_key not in " ".join(server.command())
-    assert server.environment()[auth.KEY_ENV] == server.api_key
-    assert auth.MIDDLEWARE in server.command()
-    assert auth.key_for(server.url) == server.api_key
+    assert server.environment()[protocol.KEY_ENV] == server.api_key
+    assert protocol.MIDDLEWARE in server.command()
+    assert keys.key_for(server.url) == server.api_key
 
 
 # Every route rollflow uses, the development routes, and the open ones vLLM registers anyway.
@@ -79,7 +79,7 @@ ROUTES = [
     ("POST", "/pause?mode=keep", None),
     ("POST", "/resume", None),
     ("POST", "/reset_prefix_cache", None),
-    ("POST", "/collective_rpc", {"method": WeightWorkers.close_weight_group.__name__}),
+    ("POST", "/collective_rpc", {"method": protocol.CLOSE_WEIGHT_GROUP.name}),
     ("POST", "/v1/completions", {"model": "policy", "prompt": PROMPT_IDS, "max_tokens": 1}),
     ("POST", "/invocations", {"model": "policy", "prompt": PROMPT_IDS, "max_tokens": 1}),
     ("POST", "/tokenize", {"model": "policy", "prompt": "12"}),
@@ -96,7 +96,7 @@ def test_every_route_of_a_real_server_refuses_a_request_without_the_key(vllm_ser
                 refused[(path, bool(headers))] = response.status_code
         assert set(refused.values()) == {401}, refused
         # With the key the same routes answer (the server is not merely broken).
-        key = auth.auth_headers(vllm_server.url)
+        key = keys.auth_headers(vllm_server.url)
         for method, path, body in ROUTES[:3]:
             assert http.request(method, path, json=body, headers=key).status_code == 200, path
         assert http.get("/is_paused", headers=key).json() == {"is_paused": False}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollflow.inference.plugin import FORK_ENGINE_ENV
+from rollflow.inference.protocol import FORK_ENGINE_ENV
 from rollflow.infra.config import vllm_flag
 from rollflow.infra.errors import InferenceError
 from rollflow.services import vllm_server as server_module
@@ -29,7 +29,7 @@ def test_one_rank_runs_its_worker_in_the_engine_core(tiny_model_dir, monkeypatch
     # One process fewer than vLLM's CPU default (API server, engine core, worker), and no
     # shared-memory queue between engine and worker; vLLM's CPU platform keeps "uni" only
     # where VLLM_ENABLE_V1_MULTIPROCESSING is 0. Its engine core is forked from the API server
-    # (vllm_plugin.py; that it is, is checked on a real server in test_inference.py).
+    # (inference/plugin.py; that it is, is checked on a real server in test_inference.py).
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     assert _backend(InferenceServer(tiny_model_dir)) == ("uni", "0", "1")
 

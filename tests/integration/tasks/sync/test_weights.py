@@ -14,9 +14,9 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM
 
-from rollflow.inference import auth
 from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.processes import free_port
+from rollflow.infra.vllm_fleet import keys
 from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.tasks.sync.weights import GroupSpec, init_weight_group, join, leave, publish
 
@@ -60,7 +60,7 @@ def test_in_flight_sync_makes_vllm_match_transformers_on_new_weights(vllm_server
         AutoModelForCausalLM.from_pretrained(vllm_model_dirs[0]).state_dict().items()
     )
     source = SenderSource(
-        list(new_model.state_dict().items()), secret=auth.key_for(vllm_server.url)
+        list(new_model.state_dict().items()), secret=keys.key_for(vllm_server.url)
     )
     url = vllm_server.url
     before = greedy(url)

@@ -33,9 +33,9 @@ class Server:
             raise ConnectionError(f"{self.name}: connection refused")
         self.calls.append(f"pause:{mode}")
 
-    async def collective_rpc(self, method: str, timeout_s: float) -> list[int]:
+    async def collective_rpc(self, method: str, args: list[str], timeout_s: float) -> list[dict]:
         self.calls.append(method)
-        return [3]
+        return [{"version": 3}]
 
     async def reset_prefix_cache(self) -> None:
         self.calls.append("reset")
@@ -72,8 +72,10 @@ def test_a_pause_that_fails_resumes_the_others_and_names_the_server():
 
 def test_a_server_that_loaded_another_version_fails_the_sync_and_is_resumed():
     class Stale(Server):
-        async def collective_rpc(self, method: str, timeout_s: float) -> list[int]:
-            return [2]
+        async def collective_rpc(
+            self, method: str, args: list[str], timeout_s: float
+        ) -> list[dict]:
+            return [{"version": 2}]
 
     servers = [Server("a"), Stale("b")]
     with pytest.raises(WeightSyncError, match=r"loaded versions \[3, 2\], expected 3"):
