@@ -228,7 +228,7 @@ def _batch(smoke: bool, vocab: int):
 def _trainer(smoke: bool, backend: str, zero_stage: int | None, attention: str | None):
     import torch
 
-    from rollflow.infra.config import InferenceSection, TrainerSection, TrainSection
+    from rollflow.infra.config import InferenceSection, TrainerServiceSection, TrainSection
     from rollflow.trainer import policy
     from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
 
@@ -246,7 +246,7 @@ def _trainer(smoke: bool, backend: str, zero_stage: int | None, attention: str |
     spec = TrainerSpec(
         model_path=str(model),
         train=TrainSection(lr=1e-6),
-        trainer=TrainerSection(backend=backend, zero_stage=zero_stage),
+        trainer=TrainerServiceSection(backend=backend, zero_stage=zero_stage),
         # What a run's sync sends: the dtype vLLM serves on this device.
         weight_dtype=InferenceSection().serving_dtype(on_gpu=device.type == "cuda"),
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollflow.infra.config import LossConfig, TinyModelSpec, TrainerSection, TrainSection
+from rollflow.infra.config import LossConfig, TinyModelSpec, TrainerServiceSection, TrainSection
 from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
@@ -150,7 +150,7 @@ def measure(
 ) -> tuple[float, float, float]:
     """(service tok/s, bare tok/s, service start-up s), the two loops alternating mini-batch by
     mini-batch so that both see the same machine (the service idles while the bare loop runs)."""
-    trainer = TrainerSection(
+    trainer = TrainerServiceSection(
         backend=backend,
         num_ranks=num_ranks,
         zero_stage=zero_stage if backend == "deepspeed" else None,

@@ -5,7 +5,7 @@ it), declared once below beside its body. The client (``tasks/train/client.py``)
 and builds its body, rank 0's HTTP API (``api.py``) serves it and parses the body, rank 0
 broadcasts it to every rank as the command ``route.op``, and each rank (``ops.py``) parses it
 again. No route string appears anywhere else. Losses use the run config's own ``LossConfig`` and
-the service its ``TrainSection`` / ``TrainerSection``: every default lives in ``infra/config.py``.
+the service its ``TrainSection`` / ``TrainerServiceSection``: every default lives in ``infra/config/``.
 
 Imported by the orchestrator's side: keep it free of torch.
 """
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
+from rollflow.infra.config import LossConfig, SamplingSection, TrainerServiceSection, TrainSection
 
 # The ranks' entry point (``rank_main.py``), run by the launcher as a module. Named, not imported:
 # importing it would load torch's distributed stack and DeepSpeed into the run process (~7 s).
@@ -69,7 +69,7 @@ class ServiceArgs(_Body):
         None, description="The run's last outer step: training_finished follows it"
     )
     train: TrainSection = Field(default_factory=TrainSection)
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    trainer: TrainerServiceSection = Field(default_factory=TrainerServiceSection)
     sampling: SamplingSection = Field(
         default_factory=SamplingSection,
         description="How the rollouts were sampled: log-probs are taken at its temperature and top-p",

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from rollflow.infra.config import LossConfig, SamplingSection, TrainerSection, TrainSection
+from rollflow.infra.config import LossConfig, SamplingSection, TrainerServiceSection, TrainSection
 from rollflow.infra.errors import ConfigError
 from rollflow.infra.weights.group import weight_metadata
 from rollflow.trainer import lora
@@ -60,7 +60,7 @@ class TrainerSpec:
 
     model_path: str
     train: TrainSection = field(default_factory=TrainSection)
-    trainer: TrainerSection = field(default_factory=TrainerSection)
+    trainer: TrainerServiceSection = field(default_factory=TrainerServiceSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
     seed: int = 0
     reference_model_path: str | None = None

@@ -27,7 +27,7 @@ from rollflow.infra.config.root import RunConfig
 from rollflow.infra.config.run_section import RunSection
 from rollflow.infra.config.sampling_section import EnvSpec, PromptSection, SamplingSection
 from rollflow.infra.config.train_section import TrainSection
-from rollflow.infra.config.trainer_section import TrainerSection
+from rollflow.infra.config.trainer_section import TrainerServiceSection
 from rollflow.infra.errors import ConfigError
 from rollflow.infra.staleness import STALENESS_EPS
 
@@ -52,7 +52,7 @@ __all__ = [
     "Section",
     "TinyModelSpec",
     "TrainSection",
-    "TrainerSection",
+    "TrainerServiceSection",
     "WandbOptions",
     "apply_override",
     "dump_config",

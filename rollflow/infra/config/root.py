@@ -13,7 +13,7 @@ from rollflow.infra.config.model_section import ModelSection
 from rollflow.infra.config.run_section import RunSection
 from rollflow.infra.config.sampling_section import EnvSpec, PromptSection, SamplingSection
 from rollflow.infra.config.train_section import TrainSection
-from rollflow.infra.config.trainer_section import TrainerSection
+from rollflow.infra.config.trainer_section import TrainerServiceSection
 
 
 class RunConfig(Section):
@@ -45,8 +45,8 @@ class RunConfig(Section):
         default_factory=InferenceSection,
         description="[inference]: the vLLM servers: how many, where, their deadlines.",
     )
-    trainer: TrainerSection = Field(
-        default_factory=TrainerSection,
+    trainer: TrainerServiceSection = Field(
+        default_factory=TrainerServiceSection,
         description="[trainer]: the trainer service: ranks, backend, devices, weight broadcast.",
     )
     metrics: MetricsSection = Field(

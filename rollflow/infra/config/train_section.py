@@ -1,4 +1,5 @@
-"""``[train]``: the algorithm (advantages, loss, mini-batches, epochs, staleness)."""
+"""``[train]``: the algorithm (advantages, loss, mini-batches, epochs, staleness). The processes
+that run it are ``[trainer]`` (``trainer_section.py``)."""
 
 from __future__ import annotations
 

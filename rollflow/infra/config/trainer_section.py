@@ -1,4 +1,5 @@
-"""``[trainer]``: the trainer service (ranks, backend, placement, weight broadcast)."""
+"""``[trainer]``: the trainer service, the processes that train (ranks, backend, placement,
+weight broadcast). How to train (the algorithm) is ``[train]`` (``train_section.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pydantic import Field, model_validator
 from rollflow.infra.config.base import CpuIndex, GpuIndex, Section
 
 
-class TrainerSection(Section):
-    """The trainer service."""
+class TrainerServiceSection(Section):
+    """The trainer service: its processes, not the algorithm they run (``TrainSection``)."""
 
     startup_timeout_s: float = Field(
         120, gt=0, description="Deadline for the trainer to become healthy."
@@ -101,7 +102,7 @@ class TrainerSection(Section):
     )
 
     @model_validator(mode="after")
-    def _a_queue_per_node(self) -> TrainerSection:
+    def _a_queue_per_node(self) -> TrainerServiceSection:
         if self.node_queues and len(self.node_queues) != self.num_nodes:
             raise ValueError(
                 f"trainer.node_queues names {len(self.node_queues)} queue(s) for "

@@ -129,7 +129,7 @@ def test_compiled_triton_logprobs_equal_the_torch_reference():
 def test_bf16_fsdp2_step_on_one_gpu(tmp_path, tiny_model_dir):
     import secrets
 
-    from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
+    from rollflow.infra.config import LossConfig, TrainerServiceSection, TrainSection
     from rollflow.infra.storage import RunStorage
     from rollflow.services.trainer_process import TrainerProcess
     from rollflow.trainer.protocol import ServiceArgs
@@ -143,7 +143,7 @@ def test_bf16_fsdp2_step_on_one_gpu(tmp_path, tiny_model_dir):
         storage_root=str(tmp_path / "runs"),
         run="gpu",
         train=TrainSection(lr=1e-3),
-        trainer=TrainerSection(backend="fsdp2", num_ranks=1, device="cuda"),
+        trainer=TrainerServiceSection(backend="fsdp2", num_ranks=1, device="cuda"),
     )
     proc = TrainerProcess(
         args, token=secrets.token_hex(8), log_dir=tmp_path / "logs", device_env={}

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollflow.gpu_kernels.logprobs import reference_logprobs_entropy
-from rollflow.infra.config import SamplingSection, TrainerSection, TrainSection
+from rollflow.infra.config import SamplingSection, TrainerServiceSection, TrainSection
 from rollflow.infra.models.tiny_chat import ARCHS, save_tiny_chat_model
 from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
@@ -75,7 +75,7 @@ def _trainer(root, policy, behaviour: tuple[float, float], name: str, token: str
         storage_root=str(root / "runs"),
         run=name,
         train=TrainSection(),
-        trainer=TrainerSection(device="cpu", startup_timeout_s=300, request_timeout_s=120),
+        trainer=TrainerServiceSection(device="cpu", startup_timeout_s=300, request_timeout_s=120),
         sampling=SamplingSection(temperature=temperature, top_p=top_p),
     )
     return TrainerProcess(args, token=token, log_dir=root / name / "logs")

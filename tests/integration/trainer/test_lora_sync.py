@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollflow.infra.config import LoraSection, LossConfig, TrainerSection, TrainSection
+from rollflow.infra.config import LoraSection, LossConfig, TrainerServiceSection, TrainSection
 from rollflow.infra.storage import RunStorage
 from rollflow.services.trainer_process import TrainerProcess
 from rollflow.services.vllm_server import InferenceServer
@@ -107,7 +107,7 @@ def test_vllm_serves_the_trainers_adapter_after_every_sync(
         storage_root=str(tmp_path / "runs"),
         run="lora",
         train=TrainSection(lr=2e-2, lora=LORA.model_copy(update={"sync": sync})),
-        trainer=TrainerSection(
+        trainer=TrainerServiceSection(
             backend=backend,
             zero_stage=zero_stage,
             num_ranks=num_ranks,

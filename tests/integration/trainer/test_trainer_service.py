@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
+from rollflow.infra.config import LossConfig, TrainerServiceSection, TrainSection
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.http import Endpoint
 from rollflow.infra.processes import free_port
@@ -108,7 +108,7 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
         storage_options=options,
         run="t",
         train=TrainSection(lr=LR, max_grad_norm=MAX_GRAD_NORM),
-        trainer=TrainerSection(
+        trainer=TrainerServiceSection(
             backend=backend,
             num_ranks=2 // nodes,
             num_nodes=nodes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollflow.infra.config import InferenceSection, TrainerSection, load_config
+from rollflow.infra.config import InferenceSection, TrainerServiceSection, load_config
 from rollflow.infra.errors import ConfigError
 from rollflow.infra.placement import Machine
 from rollflow.services.run_services import RunServices
@@ -20,14 +20,14 @@ def test_auto_serves_bf16_on_gpus_and_fp32_on_cpu():
 
 
 def test_mixed_precision_auto_is_bf16_on_gpus_only():
-    assert TrainerSection().bf16(on_gpu=True) and not TrainerSection().bf16(on_gpu=False)
-    assert TrainerSection(mixed_precision="bf16").bf16(on_gpu=False)
-    assert not TrainerSection(mixed_precision="off").bf16(on_gpu=True)
+    assert TrainerServiceSection().bf16(on_gpu=True) and not TrainerServiceSection().bf16(on_gpu=False)
+    assert TrainerServiceSection(mixed_precision="bf16").bf16(on_gpu=False)
+    assert not TrainerServiceSection(mixed_precision="off").bf16(on_gpu=True)
 
 
 def test_deepspeed_runs_zero_1_where_the_stage_is_unset():
-    assert TrainerSection(backend="deepspeed").deepspeed_stage() == 1
-    assert TrainerSection(backend="deepspeed", zero_stage=3).deepspeed_stage() == 3
+    assert TrainerServiceSection(backend="deepspeed").deepspeed_stage() == 1
+    assert TrainerServiceSection(backend="deepspeed", zero_stage=3).deepspeed_stage() == 3
 
 
 def test_a_recipe_cannot_set_the_dtype_behind_the_trainers_back():

@@ -6,7 +6,7 @@ Multi-rank runs of the same checks, through the real launchers, are in test_trai
 import pytest
 import torch
 
-from rollflow.infra.config import LossConfig, TrainerSection, TrainSection
+from rollflow.infra.config import LossConfig, TrainerServiceSection, TrainSection
 from rollflow.infra.weights.group import metadata_bytes
 from rollflow.trainer.packing import pack, plan_micro_batches
 from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
@@ -262,7 +262,7 @@ def test_bf16_mixed_precision_on_cpu_keeps_fp32_masters(tiny_model_dir):
     for mode in ("off", "bf16"):
         spec = TrainerSpec(
             model_path=str(tiny_model_dir),
-            trainer=TrainerSection(mixed_precision=mode),
+            trainer=TrainerServiceSection(mixed_precision=mode),
         )
         trainer = Trainer(spec, CPU)
         logps = dict(trainer.forward(_micro_batches(rows, 10_000)))

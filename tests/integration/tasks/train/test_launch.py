@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rollflow.infra.config import TrainerSection
+from rollflow.infra.config import TrainerServiceSection
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.processes import _ephemeral_low, cpu_split, free_port
 from rollflow.services.trainer_process import TrainerProcess, _failure_in_log
@@ -71,7 +71,7 @@ def test_ranks_beside_vllm_on_a_cpu_host_keep_to_the_trainers_cores(monkeypatch,
             model_path="m",
             storage_root="runs",
             run="t",
-            trainer=TrainerSection(device="cpu", num_ranks=num_ranks),
+            trainer=TrainerServiceSection(device="cpu", num_ranks=num_ranks),
         )
         proc = TrainerProcess(args, token="t", log_dir=tmp_path, beside_inference=beside_inference)
         return proc.process.env["OMP_NUM_THREADS"]
@@ -108,7 +108,7 @@ def test_a_taken_http_port_fails_the_trainers_start_at_once_naming_it(tiny_model
             storage_root=str(tmp_path / "runs"),
             run="t",
             port=port,
-            trainer=TrainerSection(device="cpu", num_ranks=1, startup_timeout_s=600),
+            trainer=TrainerServiceSection(device="cpu", num_ranks=1, startup_timeout_s=600),
         )
         proc = TrainerProcess(args, token="t", log_dir=tmp_path / "logs")
         start = time.monotonic()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.infra.config import TrainerSection, TrainSection
+from rollflow.infra.config import TrainerServiceSection, TrainSection
 from rollflow.infra.errors import ConfigError
 from rollflow.services.trainer_process import (
     TrainerProcess,
@@ -47,7 +47,7 @@ def test_trainer_process_passes_the_plans_devices_to_deepspeed(tmp_path):
         storage_root=str(tmp_path),
         run="r",
         train=TrainSection(),
-        trainer=TrainerSection(backend="deepspeed", num_ranks=2, device="cuda"),
+        trainer=TrainerServiceSection(backend="deepspeed", num_ranks=2, device="cuda"),
     )
     proc = TrainerProcess(
         args, token="t", log_dir=tmp_path, device_env={"CUDA_VISIBLE_DEVICES": "2,3"}
@@ -56,7 +56,7 @@ def test_trainer_process_passes_the_plans_devices_to_deepspeed(tmp_path):
 
 
 def test_two_node_deepspeed_names_each_nodes_gpus(tmp_path):
-    trainer = TrainerSection(
+    trainer = TrainerServiceSection(
         backend="deepspeed", num_ranks=2, num_nodes=2, master_addr="n0", device="cuda"
     )
     hostfile = tmp_path / "trainer-hostfile"
@@ -98,7 +98,7 @@ def test_another_nodes_command_carries_its_arguments_not_a_path_on_node_0(tmp_pa
     from rollflow.trainer.protocol import ServiceArgs
     from rollflow.trainer.rank_main import _model_on_this_node
 
-    trainer = TrainerSection(num_ranks=1, num_nodes=2, master_addr="n0")
+    trainer = TrainerServiceSection(num_ranks=1, num_nodes=2, master_addr="n0")
     args = ServiceArgs(
         model_path=str(tmp_path / "gone"),
         storage_root=str(tmp_path / "runs"),

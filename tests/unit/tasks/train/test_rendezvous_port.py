@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rollflow.infra.config import TrainerSection, TrainSection
+from rollflow.infra.config import TrainerServiceSection, TrainSection
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.processes import free_port
 from rollflow.services import trainer_process as launch
@@ -25,7 +25,7 @@ def node_0(tmp_path, port: int, said: list[str]) -> tuple[TrainerProcess, list[f
         storage_root=str(tmp_path),
         run="r",
         train=TrainSection(),
-        trainer=TrainerSection(num_ranks=1, num_nodes=2, master_addr="127.0.0.1", master_port=port),
+        trainer=TrainerServiceSection(num_ranks=1, num_nodes=2, master_addr="127.0.0.1", master_port=port),
     )
     proc = TrainerProcess(args, token="t", log_dir=tmp_path, progress=said.append)
     started: list[float] = []
