@@ -1,4 +1,4 @@
-"""Trainer nodes as flow runs (flows/nodes.py): the node's flow body, the log it forwards,
+"""Trainer nodes as flow runs (flows/trainer_node.py): the node's flow body, the log it forwards,
 node 0's side of the run (``PlacedTrainer``), and the config that places them. The whole path (a run submitting node 1 to a worker on another
 host, through a real Prefect server) is tests/integration/flows/test_scale_out.py's two-node run."""
 

@@ -13,8 +13,9 @@ from rollflow.infra.errors import InputError
 from rollflow.infra.storage import RunStorage
 from rollflow.tasks.train.train_task import minibatches, sample_minibatches, split_seed
 from rollflow.trainer.batches import BatchReader
+from rollflow.trainer.protocol import CapturedReply
 
-from trainer_support import make_rows, write_batch
+from trainer_support import forward_backward_reply, make_rows, optim_step_reply, write_batch
 
 K4 = TrainSection(train_batch_size=32, mini_batch_size=8)
 
@@ -78,15 +79,15 @@ class RecordingTrainer:
     def forward_backward(self, step, groups, **kwargs):
         self.calls.append(f"fb{groups}")
         self.denominators.append(kwargs.get("num_loss_tokens"))
-        return {"forward_backward_s": 0.0, "num_loss_tokens": 1, "num_tokens": 1}
+        return forward_backward_reply()
 
     def optim_step(self):
         self.calls.append("opt")
-        return {"optim_step_s": 0.0}
+        return optim_step_reply()
 
     def weights_capture(self, version):
         self.calls.append(f"capture v{version}")
-        return {"capture_s": 0.001}
+        return CapturedReply(version=version, capture_s=0.001, bytes=1)
 
     def end_step(self, step):
         self.calls.append("end")

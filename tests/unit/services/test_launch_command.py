@@ -22,7 +22,7 @@ runner = pytest.importorskip("deepspeed.launcher.runner")
 def deepspeed_devices(argv: list[str], gpus_on_host: int = 8) -> dict[str, list[int]]:
     """The GPU indices DeepSpeed's runner hands each host's ranks for ``argv``, by its own code
     (runner.main: hostfile or all local GPUs, --include/--exclude, --num_nodes/--num_gpus; its
-    launch.py then sets CUDA_VISIBLE_DEVICES to exactly these)."""
+    trainer_process.py then sets CUDA_VISIBLE_DEVICES to exactly these)."""
     i = argv.index("deepspeed.launcher.runner")
     args = runner.parse_args(argv[i + 1 :])
     pool = runner.fetch_hostfile(args.hostfile) or {"localhost": gpus_on_host}
@@ -83,7 +83,7 @@ def test_deepspeed_under_a_work_pools_gpus_gets_the_physical_ones(tmp_path):
     from rollflow.infra.placement import Machine, make_plan
 
     cfg = load_config(
-        Path(__file__).resolve().parents[4] / "configs/quickstart.toml",
+        Path(__file__).resolve().parents[3] / "configs/quickstart.toml",
         ["trainer.backend='deepspeed'", "trainer.device='cuda'", "inference.device='cuda'"],
     )
     plan = make_plan(cfg, Machine(gpus=4, visible="4,5,6,7"))

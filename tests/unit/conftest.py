@@ -1,4 +1,4 @@
-"""Fixtures of the flows' unit tests."""
+"""Fixtures of the unit tests."""
 
 from __future__ import annotations
 

@@ -25,7 +25,9 @@ def node_0(tmp_path, port: int, said: list[str]) -> tuple[TrainerProcess, list[f
         storage_root=str(tmp_path),
         run="r",
         train=TrainSection(),
-        trainer=TrainerServiceSection(num_ranks=1, num_nodes=2, master_addr="127.0.0.1", master_port=port),
+        trainer=TrainerServiceSection(
+            num_ranks=1, num_nodes=2, master_addr="127.0.0.1", master_port=port
+        ),
     )
     proc = TrainerProcess(args, token="t", log_dir=tmp_path, progress=said.append)
     started: list[float] = []

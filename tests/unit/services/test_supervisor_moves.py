@@ -1,5 +1,5 @@
 """A restarted server that comes back at another URL (its flow run placed on another host by a
-Kubernetes or Docker pool: flows/servers.py): the supervisor moves its gate and the fleet's
+Kubernetes or Docker pool: flows/inference_server.py): the supervisor moves its gate and the fleet's
 entry to the new URL under the weight group's lock, and the requests that waited at the old gate
 are sent on (``InferenceUnavailable``: retried on a member). The real restart path (a server's
 flow run submitted again) runs in tests/integration/flows/test_scale_out.py's two-host run,
