@@ -8,6 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# uv trusts the platform's certificate store, as pip, git and curl do here: behind a proxy that
+# re-signs TLS, its CA is in that store, not in uv's own bundle, and a clean environment (no
+# SSL_CERT_FILE) then fails with "invalid peer certificate: UnknownIssuer".
+export UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS:-1}
 lock=requirements/cpu.lock
 stamp=.venv/.rollflow-installed
 want=$(cat pyproject.toml "$lock" scripts/setup.sh scripts/torch_source.sh | sha256sum | cut -c1-16)
