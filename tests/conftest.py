@@ -223,7 +223,8 @@ def vllm_server(vllm_model_dirs, tmp_path_factory):
 
 
 class SenderSource:
-    """The trainer's half of the weight plane, in process: its weights are set by the test."""
+    """The trainer's half of the weight plane, in process: its weights are set by the test; it
+    answers the trainer's replies (``trainer/protocol.py``)."""
 
     def __init__(self, weights, secret: str):
         self.weights, self.sender, self.version = weights, None, 0
@@ -231,8 +232,9 @@ class SenderSource:
 
     def metadata(self):
         from rollflow.infra.weights.group import weight_metadata
+        from rollflow.trainer.protocol import WEIGHTS_METADATA
 
-        return weight_metadata(self.weights)
+        return WEIGHTS_METADATA.parse(weight_metadata(self.weights))
 
     def weights_port(self):
         from rollflow.infra.processes import free_port
@@ -241,23 +243,40 @@ class SenderSource:
 
     def weights_connect(self, host, port, world_size, timeout_s, wire_device, bucket_bytes):
         from rollflow.infra.weights.group import WeightSender
+        from rollflow.trainer.protocol import OkReply
 
         self.sender = WeightSender(
             host, port, world_size, timeout_s, wire_device, bucket_bytes, secret=self.secret
         )
         self.sender.connect()
-        return {"ok": True}
+        return OkReply(ok=True)
 
     def weights_broadcast(self, version=None, timeout_s=None):
+        from rollflow.trainer.protocol import SentReply
+
         version = self.version if version is None else version
-        return {"version": version, "bytes": self.sender.broadcast(self.weights, version)}
+        start = time.perf_counter()
+        sent = self.sender.broadcast(self.weights, version)
+        return SentReply(version=version, bytes=sent, broadcast_s=time.perf_counter() - start)
 
     def weights_close(self, timeout_s=None):
+        from rollflow.trainer.protocol import OkReply
+
         self.sender.close()
-        return {"ok": True}
+        return OkReply(ok=True)
 
     def health(self, timeout_s=5.0):
-        return {"ok": True, "weights_version": self.version}
+        from rollflow.trainer.protocol import HealthReply
+
+        return HealthReply(
+            ok=True,
+            optim_step=0,
+            weights_version=self.version,
+            backend="in-process",
+            world_size=1,
+            ranks=[],
+            pid=os.getpid(),
+        )
 
 
 def restore_weights(server, model_dir) -> None:

@@ -20,6 +20,7 @@ from rollflow.infra.schema import rows_to_table
 from rollflow.infra.storage import RunStorage
 from rollflow.trainer.losses import LossInputs, compute_loss
 from rollflow.trainer.packing import Sequence
+from rollflow.trainer.protocol import ForwardBackwardReply, OptimStepReply
 
 
 def one_process_group(tmp_path_factory) -> Iterator[None]:
@@ -175,3 +176,18 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def max_abs(a: dict[str, torch.Tensor]) -> float:
     return max(float(v.abs().max()) for v in a.values())
+
+
+def forward_backward_reply(**fields) -> ForwardBackwardReply:
+    """A ``/forward_backward`` reply with plain figures (``fields`` override them), for the
+    orchestrator's side of a test that fakes the trainer."""
+    figures = dict.fromkeys(ForwardBackwardReply.model_fields, 0.0)
+    figures.update(num_loss_tokens=1, num_tokens=1, per_env={}, ess=1.0, tis_weight=1.0)
+    return ForwardBackwardReply(**{**figures, **fields})
+
+
+def optim_step_reply(**fields) -> OptimStepReply:
+    """An ``/optim_step`` reply (``fields`` override its figures)."""
+    return OptimStepReply(
+        **{"grad_norm": 1.0, "lr": 1e-3, "optim_step": 1, "optim_step_s": 0.0, **fields}
+    )

@@ -251,8 +251,8 @@ class TrainingEnd:
             except ServiceError:  # the run's health check fails the run if the trainer is dead
                 self._stop.wait(1.0)
                 continue
-            if info["finished"]:
-                self.info = {**info, **self.host.finish()}
+            if info.finished:
+                self.info = {**info.model_dump(), **self.host.finish()}
                 self._done.set()
                 return
 

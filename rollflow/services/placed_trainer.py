@@ -45,6 +45,7 @@ from rollflow.services.placed import (
     check_deployment,
     gpu_request,
 )
+from rollflow.trainer.protocol import RankInfo
 
 
 class TrainerNodes:
@@ -213,7 +214,7 @@ class PlacedTrainer:
         self.client = None
         self.endpoint = None
         self.master_addr: str | None = None
-        self.ranks: list[dict[str, Any]] = []
+        self.ranks: list[RankInfo] = []
         self._state = "PENDING"
 
     @property
@@ -305,8 +306,8 @@ class PlacedTrainer:
         while True:
             try:
                 health = self.client.health(timeout_s=2)
-                self.ranks = health["ranks"]
-                if health["ok"]:
+                self.ranks = health.ranks
+                if health.ok:
                     return
             except ServiceError:
                 pass  # not answering yet

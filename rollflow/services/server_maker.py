@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollflow.infra import export
 from rollflow.infra.config import RunConfig
 from rollflow.infra.events import Event, publish
 from rollflow.infra.placement import Plan
@@ -18,7 +19,7 @@ from rollflow.services.placed import check_deployment, gpu_request, policy_in_st
 from rollflow.services.placed_server import PlacedServer
 from rollflow.services.vllm_supervisor import InferenceSupervisor, max_model_len
 from rollflow.services.weight_link import WeightGroupLink
-from rollflow.trainer import lora
+from rollflow.services.zero_adapter import write_zero_adapter
 
 
 class ServerMaker:
@@ -65,10 +66,10 @@ class ServerMaker:
         if lora_cfg is None or lora_cfg.sync != "adapter":
             self.served = (policy_dir, None)
         elif checkpoint_step:
-            self.served = (base_model, Path(policy_dir) / lora.ADAPTER_DIR)
+            self.served = (base_model, Path(policy_dir) / export.ADAPTER)
         else:
             folder = self.log_dir / "adapter-v0"
-            self.served = (base_model, lora.save_initial_adapter(folder, base_model, lora_cfg))
+            self.served = (base_model, write_zero_adapter(folder, base_model, lora_cfg))
 
     def __call__(self, slot: int) -> InferenceSupervisor:
         served, adapter = self.served

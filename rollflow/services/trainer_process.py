@@ -23,7 +23,13 @@ from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.http import Endpoint
 from rollflow.infra.processes import ManagedProcess, cpu_split, free_port, log_tail, wait_port_free
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.trainer.protocol import RANK_MAIN_MODULE, THREADS_ENV, TOKEN_ENV, ServiceArgs
+from rollflow.trainer.protocol import (
+    RANK_MAIN_MODULE,
+    THREADS_ENV,
+    TOKEN_ENV,
+    RankInfo,
+    ServiceArgs,
+)
 
 # DeepSpeed's JIT-compiled ops (on CPU: its shared-memory all-reduce, ~2-6 min to build). One
 # folder per Python environment: torch rebuilds an op whose build flags changed, and the flags
@@ -240,7 +246,7 @@ class TrainerProcess:
         )
         self.args_file = args_file
         self.device_env = dict(device_env or {})
-        self.ranks: list[dict[str, Any]] = []
+        self.ranks: list[RankInfo] = []
 
     def start(self) -> TrainerProcess:
         """Launch the ranks; returns at once (they load while other services start)."""
@@ -281,8 +287,8 @@ class TrainerProcess:
 
         def probe() -> bool:
             health = self.client.health(timeout_s=2)
-            self.ranks = health["ranks"]
-            return health["ok"]
+            self.ranks = health.ranks
+            return health.ok
 
         return self.process.wait_healthy(probe, self.startup_timeout_s)
 

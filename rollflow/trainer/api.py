@@ -1,5 +1,8 @@
 """The trainer's HTTP API on rank 0: one method per route of ``protocol.ROUTES``, beside its body.
 
+What a route answers is held to its reply model (``route.reply_json``) before it leaves: a reply
+that drifts from the contract is a 500 naming the field, here, not a missing key in the caller.
+
 A command route (``route.command``) becomes one JSON command for the main thread, which runs it
 on every rank (``service.serve``); the others (health, metadata, the end of a step and of
 training) rank 0 answers alone. Every route needs the run's token, and nothing else is served
@@ -12,6 +15,7 @@ mid-collective, 504 past the call's deadline.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -22,7 +26,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
 from rollflow.infra.processes import free_port
@@ -272,8 +276,32 @@ def build_app(token: str, api: TrainerAPI) -> FastAPI:
     unserved = sorted(r.path for r in set(p.ROUTES) - {r for r, _ in routes})
     assert not unserved and len(routes) == len(p.ROUTES), f"routes without a handler: {unserved}"
     for route, handler in routes:
-        app.add_api_route(route.path, handler, methods=[route.method])
+        # The reply is shaped by the route's model (``_replying``), not by the return annotation.
+        app.add_api_route(
+            route.path, _replying(route, handler), methods=[route.method], response_model=None
+        )
     return app
+
+
+def _replying(route: Route, handler: Callable) -> Callable:
+    """``handler`` answering what it returns held to ``route.reply`` (the keys it gave)."""
+
+    @functools.wraps(handler)  # FastAPI reads the handler's parameters through it
+    def answer(*args: Any, **kwargs: Any) -> Any:
+        reply = handler(*args, **kwargs)
+        try:
+            return route.reply_json(reply)
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in e['loc']) or '(reply)'}: {e['msg']}"
+                for e in err.errors()
+            )
+            log.error("%s answered a reply that does not fit its model: %s", route.path, problems)
+            raise HTTPException(
+                500, f"{route.path}: the trainer's reply does not fit its model: {problems}"
+            ) from None
+
+    return answer
 
 
 @contextlib.contextmanager

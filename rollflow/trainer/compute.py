@@ -16,10 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from rollflow.infra.errors import InputError, StorageError
+from rollflow.infra.moments import PerEnvMoments
 from rollflow.trainer.batches import BatchReader
 from rollflow.trainer.control import ControlGroup
 from rollflow.trainer.losses import ratio_quantiles
-from rollflow.trainer.metrics import PerEnvMoments, effective_sample_size
+from rollflow.trainer.metrics import effective_sample_size
 from rollflow.trainer.packing import PackedBatch
 from rollflow.trainer.protocol import BatchRef, ForwardBackward
 from rollflow.trainer.rank_trainer import SUM_KEYS, Trainer, add_counts

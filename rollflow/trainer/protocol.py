@@ -1,10 +1,13 @@
-"""What crosses into the trainer service: its start arguments, and every route with its body.
+"""What crosses into the trainer service: its start arguments, and every route with its body
+and its reply.
 
-Owns: the route of every trainer call (method, path, request body, and whether every rank runs
-it), declared once below beside its body. The client (``tasks/train/client.py``) calls a route
-and builds its body, rank 0's HTTP API (``api.py``) serves it and parses the body, rank 0
-broadcasts it to every rank as the command ``route.op``, and each rank (``ops.py``) parses it
-again. No route string appears anywhere else. Losses use the run config's own ``LossConfig`` and
+Owns: the route of every trainer call (method, path, request body, reply, and whether every rank
+runs it), declared once below beside its body and reply. The client (``tasks/train/client.py``)
+calls a route, builds its body and parses the reply (``route.parse``); rank 0's HTTP API
+(``api.py``) serves it, parses the body, and holds what it answers to the reply model
+(``route.reply_json``), so a reply that drifts fails on rank 0, naming the field; rank 0
+broadcasts the body to every rank as the command ``route.op``, and each rank (``ops.py``) parses
+it again. No route string appears anywhere else. Losses use the run config's own ``LossConfig`` and
 the service its ``TrainSection`` / ``TrainerServiceSection``: every default lives in ``infra/config/``.
 
 Imported by the orchestrator's side: keep it free of torch.
@@ -12,16 +15,21 @@ Imported by the orchestrator's side: keep it free of torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rollflow.infra.config import LossConfig, SamplingSection, TrainerServiceSection, TrainSection
+from rollflow.infra.moments import PerEnvJSON
 
 # The ranks' entry point (``rank_main.py``), run by the launcher as a module. Named, not imported:
 # importing it would load torch's distributed stack and DeepSpeed into the run process (~7 s).
 RANK_MAIN_MODULE = "rollflow.trainer.rank_main"
+# Writes the zero LoRA adapter vLLM serves before a run's first sync (``zero_adapter.py``), run
+# as a short child process: the run process loads neither the trainer's code nor peft.
+ZERO_ADAPTER_MODULE = "rollflow.trainer.zero_adapter"
 # The ranks' environment, set by the launcher (``services/trainer_process.py``): the run's token
 # (rank 0's API refuses a request without it; it is the weight group's secret too, which vLLM's
 # workers hold as their server's key), and each rank's threads (default: its share of the cores).
@@ -33,20 +41,43 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Reply(BaseModel):
+    """A reply of a fixed shape: a key missing, extra or of the wrong type is an error naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@functools.cache
+def _adapter(reply: Any) -> TypeAdapter:
+    return TypeAdapter(reply)
+
+
 @dataclass(frozen=True)
 class Route:
-    """One trainer call: HTTP method, path, request body (None: no body), and whether it is a
-    command that every rank runs (``op``) or one that rank 0 answers alone."""
+    """One trainer call: HTTP method, path, request body (None: no body), its reply (a model, or
+    a list of one), and whether it is a command that every rank runs (``op``) or one that rank 0
+    answers alone."""
 
     method: Literal["GET", "POST"]
     path: str
     body: type[_Body] | None = None
     command: bool = True
+    reply: Any = field(kw_only=True)
 
     @property
     def op(self) -> str:
         """The command's name on the control channel: the path, ``/`` as ``_``."""
         return self.path.strip("/").replace("/", "_")
+
+    def parse(self, data: Any) -> Any:
+        """The reply's JSON as ``reply`` (``pydantic.ValidationError`` names what does not fit)."""
+        return _adapter(self.reply).validate_python(data)
+
+    def reply_json(self, value: Any) -> Any:
+        """``value`` (the reply model, or its dict) held to ``reply``, as JSON-able data: the
+        keys it was given, so the wire carries what the handler answered."""
+        adapter = _adapter(self.reply)
+        return adapter.dump_python(adapter.validate_python(value), mode="json", exclude_unset=True)
 
 
 class ServiceArgs(_Body):
@@ -95,8 +126,44 @@ class ServiceArgs(_Body):
 
 # ------------------------------------------------------------------------- the routes
 
-HEALTH = Route("GET", "/health", command=False)  # ok, optimizer step, weights version, ranks
-TRAINING_FINISHED = Route("GET", "/training_finished", command=False)  # ?wait_s= long poll
+
+class RankInfo(_Reply):
+    """One rank's process."""
+
+    rank: int
+    pid: int
+    host: str
+
+
+class HealthReply(_Reply):
+    """Rank 0 answers, every rank with it (a dead rank: 503 naming it instead)."""
+
+    ok: bool
+    optim_step: int = Field(description="Optimizer steps taken so far")
+    weights_version: int | None = Field(
+        description="The outer step whose optimizer steps made the current weights; None "
+        "between a step's first optimizer step and its /end_step"
+    )
+    backend: str
+    world_size: int
+    ranks: list[RankInfo]
+    pid: int = Field(description="Rank 0's process")
+
+
+HEALTH = Route("GET", "/health", command=False, reply=HealthReply)
+
+
+class FinishedReply(_Reply):
+    """Whether training has ended (after the end of step ``num_steps``); once it has, where."""
+
+    finished: bool
+    step: int | None = Field(None, description="The run's last step (once finished)")
+    optim_step: int | None = Field(None, description="The optimizer step it ended at")
+    time: float | None = Field(None, description="When it ended (Unix time)")
+
+
+# ?wait_s= long poll
+TRAINING_FINISHED = Route("GET", "/training_finished", command=False, reply=FinishedReply)
 
 
 class BatchRef(_Body):
@@ -106,7 +173,15 @@ class BatchRef(_Body):
     group_indices: list[int] | None = None
 
 
-FORWARD = Route("POST", "/forward", BatchRef)
+class ForwardReply(_Reply):
+    """The trainer's own log-probs of the batch, written to ``logprobs/step=N``."""
+
+    uri: str
+    num_sequences: int
+    forward_s: float
+
+
+FORWARD = Route("POST", "/forward", BatchRef, reply=ForwardReply)
 
 
 class ForwardBackward(BatchRef):
@@ -123,35 +198,110 @@ class ForwardBackward(BatchRef):
     )
 
 
-FORWARD_BACKWARD = Route("POST", "/forward_backward", ForwardBackward)
-OPTIM_STEP = Route("POST", "/optim_step")
+class ForwardBackwardReply(_Reply):
+    """One mini-batch's gradients accumulated on every rank: its figures over all ranks. The loss
+    terms are over the step's denominator, the other means over its loss tokens."""
+
+    loss: float
+    pg_loss: float
+    num_loss_tokens: int
+    num_tokens: int
+    clip_fraction: float
+    entropy: float
+    mismatch_kl: float
+    kl: float
+    tis_weight: float
+    is_masked_fraction: float
+    is_ratio_q05: float
+    is_ratio_q50: float
+    is_ratio_q95: float
+    ess: float = Field(description="Normalised effective sample size of the importance weights")
+    per_env: PerEnvJSON = Field(description="Per-sequence figures' moments by environment")
+    forward_backward_s: float
+
+
+FORWARD_BACKWARD = Route("POST", "/forward_backward", ForwardBackward, reply=ForwardBackwardReply)
+
+
+class OptimStepReply(_Reply):
+    grad_norm: float = Field(description="Before clipping")
+    lr: float = Field(description="The learning rate this step took")
+    optim_step: int = Field(description="Optimizer steps taken, this one included")
+    optim_step_s: float
+
+
+OPTIM_STEP = Route("POST", "/optim_step", reply=OptimStepReply)
 
 
 class StepRef(_Body):
     step: int
 
 
-END_STEP = Route("POST", "/end_step", StepRef, command=False)  # rank 0 keeps the step state
-SAVE_CHECKPOINT = Route("POST", "/save_checkpoint", StepRef)
-LOAD_CHECKPOINT = Route("POST", "/load_checkpoint", StepRef)
+class EndStepReply(_Reply):
+    finished: bool = Field(description="Training ended with this step (the run's last)")
+
+
+# Rank 0 keeps the step state.
+END_STEP = Route("POST", "/end_step", StepRef, command=False, reply=EndStepReply)
+
+
+class SavedReply(_Reply):
+    uri: str = Field(description="The committed checkpoint, ``checkpoints/step=N``")
+    checkpoint_s: float
+
+
+SAVE_CHECKPOINT = Route("POST", "/save_checkpoint", StepRef, reply=SavedReply)
+
+
+class LoadedReply(_Reply):
+    optim_step: int = Field(description="The checkpoint's optimizer steps")
+    path: str = Field(description="Rank 0's local copy of the checkpoint")
+
+
+LOAD_CHECKPOINT = Route("POST", "/load_checkpoint", StepRef, reply=LoadedReply)
 
 
 class ExportHF(_Body):
     uri: str
 
 
-EXPORT_HF = Route("POST", "/export_hf", ExportHF)
+class ExportedReply(_Reply):
+    uri: str
+
+
+EXPORT_HF = Route("POST", "/export_hf", ExportHF, reply=ExportedReply)
 
 
 class Gradients(_Body):
     path: str
 
 
-GRADIENTS = Route("POST", "/gradients", Gradients)
-WEIGHTS_METADATA = Route("GET", "/weights/metadata", command=False)
+class GradientsReply(_Reply):
+    path: str
+    num_tensors: int
+
+
+GRADIENTS = Route("POST", "/gradients", Gradients, reply=GradientsReply)
+
+
+class TensorMeta(_Reply):
+    """One tensor a weight sync carries, in wire order (``infra/weights/group.weight_metadata``)."""
+
+    name: str
+    shape: list[int]
+    dtype: str = Field(description="torch's name without the prefix, e.g. float32")
+
+
+WEIGHTS_METADATA = Route("GET", "/weights/metadata", command=False, reply=list[TensorMeta])
+
+
+class PortReply(_Reply):
+    port: int
+
+
 # A port free right now on the trainer's host, where rank 0 will host the weight group's store:
 # chosen there, not by the run's process, which may be on another host.
-WEIGHTS_PORT = Route("GET", "/weights/port", command=False)
+WEIGHTS_PORT = Route("GET", "/weights/port", command=False, reply=PortReply)
 
 
 class WeightConnect(_Body):
@@ -163,7 +313,11 @@ class WeightConnect(_Body):
     bucket_bytes: int = Field(gt=0)
 
 
-WEIGHTS_CONNECT = Route("POST", "/weights/connect", WeightConnect)
+class OkReply(_Reply):
+    ok: bool
+
+
+WEIGHTS_CONNECT = Route("POST", "/weights/connect", WeightConnect, reply=OkReply)
 
 
 class Broadcast(_Body):
@@ -173,10 +327,28 @@ class Broadcast(_Body):
     wait_s: float = Field(0.0, ge=0)
 
 
-WEIGHTS_CAPTURE = Route("POST", "/weights/capture", Broadcast)
-WEIGHTS_BROADCAST = Route("POST", "/weights/broadcast", Broadcast)
-WEIGHTS_CLOSE = Route("POST", "/weights/close")
-SHUTDOWN = Route("POST", "/shutdown")  # every rank tears down, then the service exits
+class CapturedReply(_Reply):
+    """The weights kept on rank 0 as ``version``, for a later broadcast of that version."""
+
+    version: int
+    capture_s: float
+    bytes: int
+
+
+class SentReply(_Reply):
+    """The weights sent to the weight group as ``version``."""
+
+    version: int
+    bytes: int
+    broadcast_s: float
+    captured: bool = Field(False, description="Sent from a capture, off the ranks' command loop")
+
+
+WEIGHTS_CAPTURE = Route("POST", "/weights/capture", Broadcast, reply=CapturedReply)
+WEIGHTS_BROADCAST = Route("POST", "/weights/broadcast", Broadcast, reply=SentReply)
+WEIGHTS_CLOSE = Route("POST", "/weights/close", reply=OkReply)
+# Every rank tears down, then the service exits.
+SHUTDOWN = Route("POST", "/shutdown", reply=OkReply)
 
 ROUTES = tuple(v for v in list(globals().values()) if isinstance(v, Route))
 """Every route the HTTP API serves (``api.build_app`` serves each exactly once)."""

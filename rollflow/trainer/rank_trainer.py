@@ -27,11 +27,12 @@ from safetensors.torch import load_file, save_file
 
 from rollflow.infra.config import LossConfig, SamplingSection, TrainerServiceSection, TrainSection
 from rollflow.infra.errors import ConfigError
+from rollflow.infra.moments import PerEnvMoments
 from rollflow.infra.weights.group import weight_metadata
 from rollflow.trainer import lora
 from rollflow.trainer.backends import Backend, OptimSpec, make_backend
 from rollflow.trainer.losses import LossInputs, compute_loss
-from rollflow.trainer.metrics import PerEnvMoments, effective_sample_size
+from rollflow.trainer.metrics import effective_sample_size
 from rollflow.trainer.packing import PackedBatch
 from rollflow.trainer.policy import PackedPolicy, load_hf_model
 

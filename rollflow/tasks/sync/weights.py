@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from rollflow.infra.errors import WeightSyncError
 from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.infra.vllm_fleet.workers import WeightWorkers
+from rollflow.trainer.protocol import HealthReply, OkReply, SentReply, TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ async def init_weight_group(
 
 async def sync_weights(
     clients: Sequence[InferenceClient],
-    send: Callable[[], Awaitable[Any]],
+    send: Callable[[], Awaitable[SentReply]],
     version: int | None,
     timeout_s: float,
 ) -> dict[str, Any]:
@@ -104,9 +105,8 @@ async def sync_weights(
     pause(keep) all → {trainer broadcast ∥ every worker receives + reloads} → reset prefix
     caches → resume all. Requests in flight are frozen, not dropped, and continue on the new
     weights. Every server is resumed whatever happens. Returns ``version``, ``pause_s``,
-    ``broadcast_s``, ``total_s`` and ``bytes`` (what ``send()`` returned: an int, or a dict with a
-    ``"bytes"`` key). With ``version=None`` the trainer tags the weights (``send()`` returns
-    ``{"version": ...}``).
+    ``broadcast_s``, ``total_s`` and ``bytes`` (what ``send()``'s reply says it sent). With
+    ``version=None`` the trainer tags the weights (the version its reply names).
     """
     start = time.perf_counter()
     what = f"weight sync v{version}" if version is not None else "weight sync"
@@ -130,7 +130,7 @@ async def sync_weights(
         sent, *versions = await _together(send(), rpcs, timeout_s, what)
         broadcast_done = time.perf_counter()
         if version is None:
-            version = sent.get("version") if isinstance(sent, dict) else None
+            version = sent.version
         loaded = [v for vs in versions for v in vs]
         if any(v != version for v in loaded):
             raise WeightSyncError(f"workers loaded versions {loaded}, expected {version}")
@@ -149,7 +149,7 @@ async def sync_weights(
         "pause_s": paused_at - start,
         "broadcast_s": broadcast_done - paused_at,
         "total_s": end - start,
-        "bytes": _num_bytes(sent),
+        "bytes": sent.bytes,
     }
 
 
@@ -172,19 +172,13 @@ async def _together(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _num_bytes(sent: Any) -> int | None:
-    if isinstance(sent, dict):
-        sent = sent.get("bytes")
-    return sent if isinstance(sent, int) else None
-
-
 # ------------------------------------------------------------ with the trainer service
 
 
 class WeightSource(Protocol):
     """The trainer's side of the weight plane (``tasks/train``'s ``TrainerClient`` is one)."""
 
-    def metadata(self) -> list[dict[str, Any]]: ...
+    def metadata(self) -> list[TensorMeta]: ...
 
     def weights_port(self) -> int: ...
 
@@ -196,15 +190,15 @@ class WeightSource(Protocol):
         timeout_s: float,
         wire_device: str,
         bucket_bytes: int,
-    ) -> dict: ...
+    ) -> OkReply: ...
 
     def weights_broadcast(
         self, version: int | None = None, timeout_s: float | None = None
-    ) -> dict: ...
+    ) -> SentReply: ...
 
-    def weights_close(self, timeout_s: float | None = None) -> dict: ...
+    def weights_close(self, timeout_s: float | None = None) -> OkReply: ...
 
-    def health(self, timeout_s: float = 5.0) -> dict: ...
+    def health(self, timeout_s: float = 5.0) -> HealthReply: ...
 
 
 Servers = Sequence[tuple[str, int]]  # (url, group rank of its first worker), every server
@@ -212,7 +206,7 @@ Servers = Sequence[tuple[str, int]]  # (url, group rank of its first worker), ev
 
 def join(source: WeightSource, servers: Servers, spec: GroupSpec, timeout_s: float) -> dict:
     """Form the weight group of the trainer (rank 0) and every server's workers."""
-    metadata = source.metadata()
+    metadata = [m.model_dump() for m in source.metadata()]  # JSON to the servers' workers
     port = source.weights_port()  # on the host of the trainer's rank 0, which hosts the store
 
     async def run() -> dict[str, Any]:
@@ -268,7 +262,7 @@ def rejoin(
     """
     join(source, servers, spec, timeout_s)
     deadline = time.monotonic() + step_timeout_s
-    while source.health().get("weights_version") is None:
+    while source.health().weights_version is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the trainer was still mid-step after {step_timeout_s:.0f}s")
         time.sleep(0.2)

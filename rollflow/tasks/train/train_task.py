@@ -14,6 +14,7 @@ while the remaining optimizer steps train.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -23,8 +24,9 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.config import TrainSection
 from rollflow.infra.context import RunContext
+from rollflow.infra.moments import PerEnvMoments
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.trainer.metrics import summarize_optimizer_steps
+from rollflow.trainer.protocol import ForwardBackwardReply, OptimStepReply, SavedReply
 
 
 class MidStepCapture:
@@ -42,7 +44,7 @@ class MidStepCapture:
         self.done = threading.Event()
 
     def take(self, trainer: TrainerClient, step: int, behind: int) -> None:
-        self.capture_s = trainer.weights_capture(step)["capture_s"]
+        self.capture_s = trainer.weights_capture(step).capture_s
         self.behind = behind
         self.done.set()
 
@@ -92,6 +94,48 @@ def step_denominator(
     return max(num_loss_tokens, 1) / num_parts
 
 
+# Averaged over a step's optimizer steps (each already a global token mean): the fields of
+# forward_backward's reply, then of optim_step's.
+FB_MEANS = (
+    "loss",
+    "clip_fraction",
+    "entropy",
+    "mismatch_kl",
+    "ess",
+    "kl",
+    "tis_weight",
+    "is_masked_fraction",
+    "is_ratio_q05",
+    "is_ratio_q50",
+    "is_ratio_q95",
+)
+OPTIM_MEANS = ("grad_norm", "lr")
+
+OptimizerStep = tuple[ForwardBackwardReply, OptimStepReply]
+
+
+def summarize_optimizer_steps(steps: list[OptimizerStep]) -> dict[str, float]:
+    """One outer step's metrics from its optimizer steps' replies: a flat dict of floats.
+
+    Scalars are averaged over optimizer steps; tokens/s is total tokens over total trainer time
+    (forward_backward + optim_step); per-environment moments are merged, then summarised.
+    """
+    if not steps:
+        return {"num_optim_steps": 0, "num_loss_tokens": 0}
+    out = {k: sum(getattr(fb, k) for fb, _ in steps) / len(steps) for k in FB_MEANS}
+    out.update({k: sum(getattr(o, k) for _, o in steps) / len(steps) for k in OPTIM_MEANS})
+    busy_s = sum(fb.forward_backward_s + o.optim_step_s for fb, o in steps)
+    out["num_optim_steps"] = len(steps)
+    out["num_loss_tokens"] = sum(fb.num_loss_tokens for fb, _ in steps)
+    out["num_tokens"] = sum(fb.num_tokens for fb, _ in steps)
+    out["tokens_per_s"] = out["num_tokens"] / busy_s if busy_s > 0 else math.nan
+    per_env = PerEnvMoments()
+    for fb, _ in steps:
+        per_env.merge_json(fb.per_env)
+    out.update(per_env.flat())
+    return out
+
+
 def split_seed(run_seed: int, step: int) -> int:
     """The seed of step ``step``'s sample split: a resumed step trains the same mini-batches."""
     return run_seed * 1_000_003 + step
@@ -126,9 +170,9 @@ def train(
     else:
         parts = [{"groups": groups, "samples": None} for groups in minibatches(group_indices, t)]
     if t.old_logprobs == "trainer" and parts:
-        metrics["forward_s"] = trainer.forward(step, sorted(group_indices))["forward_s"]
+        metrics["forward_s"] = trainer.forward(step, sorted(group_indices)).forward_s
     denominator = step_denominator(num_loss_tokens, len(parts), t)
-    results = []
+    results: list[OptimizerStep] = []
     total = t.num_epochs * len(parts)
     capture_at = max(0, total - capture.lag) if capture is not None else None
     for _ in range(t.num_epochs):
@@ -143,8 +187,7 @@ def train(
                 old_logprobs=t.old_logprobs,
                 num_loss_tokens=denominator,
             )
-            fb.update(trainer.optim_step())
-            results.append(fb)
+            results.append((fb, trainer.optim_step()))
     if capture_at is not None and len(results) == capture_at:  # no optimizer step this step
         capture.take(trainer, step, 0)
     metrics.update(summarize_optimizer_steps(results))
@@ -155,6 +198,6 @@ def train(
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
-def checkpoint(ctx: RunContext, step: int) -> dict:
+def checkpoint(ctx: RunContext, step: int) -> SavedReply:
     """Save model, optimizer, schedule, RNG and step to ``checkpoints/step=N``: the step's commit point."""
     return trainer_client(ctx).save_checkpoint(step)

@@ -28,6 +28,7 @@ from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.infra.vllm_fleet.fleet import ask_for_servers
 from rollflow.services.run_services import RunServices
 from rollflow.tasks.sync import weights
+from rollflow.trainer.protocol import WEIGHTS_METADATA, SentReply
 
 from chaos_support import SEED
 from conftest import PROMPT_IDS, greedy_reference
@@ -120,7 +121,7 @@ def test_a_fleet_grown_to_two_servers_and_a_two_rank_trainer_serve_the_trainers_
             and services.weights.spec_for(services.servers.num_workers()).world_size == 2
         )
         assert pinned(services.supervisors[0]) == {(cores[0],)}
-        ranks = [psutil.Process(r["pid"]) for r in services.life.proc.ranks]
+        ranks = [psutil.Process(r.pid) for r in services.life.proc.ranks]
         assert len(ranks) == 2 and all(r.cpu_affinity() == cores for r in ranks), ranks
         before = greedy(services.inference_urls[0])
         train_and_sync(1)
@@ -433,7 +434,7 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
         sender = None
 
         def metadata(self):
-            return weight_metadata(named)
+            return WEIGHTS_METADATA.parse(weight_metadata(named))
 
         def weights_port(self):
             return free_port()
@@ -445,7 +446,8 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
             self.sender.connect()
 
         def weights_broadcast(self, version=None, timeout_s=None):
-            return {"version": version, "bytes": self.sender.broadcast(named, version)}
+            sent = self.sender.broadcast(named, version)
+            return SentReply(version=version, bytes=sent, broadcast_s=0.0)
 
         def weights_close(self, timeout_s=None):
             self.sender.close()

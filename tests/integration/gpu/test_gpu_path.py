@@ -153,8 +153,8 @@ def test_bf16_fsdp2_step_on_one_gpu(tmp_path, tiny_model_dir):
         proc.wait_healthy()
         fb = proc.client.forward_backward(1, loss=LossConfig())
         step = proc.client.optim_step()
-        assert fb["num_loss_tokens"] > 0 and step["grad_norm"] > 0
-        print(f"\nbf16 FSDP2 step: loss {fb['loss']:.4f}, grad norm {step['grad_norm']:.4f}")
+        assert fb.num_loss_tokens > 0 and step.grad_norm > 0
+        print(f"\nbf16 FSDP2 step: loss {fb.loss:.4f}, grad norm {step.grad_norm:.4f}")
     finally:
         proc.stop()
 

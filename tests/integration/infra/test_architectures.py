@@ -181,7 +181,7 @@ def test_vllm_and_trainer_agree_after_a_weight_sync(arch_server):
             (r["group_index"], r["sample_index"]): r["logprobs"]
             for r in storage.read_step_table("logprobs", 1).to_pylist()
         }
-        assert out["num_sequences"] == len(rows)
+        assert out.num_sequences == len(rows)
     finally:
         trainer.stop(timeout_s=30)
 

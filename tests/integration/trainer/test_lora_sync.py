@@ -13,11 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from rollflow.infra.config import LoraSection, LossConfig, TrainerServiceSection, TrainSection
+from rollflow.infra.errors import ConfigError
+from rollflow.infra.export import ADAPTER as ADAPTER_DIR
 from rollflow.infra.storage import RunStorage
 from rollflow.services.trainer_process import TrainerProcess
 from rollflow.services.vllm_server import InferenceServer
+from rollflow.services.zero_adapter import write_zero_adapter
 from rollflow.tasks.sync.weights import GroupSpec, join, leave, publish, rejoin
-from rollflow.trainer.lora import ADAPTER_DIR, save_initial_adapter
 from rollflow.trainer.protocol import ServiceArgs
 
 from conftest import PROMPT_IDS, VLLM_MAX_LEN, restore_weights
@@ -36,7 +38,7 @@ def vllm_adapter_server(vllm_model_dirs, tmp_path_factory):
     """A real vLLM server serving the first of ``vllm_model_dirs`` with a zero adapter as the
     policy (``train.lora.sync = "adapter"``), per module."""
     root = tmp_path_factory.mktemp("adapter-server")
-    initial = save_initial_adapter(root / "v0", vllm_model_dirs[0], LORA)
+    initial = write_zero_adapter(root / "v0", vllm_model_dirs[0], LORA)  # as a run writes it
     srv = InferenceServer(
         vllm_model_dirs[0],
         max_model_len=VLLM_MAX_LEN,
@@ -46,6 +48,14 @@ def vllm_adapter_server(vllm_model_dirs, tmp_path_factory):
     srv.start()
     yield srv
     srv.stop()
+
+
+def test_a_zero_adapter_that_fits_no_layer_is_a_config_error(vllm_model_dirs, tmp_path):
+    """Written by a child process (the run loads no trainer code): its config error comes back
+    as one, naming the child's log."""
+    nowhere = LORA.model_copy(update={"target_modules": ["no_such_proj"]})
+    with pytest.raises(ConfigError, match=r"matched no linear layer.*see .*bad\.log"):
+        write_zero_adapter(tmp_path / "bad", vllm_model_dirs[0], nowhere)
 
 
 def greedy(url: str) -> tuple[list[int], list[float]]:

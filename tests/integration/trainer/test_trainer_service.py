@@ -35,7 +35,7 @@ from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightReceiverGroup
 from rollflow.services.trainer_process import TrainerProcess
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.trainer.protocol import HEALTH, ServiceArgs
+from rollflow.trainer.protocol import HEALTH, ServiceArgs, TensorMeta
 
 from host_support import object_storage, two_hosts
 from trainer_support import (
@@ -180,10 +180,10 @@ def test_two_ranks_match_one_process_on_the_whole_batch(service):
     fb = service.client.forward_backward(1, loss=PPO)
     grads = service.gradients("ppo")
     ref = reference(before, rows, PPO)
-    assert fb["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    assert fb.loss == pytest.approx(ref["loss"], abs=1e-6)
     assert max_abs_diff(grads, ref["grads"]) < 1e-6 * max_abs(ref["grads"])
     step = service.client.optim_step()
-    assert step["grad_norm"] == pytest.approx(adamw_step(ref["model"], LR, MAX_GRAD_NORM), rel=1e-5)
+    assert step.grad_norm == pytest.approx(adamw_step(ref["model"], LR, MAX_GRAD_NORM), rel=1e-5)
     after = dict(load(service.export("after-ppo")).named_parameters())
     expected = dict(ref["model"].named_parameters())
     # Adam's first update is lr * g / (|g| + eps): fp32 rounding moves near-zero entries by ~1e-3 lr.
@@ -194,12 +194,10 @@ def test_two_ranks_match_one_process_on_the_whole_batch(service):
         < 1e-3 * LR
     )
     # Metrics: every row counted once, per environment and overall.
-    n_all, *_ = fb["per_env"]["clip_fraction"]["all"]
+    n_all, *_ = fb.per_env["clip_fraction"]["all"]
     assert n_all == len(rows)
-    assert {e for e in fb["per_env"]["entropy"]} == {"all", "sort", "add"}
-    assert 0 < fb["ess"] <= 1 and fb["num_loss_tokens"] == sum(
-        len(r["completion_ids"]) for r in rows
-    )
+    assert {e for e in fb.per_env["entropy"]} == {"all", "sort", "add"}
+    assert 0 < fb.ess <= 1 and fb.num_loss_tokens == sum(len(r["completion_ids"]) for r in rows)
 
 
 def test_environment_tokens_are_context_only_on_two_ranks(service):
@@ -210,8 +208,8 @@ def test_environment_tokens_are_context_only_on_two_ranks(service):
     before = service.export("before-masked")
     fb = service.client.forward_backward(3, loss=PPO)
     ref = reference(before, rows, PPO)
-    assert fb["loss"] == pytest.approx(ref["loss"], abs=1e-6)
-    assert fb["num_loss_tokens"] == sum(
+    assert fb.loss == pytest.approx(ref["loss"], abs=1e-6)
+    assert fb.num_loss_tokens == sum(
         sum(r["completion_mask"] or [1] * len(r["completion_ids"])) for r in rows
     )
     grads = service.gradients("masked")
@@ -224,7 +222,7 @@ def test_forward_then_gspo_with_truncated_importance_sampling(service):
     weights = service.export("before-gspo")
     out = service.client.forward(1)
     logprobs = service.storage.read_step_table("logprobs", 1).to_pylist()
-    assert out["num_sequences"] == len(rows) == len(logprobs)
+    assert out.num_sequences == len(rows) == len(logprobs)
     old = {(r["group_index"], r["sample_index"]): r["logprobs"] for r in logprobs}
     gspo = LossConfig(kind="gspo", eps_low=3e-3, eps_high=4e-3, tis_cap=1.5)
     ref = reference(weights, rows, gspo, old=old)
@@ -232,7 +230,7 @@ def test_forward_then_gspo_with_truncated_importance_sampling(service):
         got = torch.tensor(old[(r["group_index"], r["sample_index"])])
         assert torch.allclose(got, expected, atol=1e-5)
     fb = service.client.forward_backward(1, loss=gspo, old_logprobs="trainer")
-    assert fb["tis_weight"] < 1.5  # TIS is active: trainer and the batch's sampler log-probs differ
+    assert fb.tis_weight < 1.5  # TIS is active: trainer and the batch's sampler log-probs differ
     grads = service.gradients("gspo")
     assert max_abs_diff(grads, ref["grads"]) < 1e-6 * max_abs(ref["grads"])
     service.client.optim_step()
@@ -257,9 +255,9 @@ def test_bad_requests_are_named_and_leave_the_service_usable(service):
         service.client.optim_step()
     with pytest.raises(ServiceError, match="HTTP 401"):
         TrainerClient(Endpoint("trainer", service.ep.url, "wrong"), timeout_s=10).optim_step()
-    assert service.client.health()["ok"]
+    assert service.client.health().ok
     service.client.forward_backward(2, loss=PPO)
-    assert service.client.optim_step()["optim_step"] >= 1
+    assert service.client.optim_step().optim_step >= 1
 
 
 def test_nothing_answers_without_the_run_token(service):
@@ -278,7 +276,7 @@ def test_checkpoint_round_trip_is_sharding_aware_and_exact(service):
         _whole_suite(service)
     saved = service.client.save_checkpoint(5)
     folder = service.storage.local_copy("checkpoints", 5, service.root / "cache")
-    assert saved["uri"].endswith("checkpoints/step=5")
+    assert saved.uri.endswith("checkpoints/step=5")
     assert [p.name for p in folder.glob("*.safetensors")] == [
         "model.safetensors"
     ]  # vLLM loads the top
@@ -291,7 +289,7 @@ def test_checkpoint_round_trip_is_sharding_aware_and_exact(service):
         return {k: v.detach() for k, v in load(service.export(tag)).named_parameters()}
 
     first = one_step("after-save")
-    assert service.client.load_checkpoint(5)["optim_step"] == saved_step(folder)
+    assert service.client.load_checkpoint(5).optim_step == saved_step(folder)
     second = one_step("after-load")
     assert max_abs_diff(first, second) == 0.0
 
@@ -339,7 +337,7 @@ def test_exported_model_is_served_by_vllm(service):
 def test_weights_broadcast_gathers_the_shards(service):
     """The weight group's sender is rank 0; every rank helps gather the full weights it sends."""
     _whole_suite(service)
-    metadata = service.client.metadata()
+    metadata = _wire(service.client.metadata())
     receiver = _join_weight_group(service, timeout_s=30)
     got: dict = {}
 
@@ -353,7 +351,7 @@ def test_weights_broadcast_gathers_the_shards(service):
     thread.join(30)
     service.client.weights_close()
     receiver.close()
-    assert got.pop("version") == 7 and sent["bytes"] > 0
+    assert got.pop("version") == 7 and sent.bytes > 0
     assert max_abs_diff(got, load_file(service.export("sent") / "model.safetensors")) == 0.0
 
 
@@ -364,8 +362,8 @@ def test_captured_weights_are_sent_while_the_ranks_train(service):
     receiver = _join_weight_group(service, timeout_s=60)
     before = load_file(service.export("capture-before") / "model.safetensors")
     captured = service.client.weights_capture(7)
-    assert captured["version"] == 7 and captured["bytes"] > 0
-    metadata = service.client.metadata()
+    assert captured.version == 7 and captured.bytes > 0
+    metadata = _wire(service.client.metadata())
     got: dict = {}
 
     def receive() -> None:
@@ -374,8 +372,8 @@ def test_captured_weights_are_sent_while_the_ranks_train(service):
 
     receiving = threading.Thread(target=receive)
     receiving.start()
-    sent: dict = {}
-    sending = threading.Thread(target=lambda: sent.update(service.client.weights_broadcast(7)))
+    sent = []
+    sending = threading.Thread(target=lambda: sent.append(service.client.weights_broadcast(7)))
     sending.start()
     service.client.forward_backward(2, loss=PPO)  # the ranks train meanwhile
     service.client.optim_step()
@@ -383,7 +381,7 @@ def test_captured_weights_are_sent_while_the_ranks_train(service):
     receiving.join(60)
     service.client.weights_close()
     receiver.close()
-    assert sent["captured"] and got.pop("version") == 7
+    assert sent[0].captured and got.pop("version") == 7
     after = load_file(service.export("capture-after") / "model.safetensors")
     assert max_abs_diff(after, before) > 0, "the optimizer step changed nothing"
     assert max_abs_diff({k: got[k] for k in before}, before) == 0.0
@@ -395,18 +393,18 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     _whole_suite(service)
     with pytest.raises(ServiceError, match="HTTP 502") as err:  # nobody joins
         service.client.weights_connect("127.0.0.1", free_port(), 2, 2, "cpu", 1 << 20)
-    assert err.value.status == 502 and service.client.health()["ok"]
+    assert err.value.status == 502 and service.client.health().ok
 
     _join_weight_group(service, timeout_s=5).close()  # the receiver dies before the broadcast
     with pytest.raises(ServiceError, match="HTTP 502"):
         service.client.weights_broadcast(1)
     with pytest.raises(ServiceError, match="HTTP 409"):  # the broken group was dropped
         service.client.weights_broadcast(1)
-    assert service.client.health()["ok"]
+    assert service.client.health().ok
 
     receiver = _join_weight_group(service, timeout_s=30)
     service.client.end_step(3)  # the last finished step: the version-less tag
-    metadata = service.client.metadata()
+    metadata = _wire(service.client.metadata())
     got: dict = {}
 
     def receive() -> None:
@@ -419,8 +417,13 @@ def test_a_failed_weight_group_leaves_the_service_usable(service):
     thread.join(30)
     service.client.weights_close()
     receiver.close()
-    assert sent["version"] == got["version"] == 3
-    assert service.client.health()["weights_version"] == 3
+    assert sent.version == got["version"] == 3
+    assert service.client.health().weights_version == 3
+
+
+def _wire(metadata: list[TensorMeta]) -> list[dict]:
+    """The trainer's metadata reply as a receiver reads it (what ``weights.join`` gives vLLM)."""
+    return [m.model_dump() for m in metadata]
 
 
 def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
@@ -440,9 +443,9 @@ def _join_weight_group(service, timeout_s: float) -> WeightReceiverGroup:
 def test_a_dead_rank_is_named_within_seconds(service):
     """Kill rank 1: health and the next call fail within seconds naming it; then the tree exits."""
     _whole_suite(service)
-    ranks = service.client.health()["ranks"]
-    victim = next(r for r in ranks if r["rank"] == 1)
-    os.kill(victim["pid"], signal.SIGKILL)
+    ranks = service.client.health().ranks
+    victim = next(r for r in ranks if r.rank == 1)
+    os.kill(victim.pid, signal.SIGKILL)
     killed = time.monotonic()
     while True:
         resp = httpx.get(service.ep.url + HEALTH.path, headers=service.ep.headers(), timeout=5)
@@ -450,7 +453,7 @@ def test_a_dead_rank_is_named_within_seconds(service):
             break
         assert time.monotonic() - killed < 5, "health still OK 5 s after a rank died"
         time.sleep(0.1)
-    assert f"rank 1 (pid {victim['pid']}) died" in resp.json()["detail"]
+    assert f"rank 1 (pid {victim.pid}) died" in resp.json()["detail"]
     with pytest.raises(ServiceError, match="rank 1") as err:
         service.client.forward_backward(2, loss=PPO)
     assert "HTTP 503" in str(err.value)

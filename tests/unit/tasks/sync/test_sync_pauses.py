@@ -13,6 +13,7 @@ import pytest
 
 from rollflow.infra.errors import WeightSyncError
 from rollflow.tasks.sync.weights import sync_weights
+from rollflow.trainer.protocol import SentReply
 
 
 class Server:
@@ -49,8 +50,8 @@ def _count():
     Server.in_flight = Server.most_in_flight = 0
 
 
-async def _send() -> dict:
-    return {"bytes": 10}
+async def _send() -> SentReply:
+    return SentReply(version=3, bytes=10, broadcast_s=0.01)
 
 
 def test_servers_pause_together_then_load_and_resume():
