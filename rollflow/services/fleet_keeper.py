@@ -18,12 +18,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.events import Event, publish
-from rollflow.infra.placement import Plan
-from rollflow.infra.storage import RunStorage
 from rollflow.infra.vllm_fleet.fleet import Fleet, asked_servers, record_fleet
+from rollflow.services.run_parts import RunParts
 from rollflow.services.vllm_supervisor import InferenceSupervisor, WeightLink
 from rollflow.services.weight_link import WeightGroupLink
 
@@ -35,18 +33,15 @@ class FleetKeeper:
 
     def __init__(
         self,
-        cfg: RunConfig,
-        plan: Plan,
-        storage: RunStorage,
+        parts: RunParts,
         link: WeightGroupLink,
         supervisor: Callable[[int], InferenceSupervisor],
         trainer: Callable[[], object],
-        progress=print,
     ):
         """``supervisor(slot)``: the (unstarted) supervisor of plan slot ``slot``'s server;
         ``trainer()``: the trainer's client now (it changes when the trainer restarts)."""
-        self.cfg, self.plan, self.storage, self.link = cfg, plan, storage, link
-        self.supervisor, self.trainer, self.progress = supervisor, trainer, progress
+        self.cfg, self.plan, self.storage, self.link = parts.cfg, parts.plan, parts.storage, link
+        self.supervisor, self.trainer, self.progress = supervisor, trainer, parts.progress
         self.supervisors: list[InferenceSupervisor] = []
         self.fleet = Fleet()
         self._joining: _Joining | None = None

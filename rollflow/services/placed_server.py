@@ -1,25 +1,13 @@
-"""vLLM servers as Prefect flow runs: with ``inference.server_deployment`` set, each server of
-the run's fleet is a flow run of that deployment (``rollflow-inference-server/default`` in
-prefect.yaml) that the run flow submits to its work pool, to the slot's work queue
-(``inference.server_queues``), where a worker on the server's host runs it.
+"""The run's side of a vLLM server placed by Prefect: ``PlacedServer``.
 
-The flow run is the server. Its body loads the policy from the run's storage (no shared file
-system), starts vLLM under the ``ManagedProcess`` guard on its main thread (a cancelled or
-crashed flow run takes vLLM with it), bound to the address its host reaches the run's host from,
-says vLLM's log lines in the flow run's log, and ends with vLLM: Completed on exit 0, Failed
-naming the exit code otherwise. Before vLLM starts it writes where it serves
-(``control/servers/<slot>.json``: its flow run, URL) to the run's storage, which is how the run
-finds it.
-
-On the run's side a ``PlacedServer`` stands where a local ``InferenceServer`` does, under the
-same supervisor (``services/vllm_supervisor.py``): alive while its flow run is not over;
-stopped by cancelling the flow run; restarted by submitting the slot again to the same queue
-with the same port, so that on a queue of one host it comes back at the same URL (one that a
-pool placed elsewhere is followed there: the supervisor's ``_follow_move``). The server's key
-(every vLLM route's, and the weight group's secret) is not a parameter, which the Prefect UI
-shows: it is read from the run's storage (``control/servers/key.json``), written there by the
-run for its lifetime.
-This module imports no torch: a worker starts the flow in seconds.
+With ``inference.server_deployment`` set, each server of the fleet is a flow run of that
+deployment (its body: ``flows/inference_server.py``), submitted to the slot's work queue
+(``inference.server_queues``). A ``PlacedServer`` stands where a local ``InferenceServer`` does,
+under the same supervisor (``vllm_supervisor.py``): alive while its flow run is not over; found
+where its flow run says it serves (``placed.slot_file``); stopped by cancelling the flow run;
+restarted by submitting the slot again to the same queue with the same port, so that on a queue
+of one host it comes back at the same URL (one that a pool placed elsewhere is followed there:
+the supervisor's ``_follow_move``). This module imports no torch.
 """
 
 from __future__ import annotations

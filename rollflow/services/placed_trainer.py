@@ -1,32 +1,17 @@
-"""Trainer nodes as Prefect flow runs: with ``trainer.node_deployment`` set, every node of the
-trainer, node 0 included (``PlacedTrainer``, below), is a flow run of
-a ``rollflow-trainer-node`` deployment that the run flow submits (``TrainerNodes.submit``) to
-that deployment's work pool, where a worker on the node's host runs it: nobody starts a command
-on the other hosts.
+"""The run's side of trainer nodes placed by Prefect: ``TrainerNodes`` and ``PlacedTrainer``.
 
-The flow run is the node. Its body starts the node's launcher under the ``ManagedProcess``
-guard, on its main thread, so a cancelled or crashed flow run takes the node's ranks with it;
-it says the node's log lines in the flow run's log (the UI's Logs tab; ``PrefectRunLog``), and it ends with
-the node: Completed when the launcher exits 0 (the run's trainer ended), Failed naming the exit
-code and the log's last lines otherwise. Everything the node needs travels in its parameters
-(the launcher command, with the trainer's arguments in it: what the run prints when it places
-nodes by hand) and the run's object storage (the policy, checkpoints): no shared file system.
+With ``trainer.node_deployment`` set, every node of the trainer, node 0 included, is a flow run
+of a ``rollflow-trainer-node`` deployment (its body: ``flows/trainer_node.py``) that the run
+submits (``TrainerNodes.submit``) to that deployment's work pool, a work queue per node where
+the config names them (``trainer.node_queues``): nobody starts a command on the other hosts.
 
-Node 0 serves the trainer's API: its body starts its own launcher, bound to the address its
-host reaches the run's host from, and writes where it serves and where the other nodes meet it
-(``trainer.master_addr``, ``auto``: that address) to the run's storage (``NODE_0_FILE``); the
-run, which keeps no trainer process then, waits for that record (``PlacedTrainer.wait_placed``)
-before it submits nodes 1.. with that address.
+``PlacedTrainer`` is node 0 as the run sees it: what it asks of a ``TrainerProcess`` over the
+Prefect API and the run's storage. It waits for node 0's record of where it serves
+(``placed.NODE_0_FILE``, ``wait_placed``) before nodes 1.. are submitted with that address.
 
 A node whose flow run ends while the run goes on is a lost trainer (``TrainerNodes.check_running``,
 asked by the run's health check): the run restarts the trainer on every node, the nodes' flow
-runs cancelled and waited for (``stop``), then submitted again. A node whose run's flow run
-ended (its host lost: marked Crashed) stops with it (``DriverWatch``).
-
-Which host takes which node: a deployment's pool, and a work queue per node where the config
-names them (``trainer.node_queues``): a process pool on bare hosts has a queue per host, each
-host's worker started with ``--work-queue``; a Kubernetes or Docker pool places the job itself.
-This module imports no torch: a worker starts the flow in seconds.
+runs cancelled and waited for (``stop``), then submitted again. This module imports no torch.
 """
 
 from __future__ import annotations

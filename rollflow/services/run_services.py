@@ -28,6 +28,7 @@ from rollflow.infra.storage import RunStorage
 from rollflow.infra.vllm_fleet.fleet import register_fleet, unregister_fleet
 from rollflow.services.fleet_keeper import FleetKeeper
 from rollflow.services.placed import publish_key, withdraw_key
+from rollflow.services.run_parts import RunParts
 from rollflow.services.server_maker import ServerMaker
 from rollflow.services.trainer_life import TrainerLife
 from rollflow.services.vllm_supervisor import HEALTH_PROBE_TIMEOUT_S, InferenceSupervisor
@@ -77,13 +78,10 @@ class RunServices:
             cfg.trainer.weight_sync_timeout_s,
             cfg.trainer.request_timeout_s,
         )
-        self.life = TrainerLife(cfg, self.plan, self.storage, self.token, self.log_dir, progress)
-        self.maker = ServerMaker(
-            cfg, self.plan, self.storage, self.weights, self.token, self.log_dir, progress
-        )
-        self.servers = FleetKeeper(
-            cfg, self.plan, self.storage, self.weights, self.maker, lambda: self.trainer, progress
-        )
+        parts = RunParts(cfg, self.plan, self.storage, self.token, self.log_dir, progress)
+        self.life = TrainerLife(parts)
+        self.maker = ServerMaker(parts, self.weights)
+        self.servers = FleetKeeper(parts, self.weights, self.maker, lambda: self.trainer)
         self.fleet = self.servers.fleet
         # The run's key travels to processes on other hosts through its storage.
         self.placed = self.maker.placed or self.life.nodes is not None

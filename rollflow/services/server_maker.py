@@ -11,12 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollflow.infra import export
-from rollflow.infra.config import RunConfig
 from rollflow.infra.events import Event, publish
-from rollflow.infra.placement import Plan
-from rollflow.infra.storage import RunStorage
 from rollflow.services.placed import check_deployment, gpu_request, policy_in_storage
 from rollflow.services.placed_server import PlacedServer
+from rollflow.services.run_parts import RunParts
 from rollflow.services.vllm_supervisor import InferenceSupervisor, max_model_len
 from rollflow.services.weight_link import WeightGroupLink
 from rollflow.services.zero_adapter import write_zero_adapter
@@ -25,19 +23,10 @@ from rollflow.services.zero_adapter import write_zero_adapter
 class ServerMaker:
     """``maker(slot)``: the unstarted supervisor of plan slot ``slot``'s server."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        plan: Plan,
-        storage: RunStorage,
-        link: WeightGroupLink,
-        token: str,
-        log_dir: Path,
-        progress=print,
-    ):
-        self.cfg, self.plan, self.storage, self.link = cfg, plan, storage, link
-        self.token, self.log_dir, self.progress = token, log_dir, progress
-        self.placed = bool(cfg.inference.server_deployment)
+    def __init__(self, parts: RunParts, link: WeightGroupLink):
+        self.cfg, self.plan, self.storage, self.link = parts.cfg, parts.plan, parts.storage, link
+        self.token, self.log_dir, self.progress = parts.token, parts.log_dir, parts.progress
+        self.placed = bool(self.cfg.inference.server_deployment)
         self.served: tuple[str, Path | None] = ("", None)  # what a local vLLM loads (``prepare``)
         self.served_in_storage: tuple[str, int] = ("policy", 0)  # what a placed one loads
         self.policy_dir = ""

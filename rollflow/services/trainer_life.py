@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import shlex
 import time
-from pathlib import Path
 
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ServiceError, TrainerLost
-from rollflow.infra.placement import Plan
-from rollflow.infra.storage import RunStorage
 from rollflow.services.placed import policy_in_storage
 from rollflow.services.placed_trainer import PlacedTrainer, TrainerNodes
+from rollflow.services.run_parts import RunParts
 from rollflow.services.trainer_process import TrainerProcess, node_argv
 from rollflow.services.vllm_supervisor import HEALTH_PROBE_TIMEOUT_S
 from rollflow.tasks.train.client import TrainerClient
@@ -31,17 +29,10 @@ from rollflow.trainer.protocol import ServiceArgs
 class TrainerLife:
     """The trainer service of one run: start, health, restart from a checkpoint, stop."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        plan: Plan,
-        storage: RunStorage,
-        token: str,
-        log_dir: Path,
-        progress=print,
-    ):
-        self.cfg, self.plan, self.storage, self.token = cfg, plan, storage, token
-        self.log_dir, self.progress = log_dir, progress
+    def __init__(self, parts: RunParts):
+        cfg, plan, progress = parts.cfg, parts.plan, parts.progress
+        self.cfg, self.plan, self.storage, self.token = cfg, plan, parts.storage, parts.token
+        self.log_dir, self.progress = parts.log_dir, progress
         self.proc: TrainerProcess | PlacedTrainer | None = None
         self.client: TrainerClient | None = None
         self.master: str = plan.group_host  # where the weight group meets rank 0
@@ -56,10 +47,13 @@ class TrainerLife:
                 storage_secret=(cfg.run.storage, secret) if secret else None,
             )
 
-    def start(self, policy_dir: str, checkpoint_step: int | None, weight_dtype: str) -> None:
+    def start(
+        self, policy_dir: str, checkpoint_step: int | None, weight_dtype: str, first: bool = True
+    ) -> None:
         """Start node 0 from ``policy_dir`` (``checkpoint_step``'s, on resume), here or as a
         flow run (waited for until it says where it serves and meets the other nodes), then the
-        other nodes. Returns once every node is started, not yet healthy (``wait_healthy``)."""
+        other nodes (the commands a person runs on their hosts are printed at the first start
+        only). Returns once every node is started, not yet healthy (``wait_healthy``)."""
         cfg = self.cfg
         args = trainer_args(cfg, policy_dir, checkpoint_step, weight_dtype)
         if cfg.trainer.num_nodes > 1 or self.nodes is not None:
@@ -80,7 +74,8 @@ class TrainerLife:
             )
             self.client = self.proc.client
             self.proc.start()
-        self._start_other_nodes()
+        if first or self.nodes is not None:
+            self._start_other_nodes()
 
     def _start_placed_node_0(self, args: ServiceArgs) -> None:
         from rollflow.infra.network import own_address
@@ -170,7 +165,7 @@ class TrainerLife:
         if self.nodes is not None:
             self.nodes.stop(timeout_s=30.0)
         self.proc.set_aside_log()
-        self.start(policy_dir, checkpoint_step, weight_dtype)
+        self.start(policy_dir, checkpoint_step, weight_dtype, first=False)
         self.wait_healthy()
 
     def stop(self, deadline: float) -> None:

@@ -20,7 +20,7 @@ server placed by Prefect that a pool restarted on another host is followed to it
 (``_follow_move``: its gate and fleet entry move, under the weight group's lock).
 
 ``check()`` runs on the thread that started the server (the run's main thread): services die
-with the thread that spawned them (``service.py``), so a restart must happen there too.
+with the thread that spawned them (``infra/processes.py``), so a restart must happen there too.
 
 Invariants: sampling resumes only on a server holding a policy version the trainer made, at
 least the one it held before; at most ``inference.max_restarts`` restarts, each reported once
@@ -58,7 +58,7 @@ class WeightLink:
     rejoin: Callable[[], int]
     lock: threading.Lock
     # A restarted server came back at another URL (slot, URL), called under ``lock``: the fleet
-    # follows it (a pool that places each flow run anew; flows/servers.py).
+    # follows it (a pool that places each flow run anew; flows/inference_server.py).
     moved: Callable[[int, str], None] = lambda slot, url: None
 
 
@@ -86,7 +86,7 @@ class InferenceSupervisor:
         server: InferenceServer | None = None,
     ):
         """``server``: the server to keep serving when it is not a process of this one (a flow
-        run of ``inference.server_deployment``: ``flows/servers.py``), else one is made here."""
+        run of ``inference.server_deployment``: ``flows/inference_server.py``), else one is made here."""
         self.cfg, self.index = cfg, index
         self.link: WeightLink | None = None
         self.on_restart, self.progress = on_restart, progress

@@ -1,7 +1,7 @@
 """The trainer service: N ranks under torchrun or the deepspeed launcher; rank 0 serves HTTP.
 
 Every rank runs ``python -m rollflow.trainer.rank_main ARGS.json`` (started by a launcher, see
-``tasks/train/launch.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
+``services/trainer_process.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
 small JSON command that rank 0's main thread broadcasts over the control group, and that every
 rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training data never
 rides the control channel: a command names a committed batch step, and each rank reads the

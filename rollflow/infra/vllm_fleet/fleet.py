@@ -1,6 +1,6 @@
 """The inference fleet: which vLLM servers serve the run now.
 
-The run's services own it and change it (``flows/services.py``: ``RunServices.scale_to``); every
+The run's services own it and change it (``services/run_services.py``: ``RunServices.scale_to``); every
 part of the run's process that talks to vLLM follows it: the producer's ``InferencePool`` leases
 only its members, the sync task publishes to exactly its members. A server is a member once it
 is in the weight group and holds the policy the others serve, and stops being one before it is

@@ -20,7 +20,9 @@ def test_auto_serves_bf16_on_gpus_and_fp32_on_cpu():
 
 
 def test_mixed_precision_auto_is_bf16_on_gpus_only():
-    assert TrainerServiceSection().bf16(on_gpu=True) and not TrainerServiceSection().bf16(on_gpu=False)
+    assert TrainerServiceSection().bf16(on_gpu=True) and not TrainerServiceSection().bf16(
+        on_gpu=False
+    )
     assert TrainerServiceSection(mixed_precision="bf16").bf16(on_gpu=False)
     assert not TrainerServiceSection(mixed_precision="off").bf16(on_gpu=True)
 
