@@ -1,8 +1,8 @@
 """The trainer service: N ranks under torchrun or the deepspeed launcher; rank 0 serves HTTP.
 
 Every rank runs ``python -m rollflow.trainer.rank_main ARGS.json`` (started by a launcher, see
-``services/trainer_process.py``). Rank 0 serves the HTTP API with the run's token; each call becomes one
-small JSON command that rank 0's main thread broadcasts over the control group, and that every
+``services/trainer_process.py``). Rank 0 serves the HTTP API with the run's token; each call
+becomes one small JSON command that rank 0's main thread broadcasts over the control group, and that every
 rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training data never
 rides the control channel: a command names a committed batch step, and each rank reads the
 Parquet itself and takes its own share.

@@ -1,8 +1,8 @@
 """The inference fleet: which vLLM servers serve the run now.
 
-The run's services own it and change it (``services/run_services.py``: ``RunServices.scale_to``); every
-part of the run's process that talks to vLLM follows it: the producer's ``InferencePool`` leases
-only its members, the sync task publishes to exactly its members. A server is a member once it
+The run's services own it and change it (``services/fleet_keeper.py``:
+``FleetKeeper.reconcile``); every part of the run's process that talks to vLLM follows it: the
+producer's ``InferencePool`` leases only its members, the sync task publishes to exactly its members. A server is a member once it
 is in the weight group and holds the policy the others serve, and stops being one before it is
 stopped, so nothing samples from a server that is joining or leaving.
 
@@ -95,7 +95,7 @@ def record_fleet(storage: RunStorage, slots: int, fleet: Fleet) -> None:
 
 def ask_for_servers(storage: RunStorage, servers: int, by: str) -> dict:
     """Ask the running run (or its next rerun) for ``servers`` vLLM servers; the run's health
-    loop reads the file every few seconds (``RunServices.reconcile``)."""
+    loop reads the file every few seconds (``FleetKeeper.reconcile``)."""
     asked = {"servers": servers, "asked_at": time.time(), "by": by}
     storage.write_json(FLEET_CONTROL, asked)
     return asked
