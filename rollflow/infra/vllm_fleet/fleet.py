@@ -2,9 +2,9 @@
 
 The run's services own it and change it (``services/fleet_keeper.py``:
 ``FleetKeeper.reconcile``); every part of the run's process that talks to vLLM follows it: the
-producer's ``InferencePool`` leases only its members, the sync task publishes to exactly its members. A server is a member once it
-is in the weight group and holds the policy the others serve, and stops being one before it is
-stopped, so nothing samples from a server that is joining or leaving.
+producer's ``InferencePool`` leases only its members, the sync task publishes to exactly its
+members. A server is a member once it is in the weight group and holds the policy the others
+serve, and stops being one before it is stopped, so nothing samples from a server that is joining or leaving.
 
 Servers are named by their slot in the placement plan (``inference.max_servers`` slots): slot
 ``i`` always has the same devices, cores and port (``inference.port + i``), so its metrics
