@@ -2,10 +2,14 @@
 
     rollflow run CONFIG [key.path=value ...] [--dry-run]
     rollflow plan CONFIG [key.path=value ...] [--gpus N] [--nodes M]
-    rollflow status RUN [--storage ROOT]
-    rollflow scale RUN --servers N [--storage ROOT]
+    rollflow status [RUN] [--storage ROOT] [--storage-option KEY=VALUE ...] [--config CONFIG]
+    rollflow scale [RUN] --servers N [--storage ROOT] [--storage-option ...] [--config CONFIG]
     rollflow deploy [CONFIG ...] [--pool NAME] [--prefect-file prefect.yaml]
-    rollflow export RUN --step N [--out DIR] [--storage ROOT] [--merged]
+    rollflow export [RUN] --step N [--out DIR] [--merged] [--storage ROOT] [--storage-option ...]
+                    [--config CONFIG]
+
+``status``, ``scale`` and ``export`` find the run as ``rollflow run`` does: by its config file, or
+by its name, storage root and storage options (infra/storage_access.py).
 
 Config errors are reported before anything heavy is imported, so a misspelt key fails at once.
 """
@@ -52,20 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--gpus", type=int, help="GPUs per node (default: this machine's)")
     plan.add_argument("--nodes", type=int, help="nodes (default: trainer.num_nodes)")
     status = sub.add_parser("status", help="a table of a run's steps: reward, evaluation, timings")
-    status.add_argument("run", help="run name (run.name)")
-    status.add_argument(
-        "--storage", default="runs", help="storage root (run.storage), default: runs"
-    )
+    add_run_arguments(status)
     scale = sub.add_parser(
         "scale",
         help="grow or shrink a running run's vLLM fleet (up to inference.max_servers); the run "
         "applies it within seconds, a rerun starts with it",
     )
-    scale.add_argument("run", help="run name (run.name)")
     scale.add_argument("--servers", type=int, required=True, help="how many vLLM servers")
-    scale.add_argument(
-        "--storage", default="runs", help="storage root (run.storage), default: runs"
-    )
+    add_run_arguments(scale)
     deploy = sub.add_parser(
         "deploy",
         help="register the deployments of prefect.yaml on the Prefect server "
@@ -84,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser(
         "export", help="write a committed checkpoint as a Hugging Face model folder"
     )
-    export.add_argument("run", help="run name (run.name)")
     export.add_argument(
         "--step", type=int, required=True, help="a step with a committed checkpoint"
     )
@@ -94,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="LoRA runs: write the merged model instead of the adapter alone",
     )
-    export.add_argument(
-        "--storage", default="runs", help="storage root (run.storage), default: runs"
-    )
+    add_run_arguments(export)
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
     if args.command in ("run", "plan"):
@@ -118,6 +113,36 @@ def main(argv: list[str] | None = None) -> int:
         }
         return commands[args.command](args)
     raise AssertionError(args.command)  # pragma: no cover
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a command on an existing run finds it: by name and storage, or by its config."""
+    parser.add_argument("run", nargs="?", help="run name (run.name); default: the config's")
+    parser.add_argument(
+        "--storage", help="storage root (run.storage); default: the config's, else runs"
+    )
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec option of the storage (run.storage_options), repeatable, e.g. "
+        "endpoint_url=http://127.0.0.1:9000; never credentials: those stay in the environment",
+    )
+    parser.add_argument(
+        "--config",
+        help="the run's TOML config: its run.name, run.storage, run.storage_options and "
+        "run.storage_secret (the flags above win over them)",
+    )
+
+
+def open_run_of(args: argparse.Namespace):
+    """The ``RunStorage`` and ``RunAddress`` of the run the flags name (raises ``InputError``,
+    ``StorageError``: one line each)."""
+    from rollflow.infra.storage_access import open_run, run_address
+
+    address = run_address(args.run, args.storage, args.storage_option, args.config)
+    return open_run(address), address
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -266,14 +291,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     Staleness and timing columns appear when some row has them (runs of older versions lack some).
     """
+    from rollflow.infra.errors import InputError, StorageError
     from rollflow.infra.events import Event, has_event
-    from rollflow.infra.storage import RunStorage
+    from rollflow.infra.storage_access import storage_errors
 
-    storage = RunStorage(args.storage, args.run)
-    rows = storage.read_metrics()
+    try:
+        storage, address = open_run_of(args)
+        with storage_errors(address):
+            rows = storage.read_metrics()
+            committed = storage.committed_steps("checkpoints")
+            finished = has_event(storage, Event.TRAINING_FINISHED)
+    except (InputError, StorageError) as exc:
+        return fail(exc)
     if not rows:
         print(
-            f"error: no metrics for run {args.run!r} in {storage.uri}; "
+            f"error: no metrics for run {storage.run!r} in {storage.uri}; "
             "is --storage the run's run.storage?",
             file=sys.stderr,
         )
@@ -288,8 +320,6 @@ def cmd_status(args: argparse.Namespace) -> int:
             missing = value is None or value != value  # absent or NaN
             cells.append(f"{'-':>8}" if missing else fmt.format(value))
         print(" ".join(cells))
-    committed = storage.committed_steps("checkpoints")
-    finished = has_event(storage, Event.TRAINING_FINISHED)
     print(
         f"{len(committed)} steps committed (last: {committed[-1] if committed else '-'})"
         f"{', training finished' if finished else ''}; data in {storage.uri}"
@@ -297,16 +327,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def fail(exc: Exception) -> int:
+    """A command on a run that could not be done: its one line (a config's: one per problem)."""
+    from rollflow.infra.errors import ConfigError
+    from rollflow.infra.terminal import one_line
+
+    lines = config_error_lines(str(exc)) if isinstance(exc, ConfigError) else [one_line(exc)]
+    for line in lines:
+        print(f"error: {line}", file=sys.stderr)
+    return 2
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
     """Ask a run for ``--servers`` vLLM servers (``control/fleet.json`` in its storage)."""
-    from rollflow.infra.errors import InputError
+    from rollflow.infra.errors import InputError, StorageError
+    from rollflow.infra.storage_access import storage_errors
     from rollflow.infra.vllm_fleet.fleet import scale_run
 
     try:
-        print(scale_run(args.run, args.servers, args.storage))
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        _, address = open_run_of(args)
+        with storage_errors(address):
+            print(scale_run(address.run, args.servers, address.root, address.options))
+    except (InputError, StorageError) as exc:
+        return fail(exc)
     return 0
 
 
@@ -327,28 +370,28 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Copy a committed checkpoint, less its trainer state, to a Hugging Face model folder."""
-    from rollflow.infra.errors import InputError
+    from rollflow.infra.errors import InputError, StorageError
     from rollflow.infra.export import export_checkpoint
-    from rollflow.infra.storage import RunStorage
+    from rollflow.infra.storage_access import storage_errors
 
-    storage = RunStorage(args.storage, args.run)
-    out = args.out or f"exports/{args.run}-step-{args.step}"
     try:
-        path = export_checkpoint(
-            storage, args.step, out, show_progress=sys.stderr.isatty(), merged=args.merged
-        )
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        storage, address = open_run_of(args)
+        out = args.out or f"exports/{address.run}-step-{args.step}"
+        with storage_errors(address):
+            path = export_checkpoint(
+                storage, args.step, out, show_progress=sys.stderr.isatty(), merged=args.merged
+            )
+    except (InputError, StorageError) as exc:
+        return fail(exc)
     if (path / "adapter_config.json").exists():
         print(
-            f"exported the LoRA adapter of step {args.step} of run {args.run} to {path}; load it "
+            f"exported the LoRA adapter of step {args.step} of run {address.run} to {path}; load it "
             f"with PeftModel.from_pretrained(base_model, {str(path)!r}) or `vllm serve BASE "
             f"--enable-lora --lora-modules policy={path}` (--merged writes the merged model)"
         )
         return 0
     print(
-        f"exported step {args.step} of run {args.run} to {path}; load it with "
+        f"exported step {args.step} of run {address.run} to {path}; load it with "
         f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`"
     )
     return 0

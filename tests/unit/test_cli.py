@@ -86,4 +86,7 @@ def test_status_leaves_out_columns_no_row_has(tmp_path, capsys):
 
 def test_status_of_an_unknown_run_says_where_it_looked(tmp_path, capsys):
     assert main(["status", "nope", "--storage", str(tmp_path)]) == 2
-    assert f"no metrics for run 'nope' in {tmp_path}/nope" in capsys.readouterr().err
+    assert f"no run 'nope' in {tmp_path} (nothing at {tmp_path}/nope)" in capsys.readouterr().err
+    RunStorage(str(tmp_path), "new").write_json("config.json", {})  # started, no step yet
+    assert main(["status", "new", "--storage", str(tmp_path)]) == 2
+    assert f"no metrics for run 'new' in {tmp_path}/new" in capsys.readouterr().err

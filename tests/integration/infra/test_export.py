@@ -75,7 +75,7 @@ def test_cli_export_and_its_error(run_with_checkpoints, tmp_path, capsys):
     assert main(["export", "r", "--step", "9", "--storage", root]) == 2
     assert "committed steps: 1-3, 5" in capsys.readouterr().err
     assert main(["export", "nope", "--step", "1", "--storage", root]) == 2
-    assert "committed steps: none yet" in capsys.readouterr().err
+    assert f"no run 'nope' in {root} (nothing at {root}/nope)" in capsys.readouterr().err
 
 
 @pytest.mark.slow
