@@ -31,6 +31,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 VLLM_MAX_LEN = 64
+# The session server's KV block (tokens): vLLM caches only whole blocks, and the CPU default (128)
+# is longer than any sequence here, which would hide every prefix-cache hit from the tests.
+VLLM_BLOCK = 32
 
 
 def pytest_report_header(config) -> str:
@@ -214,6 +217,7 @@ def vllm_server(vllm_model_dirs, tmp_path_factory):
         vllm_model_dirs[0],
         max_model_len=VLLM_MAX_LEN,
         log_path=tmp_path_factory.mktemp("logs") / "vllm.log",
+        extra_args=["--block-size", str(VLLM_BLOCK)],
     )
     start = time.monotonic()
     srv.start()

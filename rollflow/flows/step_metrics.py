@@ -107,6 +107,7 @@ class StepMetrics:
         self.row[Metric.SYNC_S] = s.total_s if s else None
         self.row[Metric.SYNC_PAUSE_S] = s.pause_s if s else None
         self.row[Metric.SYNC_BYTES] = s.bytes if s else None
+        self.row[Metric.SYNC_CACHE_RESET_TRIES] = s.cache_reset_tries if s else None
 
     def record_eval(self, e: Evaluation) -> None:
         self.row[Metric.EVAL_REWARD] = e.reward

@@ -46,23 +46,35 @@ LORA_ROOT_ENV = "ROLLFLOW_LORA_ROOT"
 
 @dataclass(frozen=True)
 class Route:
-    """One route of vLLM's HTTP server: method and path."""
+    """One route of vLLM's HTTP server: method, path, and the query parameters the run sends
+    (each one a parameter of vLLM's handler of the route)."""
 
     method: Literal["GET", "POST"]
     path: str
+    params: tuple[str, ...] = ()
 
 
 HEALTH = Route("GET", "/health")
 COMPLETIONS = Route("POST", "/v1/completions")  # token ids in, token ids and logprobs out
-PAUSE = Route("POST", "/pause")  # ?mode=keep|abort|wait
+PAUSE = Route("POST", "/pause", params=("mode", "clear_cache"))  # ?mode=keep|abort|wait
 RESUME = Route("POST", "/resume")
 IS_PAUSED = Route("GET", "/is_paused")
-RESET_PREFIX_CACHE = Route("POST", "/reset_prefix_cache")
+# Answers 200 {"success": bool} (PrefixCacheReset): false while any request holds KV blocks,
+# unless reset_running_requests=true, which preempts every running request first (its KV is
+# recomputed when it is scheduled again).
+RESET_PREFIX_CACHE = Route("POST", "/reset_prefix_cache", params=("reset_running_requests",))
 COLLECTIVE_RPC = Route("POST", "/collective_rpc")  # a worker method: see WORKER_METHODS
 LOAD_LORA_ADAPTER = Route("POST", "/v1/load_lora_adapter")  # bench/lora_vllm.py's comparison
 
 ROUTES = tuple(v for v in list(globals().values()) if isinstance(v, Route))
 """Every route rollflow calls (each one vLLM 0.32 serves)."""
+
+
+class PrefixCacheReset(BaseModel):
+    """``/reset_prefix_cache``'s answer: whether every cached block was dropped. (Other fields a
+    later vLLM may add are ignored.)"""
+
+    success: bool
 
 
 # ------------------------------------------------------------------ the worker methods

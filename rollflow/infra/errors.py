@@ -9,7 +9,8 @@
     │   ├── InferenceError  the vLLM server: failed to start, or failed a request
     │   │   ├── InferenceUnavailable  unreachable or dropped the connection: retry later
     │   │   ├── RequestAborted        the server aborted a generation: retry
-    │   │   └── InferenceGone         down for good (given up on, or the run is stopping)
+    │   │   ├── InferenceGone         down for good (given up on, or the run is stopping)
+    │   │   └── PrefixCacheNotReset   refused to drop KV of old weights after a sync, to its deadline
     │   └── WeightSyncError the weight plane (trainer → vLLM workers) failed or timed out
     ├── TrainingFinished    the explicit end of training: a waiter learns there is no more
     └── ProducerFailed      the rollout producer stopped on an error (the cause is chained)
@@ -69,6 +70,11 @@ class RequestAborted(InferenceError):
 class InferenceGone(InferenceError):
     """The server is down for good: its supervisor gave up on it, it stayed unhealthy with no
     restart under way, or the run is stopping. Fatal for the step."""
+
+
+class PrefixCacheNotReset(InferenceError):
+    """The server kept refusing to reset its prefix cache after a weight sync, until the reset's
+    deadline: its cached KV, computed by the old weights, could still be reused."""
 
 
 class WeightSyncError(ServiceError):

@@ -57,6 +57,9 @@ class Metric:
     SYNC_S = "sync_s"
     SYNC_PAUSE_S = "sync_pause_s"
     SYNC_BYTES = "sync_bytes"  # what one weight sync carried (in the serving dtype)
+    # the tries the slowest server's prefix-cache reset took after the sync (1: at once; one
+    # refused to the deadline fails the sync): vLLM's KV of the old weights is never read again
+    SYNC_CACHE_RESET_TRIES = "sync_cache_reset_tries"
     EVAL_REWARD = "eval_reward"  # per environment: eval_reward/<env>
     # timed phases of the step flow
     GENERATE_PHASE_S = "generate_phase_s"

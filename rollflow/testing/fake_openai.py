@@ -6,6 +6,8 @@ uniform random ``0..latency_jitter_s``, so that answers do not all arrive in loc
 ``GET /health`` answers 200. A ``faults`` plan decides, per request, whether to answer, to
 answer every choice with ``finish_reason="abort"`` (what a paused-with-abort vLLM returns), or
 to drop the connection without answering (a server restart, a proxy timeout).
+``POST /reset_prefix_cache`` answers ``{"success": ...}`` as a ``resets`` plan says (vLLM's
+refusal while KV blocks are held is ``false``), and records each query it was sent.
 
 Not the real thing: tests of the real inference path run vLLM itself (tests/integration/infra). This
 stands in where a test must inject faults deterministically or a benchmark must measure the
@@ -25,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Literal
 
-from rollflow.inference.protocol import COMPLETIONS, HEALTH
+from rollflow.inference.protocol import COMPLETIONS, HEALTH, RESET_PREFIX_CACHE
 from rollflow.testing.loop_server import LoopServer
 
 Fault = Literal["ok", "abort", "disconnect"]
@@ -33,11 +35,18 @@ FaultPlan = Callable[
     [tuple[int, ...], int], Fault
 ]  # (prompt token ids, attempt: 0, 1, ...) -> fault
 
+# (attempt: 0, 1, ...) -> the reset's success (None: an answer without it)
+ResetPlan = Callable[[int], bool | None]
+
 COMPLETION = [5, 6, 7]
 
 
 def no_faults(prompt: tuple[int, ...], attempt: int) -> Fault:
     return "ok"
+
+
+def resets_succeed(attempt: int) -> bool:
+    return True
 
 
 class FakeOpenAI(LoopServer):
@@ -54,9 +63,12 @@ class FakeOpenAI(LoopServer):
         port: int = 0,
         eos_token_id: int = 2,
         latency_jitter_s: float = 0.0,
+        resets: ResetPlan = resets_succeed,
     ):
         super().__init__(host, port)
         self.latency_s, self.faults = latency_s, faults
+        self.resets = resets
+        self.reset_queries: list[str] = []  # the query of every /reset_prefix_cache, in order
         self.latency_jitter_s = latency_jitter_s
         self.eos_token_id = eos_token_id
         self.attempts: Counter[tuple[int, ...]] = Counter()  # requests seen per prompt
@@ -71,9 +83,14 @@ class FakeOpenAI(LoopServer):
                 request = await _read_request(reader)
                 if request is None:
                     return
-                method, path, body = request
+                method, target, body = request
+                path, _, query = target.partition("?")
                 if (method, path) == (HEALTH.method, HEALTH.path):
                     _respond(writer, 200, b"")
+                elif (method, path) == (RESET_PREFIX_CACHE.method, RESET_PREFIX_CACHE.path):
+                    success = self.resets(len(self.reset_queries))
+                    self.reset_queries.append(query)
+                    _respond(writer, 200, json.dumps({"success": success}).encode())
                 elif (method, path) == (COMPLETIONS.method, COMPLETIONS.path):
                     answer = await self._complete(json.loads(body))
                     if answer is None:  # injected disconnect: no response, connection closed
@@ -139,7 +156,7 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] 
         if name.strip().lower() == "content-length":
             length = int(value.strip())
     body = await reader.readexactly(length) if length else b""
-    return method, target.split("?", 1)[0], body
+    return method, target, body
 
 
 def _respond(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:

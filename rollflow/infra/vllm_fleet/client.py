@@ -16,22 +16,32 @@ and with 1024 requests in flight the httpx pool held the loop for more than 10 s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from pydantic import ValidationError
 
 from rollflow.inference import protocol
 from rollflow.inference.protocol import Route
-from rollflow.infra.errors import InferenceError, InferenceUnavailable, RequestAborted
+from rollflow.infra.errors import (
+    InferenceError,
+    InferenceUnavailable,
+    PrefixCacheNotReset,
+    RequestAborted,
+)
 from rollflow.infra.vllm_fleet.gate import serving_gate
 from rollflow.infra.vllm_fleet.keys import auth_headers
 
 # vLLM's uvicorn closes a keep-alive connection after 5 s idle (--timeout-keep-alive); the client
 # drops its own a little earlier, so that it rarely sends on a connection the server is closing.
 _KEEPALIVE_S = 4.0
+# The first wait before a refused prefix-cache reset is tried again (it doubles, up to 1 s).
+_RESET_RETRY_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -119,16 +129,51 @@ class InferenceClient:
         return [_completion(c) for c in choices]
 
     async def pause(self, mode: str = "keep") -> None:
-        """Stop scheduling; ``keep`` freezes in-flight requests, ``abort`` ends them, ``wait`` drains."""
-        await self._post(protocol.PAUSE, params={"mode": mode})
+        """Stop scheduling; ``keep`` freezes in-flight requests, ``abort`` ends them, ``wait`` drains.
+
+        The pause leaves vLLM's caches alone (``clear_cache=false``). vLLM 0.32 clears them by
+        default even for ``keep``, preempting the requests in flight, though it documents the
+        parameter as deprecated and ignored for ``keep``; a weight sync does not lean on that:
+        its one reset is ``reset_prefix_cache``, after the new weights are in, and it is checked.
+        """
+        await self._post(protocol.PAUSE, params={"mode": mode, "clear_cache": "false"})
 
     async def resume(self) -> None:
         """Resume scheduling after ``pause``."""
         await self._post(protocol.RESUME)
 
-    async def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks (they were computed by the old weights)."""
-        await self._post(protocol.RESET_PREFIX_CACHE)
+    async def reset_prefix_cache(self, *, deadline_s: float | None = None) -> int:
+        """Drop every cached KV block (after a weight sync: they were computed by the old weights).
+
+        Requests in flight hold blocks, and vLLM refuses a reset while any block is held; so the
+        reset preempts them (``reset_running_requests``): they go back to vLLM's queue keeping
+        their tokens, and their KV is recomputed, by the new weights, when they are scheduled
+        again. None is lost, and no KV of the old weights is used again. vLLM answers
+        ``{"success": false}`` when blocks are held even so (an asynchronous KV transfer); the
+        reset is then tried again until ``deadline_s`` (the control timeout), then raises
+        ``PrefixCacheNotReset``. Returns the tries it took (1: at once).
+        """
+        deadline_s = deadline_s or self.control_timeout_s
+        deadline = time.monotonic() + deadline_s
+        tries, wait_s = 1, _RESET_RETRY_S
+        while not await self._reset_prefix_cache_once():
+            if time.monotonic() + wait_s > deadline:
+                raise PrefixCacheNotReset(
+                    f"{self.base_url} refused to reset its prefix cache {tries} times within "
+                    f"{deadline_s:.0f} s (KV blocks still held): KV computed by the old weights "
+                    "could be used again; see the server's log"
+                )
+            await asyncio.sleep(wait_s)
+            tries, wait_s = tries + 1, min(2 * wait_s, 1.0)
+        return tries
+
+    async def _reset_prefix_cache_once(self) -> bool:
+        route = protocol.RESET_PREFIX_CACHE
+        answer = await self._post(route, params={"reset_running_requests": "true"})
+        try:
+            return protocol.PrefixCacheReset.model_validate(answer).success
+        except ValidationError as err:  # e.g. an older vLLM's empty 200, which said nothing
+            raise InferenceError(f"{route.path} answered {answer!r}, not its success") from err
 
     async def collective_rpc(
         self, method: str, args: list[str], *, timeout_s: float | None = None
@@ -190,6 +235,9 @@ class InferenceClient:
     ) -> Any:
         timeout_s = timeout_s or self.control_timeout_s
         what = f"{route.method} {route.path}"
+        undeclared = set(params or ()) - set(route.params)
+        if undeclared:  # the protocol declares what the run sends to vLLM
+            raise ValueError(f"{what} takes no query parameter {sorted(undeclared)}")
         try:
             try:
                 status, data = await self._send(route, body, params, timeout_s)

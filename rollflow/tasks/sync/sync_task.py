@@ -1,8 +1,9 @@
 """The sync stage: trainer weights → vLLM as policy version N, while requests stay queued.
 
 Order (``weights.publish``): pause generation (in-flight requests kept) → the trainer broadcasts
-and vLLM receives, concurrently → reset the prefix cache → resume. Resume runs even when the
-broadcast fails. A sync waits while the inference supervisor restarts vLLM; one cut by vLLM's
+and vLLM receives, concurrently → reset the prefix cache (the kept requests preempted, their KV
+recomputed with the new weights; a refusal to the deadline fails the sync) → resume. Resume runs
+even when the broadcast fails. A sync waits while the inference supervisor restarts vLLM; one cut by vLLM's
 death is done again on the restarted server (whose re-sync already carried this version: the
 second is a no-op).
 """
@@ -39,6 +40,7 @@ class Synced:
     total_s: float
     bytes: int | None
     attempts: int
+    cache_reset_tries: int  # the most tries a server's prefix-cache reset took (1: at once)
 
 
 @task(name="sync", cache_policy=NO_CACHE, persist_result=False)
@@ -73,6 +75,7 @@ def sync(ctx: RunContext, version: int, source: WeightSource) -> Synced:
         result["total_s"],
         result["bytes"],
         attempt + 1,
+        result["cache_reset_tries"],
     )
 
 

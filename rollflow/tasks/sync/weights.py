@@ -104,9 +104,13 @@ async def sync_weights(
 
     pause(keep) all → {trainer broadcast ∥ every worker receives + reloads} → reset prefix
     caches → resume all. Requests in flight are frozen, not dropped, and continue on the new
-    weights. Every server is resumed whatever happens. Returns ``version``, ``pause_s``,
-    ``broadcast_s``, ``total_s`` and ``bytes`` (what ``send()``'s reply says it sent). With
-    ``version=None`` the trainer tags the weights (the version its reply names).
+    weights: the reset preempts them, so that vLLM recomputes their KV with the new weights
+    (``InferenceClient.reset_prefix_cache``), and no request, new or kept, reads KV of the old
+    ones. A server that refuses the reset to the deadline fails the sync. Every server is
+    resumed whatever happens. Returns ``version``, ``pause_s``, ``broadcast_s``, ``total_s``,
+    ``bytes`` (what ``send()``'s reply says it sent) and ``cache_reset_tries`` (the most any
+    server's reset took; 1: at once). With ``version=None`` the trainer tags the weights (the
+    version its reply names).
     """
     start = time.perf_counter()
     what = f"weight sync v{version}" if version is not None else "weight sync"
@@ -134,8 +138,10 @@ async def sync_weights(
         loaded = [v for vs in versions for v in vs]
         if any(v != version for v in loaded):
             raise WeightSyncError(f"workers loaded versions {loaded}, expected {version}")
-        # Cached KV blocks were computed by the old weights.
-        await asyncio.gather(*(client.reset_prefix_cache() for client in clients))
+        # Cached KV blocks were computed by the old weights, and so were the kept requests'.
+        tries = await asyncio.gather(
+            *(client.reset_prefix_cache(deadline_s=timeout_s) for client in clients)
+        )
     finally:
         results = await asyncio.gather(
             *(client.resume() for client in paused), return_exceptions=True
@@ -150,6 +156,7 @@ async def sync_weights(
         "broadcast_s": broadcast_done - paused_at,
         "total_s": end - start,
         "bytes": sent.bytes,
+        "cache_reset_tries": max(tries, default=0),
     }
 
 

@@ -206,6 +206,43 @@ def test_every_declared_route_is_one_vllm_serves():
     assert not missing, f"vLLM does not serve {missing}"
 
 
+def _vllm_handler_params() -> dict[tuple[str, str], set[str]]:
+    """(method, path) → the parameter names of vLLM's handler of the route (its query
+    parameters among them), for every route declared by a decorator such as
+    ``@router.post("/path")``."""
+    spec = importlib.util.find_spec("vllm")
+    root = Path(next(iter(spec.submodule_search_locations))) / "entrypoints"
+    handlers: dict[tuple[str, str], set[str]] = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            names = {a.arg for a in node.args.args + node.args.kwonlyargs}
+            for decorator in node.decorator_list:
+                if not (
+                    isinstance(decorator, ast.Call)
+                    and isinstance(decorator.func, ast.Attribute)
+                    and decorator.func.attr in ("get", "post")
+                    and decorator.args
+                    and isinstance(decorator.args[0], ast.Constant)
+                ):
+                    continue
+                key = (decorator.func.attr.upper(), decorator.args[0].value)
+                handlers.setdefault(key, set()).update(names)
+    return handlers
+
+
+def test_every_declared_query_parameter_is_one_vllms_handler_takes():
+    """FastAPI ignores a query parameter its handler does not take: a misspelt or dropped one
+    would be sent and never read (``reset_running_requests`` is what makes the prefix-cache
+    reset succeed with requests in flight)."""
+    handlers = _vllm_handler_params()
+    assert "reset_running_requests" in protocol.RESET_PREFIX_CACHE.params
+    for route in ROUTES:
+        taken = handlers.get((route.method, route.path), set())
+        assert set(route.params) <= taken, f"vLLM's {route.path} takes {sorted(taken)}"
+
+
 def _strings(path: Path) -> set[str]:
     return {
         node.value

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from rollflow.infra.errors import WeightSyncError
+from rollflow.infra.errors import PrefixCacheNotReset, WeightSyncError
 from rollflow.tasks.sync.weights import sync_weights
 from rollflow.trainer.protocol import SentReply
 
@@ -38,8 +38,9 @@ class Server:
         self.calls.append(method)
         return [{"version": 3}]
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self, deadline_s: float) -> int:
         self.calls.append("reset")
+        return 1
 
     async def resume(self) -> None:
         self.calls.append("resume")
@@ -57,7 +58,7 @@ async def _send() -> SentReply:
 def test_servers_pause_together_then_load_and_resume():
     servers = [Server("a"), Server("b"), Server("c")]
     out = asyncio.run(sync_weights(servers, _send, 3, timeout_s=5))
-    assert out["version"] == 3 and out["bytes"] == 10
+    assert out["version"] == 3 and out["bytes"] == 10 and out["cache_reset_tries"] == 1
     assert Server.most_in_flight == 3  # no server waits for another's pause
     for s in servers:
         assert s.calls == ["pause:keep", "receive_weights", "reset", "resume"]
@@ -80,6 +81,19 @@ def test_a_server_that_loaded_another_version_fails_the_sync_and_is_resumed():
 
     servers = [Server("a"), Stale("b")]
     with pytest.raises(WeightSyncError, match=r"loaded versions \[3, 2\], expected 3"):
+        asyncio.run(sync_weights(servers, _send, 3, timeout_s=5))
+    assert all(s.calls[-1] == "resume" for s in servers)
+
+
+def test_a_server_that_refuses_the_cache_reset_fails_the_sync_and_every_server_is_resumed():
+    """KV of the old weights must never be read after a sync: a refused reset is an error."""
+
+    class Refuses(Server):
+        async def reset_prefix_cache(self, deadline_s: float) -> int:
+            raise PrefixCacheNotReset(f"{self.name} refused to reset its prefix cache")
+
+    servers = [Server("a"), Refuses("b")]
+    with pytest.raises(PrefixCacheNotReset, match="b refused"):
         asyncio.run(sync_weights(servers, _send, 3, timeout_s=5))
     assert all(s.calls[-1] == "resume" for s in servers)
 
