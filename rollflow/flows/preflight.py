@@ -207,9 +207,18 @@ class Preflight:
 
         for i, spec in enumerate(self.cfg.envs):
             try:
-                env = load_env(spec.name, spec.args)
+                env = load_env(
+                    spec.name,
+                    spec.args,
+                    rewards=spec.rewards,
+                    reward_timeout_s=spec.reward_timeout_s,
+                    key=f"envs[{i}]",
+                )
             except (ValueError, OSError) as exc:
-                self.fail(f"envs[{i}].name", spec.name, str(exc))
+                if f"envs[{i}].rewards" in str(exc):  # the message names the key and the file
+                    self.problems.append(str(exc))
+                else:
+                    self.fail(f"envs[{i}].name", spec.name, str(exc))
                 continue
             if self.cfg.model.tiny is not None and not hasattr(env, "sft_examples"):
                 self.fail(

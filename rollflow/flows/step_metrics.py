@@ -66,6 +66,7 @@ class StepMetrics:
             {
                 Metric.REWARD_MEAN: r.reward_mean,
                 **{per_env(Metric.REWARD, env): v for env, v in r.reward_by_env.items()},
+                **{per_env(Metric.REWARD_FN, key): v for key, v in r.reward_fns.items()},
                 Metric.NUM_ROLLOUTS: r.num_rollouts,
                 Metric.NUM_ERRORS: r.num_errors,
                 Metric.ROLLOUTS_REUSED: r.reused,

@@ -20,6 +20,7 @@ class Metric:
     # generate
     REWARD_MEAN = "reward_mean"
     REWARD = "reward"  # per environment: reward/<env>
+    REWARD_FN = "reward_fn"  # per env and plain reward function: reward_fn/<env>/<function>
     NUM_ROLLOUTS = "num_rollouts"
     NUM_ERRORS = "num_errors"
     ROLLOUTS_REUSED = "rollouts_reused"

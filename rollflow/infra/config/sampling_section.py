@@ -4,9 +4,30 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rollflow.infra.config.base import Section
+
+
+class RewardSpec(Section):
+    """One plain reward function of an env and its weight."""
+
+    fn: str = Field(
+        description="`package.module:function` or `path/to/rewards.py:function` (a path relative "
+        "to the directory the run starts in)."
+    )
+    weight: float = Field(1.0, description="Its weight in the env's reward (a weighted sum).")
+
+    @field_validator("fn")
+    @classmethod
+    def _has_function(cls, fn: str) -> str:
+        module, _, name = fn.rpartition(":")
+        if not module or not name.isidentifier():
+            raise ValueError(
+                f"{fn!r} names no function: write 'package.module:function' or "
+                "'rewards.py:function'"
+            )
+        return fn
 
 
 class EnvSpec(Section):
@@ -20,6 +41,17 @@ class EnvSpec(Section):
         1.0, gt=0, description="Share of the training prompts drawn from this env."
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env.")
+    rewards: list[RewardSpec] = Field(
+        default_factory=list,
+        description="Plain reward functions that score this single-turn env's completions instead "
+        "of its own reward: the weighted sum of their values (docs/environments.md, 'Your own "
+        "reward').",
+    )
+    reward_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Deadline of one call of a reward function; a call past it gives an error row.",
+    )
 
 
 class PromptSection(Section):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +38,8 @@ class PromptRow:
     index: int  # 0-based row of the source (JSONL: line number - 1)
     prompt: str
     answer: str
+    # The row's other columns (metadata for plain reward functions).
+    fields: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def _load_cached(
         )
         source = path if split is None else f"{path} (split {split})"
         _require_columns(source, table.column_names, columns)
-        records = _table_records(table, columns)
+        records = _table_records(table, table.column_names)
         where = "row"
     rows, skipped = [], []
     for index, record in records:
@@ -177,7 +179,8 @@ def _prompt_row(
         if isinstance(value, float) and not math.isfinite(value):
             return f"{answer_column!r} is {value}"
         answer = str(value)
-    return PromptRow(index, prompt, answer)
+    other = {k: v for k, v in record.items() if k not in (prompt_column, answer_column)}
+    return PromptRow(index, prompt, answer, other)
 
 
 def _jsonl_records(p: Path):
@@ -219,7 +222,7 @@ def _read_parquet(p: Path, columns: list[str]):
     try:
         schema = pq.read_schema(p) if p.is_file() else pq.ParquetDataset(p).schema
         _require_columns(str(p), schema.names, columns)
-        return pq.read_table(p, columns=columns)
+        return pq.read_table(p)
     except InputError:
         raise
     except Exception as exc:  # pyarrow raises several types for unreadable files

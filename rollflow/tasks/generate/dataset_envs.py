@@ -94,6 +94,7 @@ class DatasetEnv(SingleTurnEnv):
             f"{self.name}:{prefix}{row.index}",
             template.replace("{prompt}", row.prompt),
             row.answer,
+            fields=row.fields or None,
         )
 
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:

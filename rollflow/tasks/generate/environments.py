@@ -18,11 +18,12 @@ import math
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollflow.infra.errors import ConfigError
+from rollflow.tasks.generate.reward_fns import RewardFns, load_reward_fns
 
 Split = Literal["train", "eval"]
 
@@ -42,6 +43,8 @@ class Prompt:
     answer: str
     messages: tuple[dict[str, Any], ...] | None = field(default=None, hash=False, compare=False)
     tools: tuple[dict[str, Any], ...] | None = field(default=None, hash=False, compare=False)
+    # The example's other columns (metadata), given to plain reward functions (reward_fns.py).
+    fields: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass
@@ -152,7 +155,10 @@ class Environment(ABC):
 
 
 class SingleTurnEnv(Environment):
-    """One completion per rollout, scored by ``reward(prompt, completion_text)``."""
+    """One completion per rollout, scored by ``reward(prompt, completion_text)``, or by the plain
+    functions of ``[[envs]] rewards`` when ``reward_fns`` is set (``reward_fns.py``)."""
+
+    reward_fns: RewardFns | None = None
 
     @abstractmethod
     def reward(self, prompt: Prompt, completion: str) -> float:
@@ -177,13 +183,29 @@ class SingleTurnEnv(Environment):
             )
             for c in completions
         ]
-        await asyncio.to_thread(self._decode_and_score, prompt, samples, ctx)
+        if self.reward_fns is None:
+            await asyncio.to_thread(self._decode_and_score, prompt, samples, ctx)
+            return samples
+        await asyncio.to_thread(self._decode, samples, ctx)
+        start = time.perf_counter()
+        scored = await self.reward_fns.score(prompt, [s.completion_text for s in samples])
+        reward_s = (time.perf_counter() - start) / max(len(samples), 1)
+        for s, result in zip(samples, scored, strict=True):
+            s.reward_s = reward_s
+            if isinstance(result, str):
+                s.error = result
+            else:
+                s.reward, s.info["rewards"] = result
         return samples
 
-    def _decode_and_score(self, prompt: Prompt, samples: list[Sample], ctx: RolloutContext) -> None:
+    def _decode(self, samples: list[Sample], ctx: RolloutContext) -> None:
         for s in samples:
             ids = s.completion_ids
             s.completion_text = ctx.decode(ids[:-1] if ids and ctx.is_stop(ids[-1]) else ids)
+
+    def _decode_and_score(self, prompt: Prompt, samples: list[Sample], ctx: RolloutContext) -> None:
+        self._decode(samples, ctx)
+        for s in samples:
             start = time.perf_counter()
             try:
                 s.reward = float(self.reward(prompt, s.completion_text))
@@ -372,8 +394,17 @@ BUILTIN_ENVS: dict[str, str] = {
 }
 
 
-def load_env(name: str, args: dict[str, Any]) -> Environment:
-    """A built-in environment by name, or any ``package.module:Class``."""
+def load_env(
+    name: str,
+    args: dict[str, Any],
+    *,
+    rewards: Sequence[Any] = (),
+    reward_timeout_s: float = 30.0,
+    key: str = "envs",
+) -> Environment:
+    """A built-in environment by name, or any ``package.module:Class``; ``rewards`` (objects with
+    ``fn`` and ``weight``, ``[[envs]] rewards``) replace a single-turn env's own reward."""
+    fns = load_reward_fns(rewards, key=f"{key}.rewards") if rewards else None
     if name not in BUILTIN_ENVS and ":" not in name:
         raise ConfigError(
             f"unknown env {name!r} in [[envs]]: use one of {sorted(BUILTIN_ENVS)} or "
@@ -398,5 +429,12 @@ def load_env(name: str, args: dict[str, Any]) -> Environment:
             f"env {name!r}: {cls!r} is not a rollflow Environment; subclass "
             "rollflow.tasks.generate.environments.Environment"
         )
+    if fns is not None:
+        if not isinstance(env, SingleTurnEnv):
+            raise ConfigError(
+                f"{key}.rewards: env {name!r} is not single-turn (a SingleTurnEnv); plain reward "
+                "functions score single-turn envs such as 'dataset' and 'math'"
+            )
+        env.reward_fns = RewardFns(tuple(fns), reward_timeout_s)
     env.name = name  # prompts carry the name the config gave, which keys the run's env mix
     return env

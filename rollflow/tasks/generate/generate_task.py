@@ -12,6 +12,7 @@ consecutive steps after C that qualify are reused (``reused_steps``): the produc
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class Rollouts:
     num_skipped_rows: int
     group_scored_envs: list[str]
     producer: dict[str, float] = field(default_factory=dict)
+    # Each plain reward function's mean value, keyed "<env>/<function>" ([[envs]] rewards).
+    reward_fns: dict[str, float] = field(default_factory=dict)
     # Episodes: environment tokens, model turns per episode, the share cut short, stop reasons.
     turns: dict[str, float] = field(default_factory=dict)
 
@@ -77,7 +80,16 @@ def _tokenizer(model_path: str):
 
 
 def build_envs(cfg: RunConfig) -> dict[str, Environment]:
-    return {spec.name: load_env(spec.name, spec.args) for spec in cfg.envs}
+    return {
+        spec.name: load_env(
+            spec.name,
+            spec.args,
+            rewards=spec.rewards,
+            reward_timeout_s=spec.reward_timeout_s,
+            key=f"envs[{i}]",
+        )
+        for i, spec in enumerate(cfg.envs)
+    }
 
 
 def make_rollout_context(
@@ -230,7 +242,18 @@ def _summary(rows: list[dict]) -> dict:
         "reward_by_env": {k: fmean(v) for k, v in sorted(by_env.items())},
         "completion_tokens": sum(sum(loss_mask(r)) for r in rows),
         "turns": _turn_summary(rows),
+        "reward_fns": _reward_fn_summary(rows),
     }
+
+
+def _reward_fn_summary(rows: list[dict]) -> dict[str, float]:
+    """Each plain reward function's mean over the step's scored rows, per env."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        if r["error"] is None and '"rewards"' in (r.get("info") or ""):
+            for name, v in json.loads(r["info"])["rewards"].items():
+                values[f"{r['env']}/{name}"].append(v)
+    return {k: fmean(v) for k, v in sorted(values.items())}
 
 
 def _turn_summary(rows: list[dict]) -> dict[str, float]:

@@ -56,6 +56,7 @@ def test_the_producers_quarantine_numbers_reach_the_row():
             num_skipped_rows=0,
             turns={},
             producer=producer,
+            reward_fns={},
         )
     )
     assert by_env(m.row, Metric.ENV_QUARANTINED) == {"calc": 1, "add": 0}
