@@ -1,7 +1,9 @@
-"""notebooks/rollouts.ipynb runs, cell by cell, on a run the tests made (so it cannot rot)."""
+"""notebooks/rollouts.ipynb runs, cell by cell, on a run the tests made (so it cannot rot): from
+the run's folder, and from a copy of it in moto's S3 on 127.0.0.1 (the same run, no new one)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -30,9 +32,31 @@ def test_every_table_and_plot_has_a_markdown_cell_that_says_what_it_shows():
     )
 
 
+@pytest.fixture(params=["folder", "s3"])
+def run_address(request, deployed_run) -> tuple[str, dict]:
+    """The deployed run as the notebook is told of it: its folder, or a copy in moto's S3 of
+    what the notebook reads (config, metrics, events, committed rollouts, checkpoint markers)."""
+    run_dir = Path(deployed_run.run_dir)
+    if request.param == "folder":
+        return str(run_dir), {}
+    import fsspec
+
+    options = {"endpoint_url": request.getfixturevalue("s3_endpoint")}
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+    target = f"rollflow/notebook/{run_dir.name}"
+    for local in sorted(run_dir.rglob("*")):
+        relative = local.relative_to(run_dir).as_posix()
+        wanted = relative.startswith(("metrics/", "rollouts/", "config.json", "events"))
+        if local.is_file() and (wanted or relative.endswith("/_SUCCESS")):
+            fs.pipe_file(f"{target}/{relative}", local.read_bytes())
+    return f"s3://{target}", options
+
+
 @pytest.mark.slow
-def test_notebook_executes_on_a_run_made_by_the_tests(deployed_run, monkeypatch):
-    monkeypatch.setenv("ROLLFLOW_RUN", str(deployed_run.run_dir))
+def test_notebook_executes_on_a_run_made_by_the_tests(run_address, monkeypatch):
+    run, options = run_address
+    monkeypatch.setenv("ROLLFLOW_RUN", run)
+    monkeypatch.setenv("ROLLFLOW_STORAGE_OPTIONS", json.dumps(options))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # Raises CellExecutionError, with the failing cell and traceback, if any cell fails.
     NotebookClient(
@@ -64,6 +88,15 @@ def test_notebook_executes_on_a_run_made_by_the_tests(deployed_run, monkeypatch)
     assert "shape: (12, 6)" in text("sample")
     # Single-turn episodes: one model turn each, nothing truncated at the episode limit.
     assert "shape: (2, 7)" in text("turns") and images("turns") == 1
+    curves = text("training-curves")
+    assert "shape: (3, " in curves and "loss" in curves, curves  # steps 0, 1, 2
     assert [
-        images(t) for t in ("reward-by-step", "reward-by-env", "completion-lengths", "staleness")
-    ] == [1, 1, 1, 1]
+        images(t)
+        for t in (
+            "reward-by-step",
+            "reward-by-env",
+            "training-curves",
+            "completion-lengths",
+            "staleness",
+        )
+    ] == [1, 1, 1, 1, 1]
