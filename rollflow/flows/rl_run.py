@@ -368,18 +368,44 @@ def prepare_policy(cfg: RunConfig) -> Path | str:
     )
 
 
+# What makes a run the run it is: a rerun that changes one of these is another run.
+RUN_DEFINING_KEYS = ("model.path", "model.revision", "model.tiny", "envs")
+
+
 def _record_config(storage: RunStorage, cfg: RunConfig) -> None:
-    """Write config.json once; a rerun with a different config says what changed."""
+    """Write config.json once; a rerun with a different config says what changed, and one whose
+    model or environments differ from a run with committed steps is refused (never resumed by
+    accident) unless ``run.resume_changed`` says to go on."""
     resolved = dump_config(cfg)
     old = storage.read_json("config.json")
-    if old is None:
+    if old is None or not _has_committed_steps(storage):
         storage.write_json("config.json", resolved)
-    elif old != resolved:
-        changed = sorted(_diff(old, resolved))
+        return
+    changed = sorted(_diff(_as_current(old), resolved))
+    defining = [k for k in changed if k.startswith(RUN_DEFINING_KEYS)]
+    if defining and not cfg.run.resume_changed:
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: {storage.uri} holds a run with another "
+            f"{', '.join(defining)}; start a new run with run.name=<new name>, or resume it "
+            "with the new values with run.resume_changed=true"
+        )
+    if changed:
         say(
             f"note: config differs from the run's first config.json in {', '.join(changed)}; "
             "continuing with the new values"
         )
+
+
+def _has_committed_steps(storage: RunStorage) -> bool:
+    return bool(storage.committed_steps("checkpoints") or storage.committed_steps("rollouts"))
+
+
+def _as_current(old: dict) -> dict:
+    """A stored config with today's defaults filled in, so that a key added since is no change."""
+    try:
+        return dump_config(validate_config(old))
+    except ValueError:  # a key that has gone since: compare as stored
+        return old
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:

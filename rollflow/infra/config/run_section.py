@@ -15,6 +15,12 @@ class RunSection(Section):
     name: str = Field(
         "quickstart", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; storage sub-folder."
     )
+    resume_changed: bool = Field(
+        False,
+        description="Resume a run whose committed steps were made with another model.path, "
+        "model.revision, model.tiny or envs, with the new values; false: such a rerun is refused "
+        "before any service starts (give it a new run.name).",
+    )
     storage: str = Field("runs", description="Storage root: a local folder or an s3:// URI.")
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
