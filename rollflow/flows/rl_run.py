@@ -152,6 +152,7 @@ def _train_steps(
         trainer=services.trainer.endpoint,
         inference=services.inference_endpoints,
         trainer_restarts=trainer_restarts,
+        resumed_from=resumed_from,
     )
     if resumed_from == 0 and not storage.read_metrics():
         ev = evaluate(ctx)

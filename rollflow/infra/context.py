@@ -22,6 +22,7 @@ class RunContext(BaseModel):
     trainer: Endpoint
     inference: list[Endpoint]  # the vLLM servers when the context was made (one token for all)
     trainer_restarts: int = 0  # how often the run restarted a lost trainer before this context
+    resumed_from: int = 0  # the committed checkpoint the trainer started from (0: none)
 
     def inference_fleet(self) -> Fleet:
         """The servers that serve now: the run's fleet where its services run in this process

@@ -125,6 +125,17 @@ class RunStorage:
         if self.fs.exists(folder):
             self.fs.rm(folder, recursive=True)
 
+    def keep_last(self, kind: str, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
+        """Remove the committed ``kind`` steps older than the last ``keep`` (at least 1, so the
+        latest stays), except those in ``protect``; returns the removed steps. Each goes marker
+        first (``remove_step``): a removal cut short leaves a folder that no longer counts."""
+        steps = self.committed_steps(kind)
+        kept = set(steps[-max(1, keep) :]) | set(protect)
+        removed = [step for step in steps if step not in kept]
+        for step in removed:
+            self.remove_step(kind, step)
+        return removed
+
     def write_step_table(self, kind: str, step: int, table: pa.Table) -> str:
         """Write one step's table and commit it; returns the step folder's URI."""
         self.clear_uncommitted(kind, step)

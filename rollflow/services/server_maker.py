@@ -97,7 +97,11 @@ class ServerMaker:
                 "port": inf.port + slot if inf.port else 0,
                 "max_model_len": max_model_len(self.policy_dir),
                 "startup_timeout_s": inf.startup_timeout_s,
-                "extra_args": [*self.plan.server_args(slot), *inf.extra_args],
+                "extra_args": [
+                    *self.plan.server_args(slot),
+                    *cfg.model.vllm_args(),
+                    *inf.extra_args,
+                ],
                 "env": dict(planned.env),
                 "cpus": list(planned.cpus),
             },

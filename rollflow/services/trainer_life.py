@@ -191,6 +191,8 @@ def trainer_args(
         run=cfg.run.name,
         seed=cfg.run.seed,
         num_steps=cfg.run.num_steps,
+        model_revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code,
         train=cfg.train,
         trainer=cfg.trainer,
         sampling=cfg.sampling,

@@ -16,8 +16,10 @@ same gradient (to fp32 rounding) as one process running all of them; ``full_stat
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -45,27 +47,55 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def warmup_schedule(warmup_steps: int):
-    """Linear warm-up to the base learning rate over ``warmup_steps`` optimizer steps, then constant."""
-    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    total_steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of the base rate:
+    linear warm-up over ``warmup_steps``, then constant, or a linear or cosine decay that reaches
+    ``min_lr_ratio`` at ``total_steps`` and stays there (no ``total_steps``: constant)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or not total_steps or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
 @dataclass(frozen=True)
 class OptimSpec:
-    """The optimizer step every backend takes: AdamW with a linear warm-up, gradient clipping,
-    and the compute precision (bf16 with fp32 master weights, or fp32 throughout)."""
+    """The optimizer step every backend takes: AdamW with a learning-rate schedule (warm-up, then
+    constant or decayed: ``lr_factor``), gradient clipping, and the compute precision (bf16 with
+    fp32 master weights, or fp32 throughout). The schedule's one state is the optimizer step
+    count, which each backend's checkpoint keeps (LambdaLR's ``last_epoch``)."""
 
     lr: float
     weight_decay: float
     max_grad_norm: float
     warmup_steps: int
     mixed_precision: bool
+    schedule: str = "constant"
+    total_steps: int | None = None  # the run's optimizer steps: where a decay ends
+    min_lr_ratio: float = 0.0
 
     def adamw(self, params: list[nn.Parameter]):
         """The optimizer and its learning-rate schedule over ``params``."""
         optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_schedule(self.warmup_steps))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, **self._shape()))
         return optimizer, schedule
+
+    def _shape(self) -> dict:
+        return {
+            "warmup_steps": self.warmup_steps,
+            "schedule": self.schedule,
+            "total_steps": self.total_steps,
+            "min_lr_ratio": self.min_lr_ratio,
+        }
 
 
 def _norm(value) -> float:

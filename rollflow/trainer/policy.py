@@ -13,10 +13,12 @@ parameter of the wrapper, since the head module itself is never called.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rollflow.gpu_kernels import varlen_attention
@@ -55,6 +57,17 @@ class PackedPolicy(nn.Module):
                 "FSDP2 to shard: set trainer.backend = 'deepspeed'"
             )
         return list(layers)
+
+    def checkpoint_activations(self) -> None:
+        """Recompute each decoder layer's activations in the backward pass instead of keeping
+        them (non-reentrant ``torch.utils.checkpoint``), whether the model is in train mode or not.
+
+        The layer's ``forward`` is wrapped, not the module: parameter names stay HF's, and the
+        hooks FSDP2's ``fully_shard`` puts on the layer's call (gather, reshard) stay outside
+        the recomputed region, as with torchtitan's checkpoint-then-shard order. Call it before
+        the backend shards the policy."""
+        for layer in self.decoder_layers():
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
     def forward(
         self,
@@ -99,12 +112,23 @@ def attention_implementation(device: torch.device) -> str:
 
 
 def load_hf_model(
-    path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32
+    path: str | Path,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
-    """The HF model in ``dtype`` on CPU (backends move or shard it), with an attention that packs."""
-    config = AutoConfig.from_pretrained(path)
+    """The HF model in ``dtype`` on CPU (backends move or shard it), with an attention that packs
+    (``revision``, ``trust_remote_code``: model.revision and model.trust_remote_code)."""
+    hub = {"revision": revision, "trust_remote_code": trust_remote_code}
+    config = AutoConfig.from_pretrained(path, **hub)
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, torch_dtype=dtype, attn_implementation=attention_implementation(device)
+        path,
+        config=config,
+        torch_dtype=dtype,
+        attn_implementation=attention_implementation(device),
+        **hub,
     )
     return model
 

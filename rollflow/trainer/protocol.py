@@ -99,6 +99,10 @@ class ServiceArgs(_Body):
     num_steps: int | None = Field(
         None, description="The run's last outer step: training_finished follows it"
     )
+    model_revision: str | None = Field(
+        None, description="model.revision: the hub revision model_path is loaded at"
+    )
+    trust_remote_code: bool = Field(False, description="model.trust_remote_code")
     train: TrainSection = Field(default_factory=TrainSection)
     trainer: TrainerServiceSection = Field(default_factory=TrainerServiceSection)
     sampling: SamplingSection = Field(

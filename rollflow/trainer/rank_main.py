@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         reference_model_path=_reference_path(args),
         weight_dtype=args.weight_dtype,
+        num_steps=args.num_steps,
+        revision=args.model_revision,
+        trust_remote_code=args.trust_remote_code,
     )
     trainer = Trainer(spec, device)
     if args.checkpoint_step is not None:

@@ -67,6 +67,31 @@ class TrainerSpec:
     reference_model_path: str | None = None
     # The dtype vLLM serves (InferenceSection.serving_dtype): weight syncs travel in it.
     weight_dtype: str = "float32"
+    # The run's outer steps (run.num_steps): a decaying learning rate ends at their last
+    # optimizer step; None: no decay.
+    num_steps: int | None = None
+    revision: str | None = None  # model.revision
+    trust_remote_code: bool = False  # model.trust_remote_code
+
+    def load(self, path: str, device: torch.device):
+        """The HF model at ``path`` as model.revision and model.trust_remote_code say."""
+        return load_hf_model(
+            path, device, revision=self.revision, trust_remote_code=self.trust_remote_code
+        )
+
+    def optim(self, on_gpu: bool) -> OptimSpec:
+        """The optimizer step: [train]'s rate and schedule over the run's optimizer steps."""
+        t = self.train
+        return OptimSpec(
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            warmup_steps=t.lr_warmup_steps,
+            mixed_precision=self.trainer.bf16(on_gpu=on_gpu),
+            schedule=t.lr_schedule,
+            total_steps=self.num_steps * t.optim_steps_per_step() if self.num_steps else None,
+            min_lr_ratio=t.min_lr_ratio,
+        )
 
 
 class Trainer:
@@ -76,7 +101,7 @@ class Trainer:
         torch.manual_seed(spec.seed)
         self.spec, self.device = spec, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        hf = load_hf_model(spec.model_path, device)
+        hf = spec.load(spec.model_path, device)
         self.config = hf.config
         # What a sync announces: HF names, full shapes, in order, floats in the serving dtype
         # (whatever the backend holds: fp32 masters, or DeepSpeed's bf16 copies).
@@ -97,23 +122,20 @@ class Trainer:
             else plain
         )
         temperature, top_p = spec.sampling.behaviour()
+        policy = PackedPolicy(hf, temperature, top_p)
+        if spec.trainer.activation_checkpointing:
+            policy.checkpoint_activations()  # before the backend shards or wraps it
         self.backend: Backend = make_backend(
             spec.trainer.backend,
-            PackedPolicy(hf, temperature, top_p),
+            policy,
             device,
-            OptimSpec(
-                lr=t.lr,
-                weight_decay=t.weight_decay,
-                max_grad_norm=t.max_grad_norm,
-                warmup_steps=t.lr_warmup_steps,
-                mixed_precision=spec.trainer.bf16(on_gpu=device.type == "cuda"),
-            ),
+            spec.optim(on_gpu=device.type == "cuda"),
             zero_stage=spec.trainer.deepspeed_stage(),
         )
         self.reference = None
         if spec.reference_model_path is not None:
             self.reference = (
-                PackedPolicy(load_hf_model(spec.reference_model_path, device), temperature, top_p)
+                PackedPolicy(spec.load(spec.reference_model_path, device), temperature, top_p)
                 .to(device)
                 .eval()
             )

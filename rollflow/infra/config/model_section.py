@@ -54,6 +54,16 @@ class ModelSection(Section):
         None, description="HF model directory or hub id. Exclusive with `tiny`."
     )
     tiny: TinyModelSpec | None = Field(None, description="Build a tiny character Llama instead.")
+    revision: str | None = Field(
+        None,
+        description="The hub revision of model.path (a branch, tag or commit) that the trainer, "
+        "the tokenizer and vLLM load; None: the default branch.",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Let the trainer, the tokenizer and vLLM run the model repository's own code "
+        "(an architecture transformers does not ship); only for repositories you trust.",
+    )
     warm_start_target: float = Field(
         0.35,
         ge=0,
@@ -69,6 +79,11 @@ class ModelSection(Section):
     cache_dir: str = Field(
         "~/.cache/rollflow/models", description="Where built tiny models are cached."
     )
+
+    def vllm_args(self) -> list[str]:
+        """``revision`` and ``trust_remote_code`` as ``vllm serve`` flags."""
+        args = ["--revision", self.revision] if self.revision else []
+        return args + (["--trust-remote-code"] if self.trust_remote_code else [])
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:

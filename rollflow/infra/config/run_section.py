@@ -42,6 +42,12 @@ class RunSection(Section):
     checkpoint_every: int = Field(
         1, ge=1, description="Checkpoint every N steps; resume restarts after the last one."
     )
+    keep_checkpoints: int | None = Field(
+        None,
+        ge=1,
+        description="Keep the last N committed checkpoints, removing older ones after each new "
+        "one commits (never the latest nor the one the run resumed from); None: keep all.",
+    )
     max_reruns: int = Field(
         2,
         ge=0,

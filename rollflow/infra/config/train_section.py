@@ -127,6 +127,18 @@ class TrainSection(Section):
     lr_warmup_steps: int = Field(
         0, ge=0, description="Linear learning-rate warm-up, in optimizer steps."
     )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="The learning rate after warm-up: constant, or decayed linearly or along a "
+        "cosine to lr x min_lr_ratio at the run's last optimizer step (run.num_steps x "
+        "optimizer steps per step).",
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="The decay's floor, a fraction of lr (linear and cosine schedules).",
+    )
 
     @field_validator("loss", mode="before")
     @classmethod

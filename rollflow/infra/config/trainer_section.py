@@ -101,6 +101,14 @@ class TrainerServiceSection(Section):
         "bf16), or fp32 throughout (off); auto: bf16 on GPUs, off on CPU.",
     )
 
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead of "
+        "keeping them (torch's non-reentrant checkpoint around each layer, set before FSDP2 or "
+        "DeepSpeed wraps the model): far less memory for long micro-batches, about a third more "
+        "compute; off by default (tiny CPU models do not need it), on in the GPU recipes.",
+    )
+
     @model_validator(mode="after")
     def _a_queue_per_node(self) -> TrainerServiceSection:
         if self.node_queues and len(self.node_queues) != self.num_nodes:

@@ -75,8 +75,10 @@ class Evaluation:
 
 
 @lru_cache(maxsize=4)
-def _tokenizer(model_path: str):
-    return AutoTokenizer.from_pretrained(model_path)
+def _tokenizer(model_path: str, revision: str | None = None, trust_remote_code: bool = False):
+    return AutoTokenizer.from_pretrained(
+        model_path, revision=revision, trust_remote_code=trust_remote_code
+    )
 
 
 def build_envs(cfg: RunConfig) -> dict[str, Environment]:
@@ -101,7 +103,7 @@ def make_rollout_context(
     temperature: float,
 ) -> RolloutContext:
     """Sampling with retries plus the policy's tokenizer: what environments need to roll out."""
-    tok = _tokenizer(model_path)
+    tok = _tokenizer(model_path, cfg.model.revision, cfg.model.trust_remote_code)
     s, inf = cfg.sampling, cfg.inference
     sampler = Sampler(
         client,
@@ -120,17 +122,17 @@ def make_rollout_context(
         eos_token_id=tok.eos_token_id,
         render=renderer,
         renderer=renderer,
-        stop_token_ids=tuple(_stop_ids(model_path)),
+        stop_token_ids=tuple(_stop_ids(model_path, cfg.model.revision)),
         max_tokens=s.max_tokens,
     )
 
 
-def _stop_ids(model_path: str) -> list[int]:
+def _stop_ids(model_path: str, revision: str | None = None) -> list[int]:
     """Every id vLLM stops on: generation_config.json's eos_token_id (an int or a list)."""
     try:
         from transformers import GenerationConfig
 
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        eos = GenerationConfig.from_pretrained(model_path, revision=revision).eos_token_id
     except OSError:
         return []
     return [eos] if isinstance(eos, int) else list(eos or [])

@@ -199,5 +199,11 @@ def train(
 
 @task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
 def checkpoint(ctx: RunContext, step: int) -> SavedReply:
-    """Save model, optimizer, schedule, RNG and step to ``checkpoints/step=N``: the step's commit point."""
-    return trainer_client(ctx).save_checkpoint(step)
+    """Save model, optimizer, schedule, RNG and step to ``checkpoints/step=N``: the step's commit
+    point. Then, with run.keep_checkpoints, remove older checkpoints (only now that this one's
+    ``_SUCCESS`` exists), never the one the trainer resumed from."""
+    saved = trainer_client(ctx).save_checkpoint(step)
+    keep = ctx.config.run.keep_checkpoints
+    if keep is not None:
+        ctx.storage.keep_last("checkpoints", keep, protect=(ctx.resumed_from,))
+    return saved
