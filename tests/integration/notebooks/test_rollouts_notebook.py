@@ -89,7 +89,8 @@ def test_notebook_executes_on_a_run_made_by_the_tests(run_address, monkeypatch):
     # Single-turn episodes: one model turn each, nothing truncated at the episode limit.
     assert "shape: (2, 7)" in text("turns") and images("turns") == 1
     curves = text("training-curves")
-    assert "shape: (3, " in curves and "loss" in curves, curves  # steps 0, 1, 2
+    # Steps 0, 1, 2; step, reward, held-out reward, loss, both KLs, entropy, grad norm, staleness.
+    assert "shape: (3, 9)" in curves and "loss" in curves, curves
     assert [
         images(t)
         for t in (
