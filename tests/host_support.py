@@ -15,6 +15,10 @@ not under /tmp, which host 1 replaces by a tmpfs of its own.
   virtualenv and the interpreter that made it: the image every node has, bound read-only, also
   where it lives under /tmp) and what the test copied into its folder; anything else it gets
   from the run's object storage.
+- Each host has its own GPU visibility (``two_hosts(visible=...)``): the ``CUDA_VISIBLE_DEVICES``
+  its commands run with (a GPU work pool's worker given ``5,6``), or none. On these CPU machines
+  no rank computes on it, but what a process resolves from it (a placed node's devices, which
+  its launcher passes on to its ranks) shows on which host it was resolved.
 
 Every namespace, link and folder is removed when the context exits, also on failure; the names
 carry this process's id, and leftovers of dead test processes are removed first. Where
@@ -62,6 +66,7 @@ class Host:
     address: str
     root: Path
     hidden: list[Path]  # other hosts' folders, hidden from this one
+    visible: str | None = None  # its CUDA_VISIBLE_DEVICES; None: it sets none
 
     @property
     def home(self) -> Path:
@@ -70,12 +75,22 @@ class Host:
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` run on this host, with its HOME (host 0 shares the test's network and files)."""
         if self.index == 0:
-            return ["env", f"HOME={self.home}", *argv]
+            gpus = (
+                ["-u", "CUDA_VISIBLE_DEVICES"]
+                if self.visible is None
+                else [f"CUDA_VISIBLE_DEVICES={self.visible}"]
+            )
+            return ["env", *gpus, f"HOME={self.home}", *argv]
         # The image is bound aside before the tmpfs covers /tmp (a checkout under /tmp would
         # vanish with it), and moved back to its own path, read-only, once /tmp is this host's.
         q = shlex.quote
         image = [(q(str(p)), q(str(self.root / "image" / str(i)))) for i, p in enumerate(IMAGE)]
         home = q(str(self.home))
+        gpus = (
+            "unset CUDA_VISIBLE_DEVICES"
+            if self.visible is None
+            else f"export CUDA_VISIBLE_DEVICES={q(self.visible)}"
+        )
         steps = [
             f"hostname rollflow-host-{self.index}",
             *(f"mkdir -p {aside} && mount --bind {path} {aside}" for path, aside in image),
@@ -86,6 +101,7 @@ class Host:
                 for path, aside in image
             ),
             f"export HOME={home} TMPDIR=/tmp PREFECT_HOME={home}/.prefect",
+            gpus,
             'exec "$@"',
         ]
         script = " && ".join(steps)
@@ -142,8 +158,11 @@ class _NetnsOfThisThread:
 
 
 @contextlib.contextmanager
-def two_hosts() -> Iterator[tuple[Host, Host]]:
-    """Host 0 (this thread's network from now on) and host 1, joined by one veth link."""
+def two_hosts(
+    visible: tuple[str | None, str | None] = (None, None),
+) -> Iterator[tuple[Host, Host]]:
+    """Host 0 (this thread's network from now on) and host 1, joined by one veth link; each
+    host's commands with its ``CUDA_VISIBLE_DEVICES`` from ``visible`` (None: unset)."""
     _skip_unless_permitted()
     _remove_leftovers()
     pid = os.getpid()
@@ -156,6 +175,8 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
     try:
         try:
             hosts = _make(names, links, roots, made)
+            for host, gpus in zip(hosts, visible, strict=True):
+                host.visible = gpus
         except subprocess.CalledProcessError as err:
             pytest.skip(f"could not make the hosts' link: {' '.join(err.cmd)}: {err.stderr}")
         netns = _NetnsOfThisThread()

@@ -8,7 +8,9 @@ naming the exit code otherwise. Before vLLM starts it writes where it serves
 (``control/servers/<slot>.json``: its flow run, URL) to the run's storage, which is how the run
 (``services/placed_server.py``) finds it. The server's key (every vLLM route's, and the weight
 group's secret) is not a parameter, which the Prefect UI shows: it is read from the run's
-storage, written there by the run for its lifetime (``services/placed.py``).
+storage, written there by the run for its lifetime (``services/placed.py``). Its GPUs are the
+first of its host's own ``CUDA_VISIBLE_DEVICES`` (``server["gpus"]``: positions in that list,
+``placement.devices_on_this_host``), never the run's host's.
 This module imports no torch: a worker starts the flow in seconds.
 """
 
@@ -83,10 +85,13 @@ def serve(
     address toward the run's host, where it serves written to the run's storage, its log said
     line by line, to its end."""
     from rollflow.infra.network import route_source
+    from rollflow.infra.placement import devices_on_this_host
     from rollflow.infra.processes import free_port
     from rollflow.services.vllm_server import InferenceServer
 
     key = read_key(storage)
+    # this host's GPUs, not the run's host's; a host short of them fails before anything starts
+    env = {**(settings.get("env") or {}), **devices_on_this_host(settings.get("gpus") or ())}
     address = route_source(settings["reach"])  # as the run's host reaches this host
     port = settings.get("port") or free_port(address)
     kind, step = model
@@ -100,7 +105,7 @@ def serve(
         max_model_len=settings.get("max_model_len"),
         startup_timeout_s=settings["startup_timeout_s"],
         extra_args=settings.get("extra_args") or [],
-        extra_env=settings.get("env") or {},
+        extra_env=env,
         log_path=log_path,
         api_key=key,
         cpus=tuple(settings.get("cpus") or ()),

@@ -5,10 +5,13 @@ guard, on its main thread, so a cancelled or crashed flow run takes the node's r
 it says the node's log lines in the flow run's log (the UI's Logs tab; ``PrefectRunLog``), and
 it ends with the node: Completed when the launcher exits 0 (the run's trainer ended), Failed
 naming the exit code and the log's last lines otherwise. Everything the node needs travels in
-its parameters (the launcher command, with the trainer's arguments in it: what the run prints
-when it places nodes by hand) and the run's object storage (the policy, checkpoints): no shared
-file system. A node whose run's flow run ended (its host lost: marked Crashed) stops with it
-(``DriverWatch``).
+its parameters (the trainer's arguments, and how many of its host's GPUs it takes) and the run's
+object storage (the policy, checkpoints): no shared file system. The node makes its launcher
+command on its host, where its devices are known: its GPUs are the first of its host's own
+``CUDA_VISIBLE_DEVICES`` (a worker given ``4,5,6,7``: 4 and 5 for two ranks), never the run's
+host's (``placement.devices_on_this_host``); the command is the one the run prints for a node
+placed by hand, the devices named. A node whose run's flow run ended (its host lost: marked
+Crashed) stops with it (``DriverWatch``).
 
 Node 0 serves the trainer's API: its body starts its own launcher, bound to the address its
 host reaches the run's host from, and writes where it serves and where the other nodes meet it
@@ -50,17 +53,18 @@ from rollflow.services.placed import (
 def trainer_node(
     run: str,
     node: int,
-    argv: list[str],
-    env: dict[str, str] | None = None,
+    args: str,
+    gpus: list[int] | None = None,
     serve: dict[str, Any] | None = None,
     driver: str | None = None,
     storage_secret: list[str] | None = None,
 ) -> dict:
-    """Run trainer node ``node`` of run ``run``: the launcher ``argv`` (with ``env``) to its end;
-    node 0 (``serve``: ``PlacedTrainer``'s settings) starts its own launcher, serving the
-    trainer's API. ``driver``: the run's flow run, whose end ends the node (``DriverWatch``).
-    ``storage_secret``: the run's storage root and ``run.storage_secret``, the Secret block this
-    flow run loads the storage's credentials from (its ranks inherit them)."""
+    """Run trainer node ``node`` of run ``run`` to its end: its launcher made here from the
+    trainer's arguments ``args`` (``ServiceArgs`` as JSON), on ``gpus`` (positions in this host's
+    ``CUDA_VISIBLE_DEVICES``; none on CPU); node 0 (``serve``: ``PlacedTrainer``'s settings)
+    serves the trainer's API. ``driver``: the run's flow run, whose end ends the node
+    (``DriverWatch``). ``storage_secret``: the run's storage root and ``run.storage_secret``, the
+    Secret block this flow run loads the storage's credentials from (its ranks inherit them)."""
     from prefect.context import get_run_context
 
     flow_run_id = get_run_context().flow_run.id
@@ -69,18 +73,27 @@ def trainer_node(
     watch = DriverWatch(driver)
     with PrefectRunLog(flow_run_id):
         if serve is not None:
-            return _serve_node_0(run, serve, env or {}, flow_run_id, watch)
+            return _serve_node_0(run, args, gpus or [], serve, flow_run_id, watch)
+        from rollflow.services.trainer_process import node_command
+
+        argv, env = node_command(args, node, gpus or [])
         return _run_node(run, node, argv, env, watch)
 
 
 def _serve_node_0(
-    run: str, serve: dict[str, Any], env: dict[str, str], flow_run_id, watch: DriverWatch
+    run: str,
+    args_json: str,
+    gpus: list[int],
+    serve: dict[str, Any],
+    flow_run_id,
+    watch: DriverWatch,
 ) -> dict:
-    """Node 0's body: its launcher, bound to the address its host reaches the run's host from
-    (``serve["reach"]``), ``trainer.master_addr = "auto"`` made that address; where it serves
-    and meets the other nodes written to the run's storage (``NODE_0_FILE``) before it starts;
-    its log said line by line, to its end."""
+    """Node 0's body: its launcher on ``gpus`` of this host's list, bound to the address its
+    host reaches the run's host from (``serve["reach"]``), ``trainer.master_addr = "auto"`` made
+    that address; where it serves and meets the other nodes written to the run's storage
+    (``NODE_0_FILE``) before it starts; its log said line by line, to its end."""
     from rollflow.infra.network import route_source
+    from rollflow.infra.placement import devices_on_this_host
     from rollflow.infra.processes import free_port
     from rollflow.infra.storage import RunStorage
     from rollflow.services.placed import read_key
@@ -88,8 +101,9 @@ def _serve_node_0(
     from rollflow.trainer.protocol import ServiceArgs
 
     storage = RunStorage(serve["storage"], run, serve.get("storage_options") or {})
+    device_env = devices_on_this_host(gpus)  # before anything starts: a host short of GPUs fails
     address = route_source(serve["reach"])
-    args = ServiceArgs.model_validate_json(serve["args"])
+    args = ServiceArgs.model_validate_json(args_json)
     tr = args.trainer
     if tr.master_addr == "auto":
         tr = tr.model_copy(update={"master_addr": address})
@@ -99,7 +113,7 @@ def _serve_node_0(
         args,
         token=read_key(storage),
         log_dir=log_dir,
-        device_env=env,
+        device_env=device_env,
         cpus=tuple(serve.get("cpus") or ()),
         progress=say,
     )

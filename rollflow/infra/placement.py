@@ -25,6 +25,10 @@ node 0's all go to the trainer, and the group's store is ``trainer.master_addr``
 nodes placed by Prefect (``trainer.node_deployment``), node 0 included, are hosts of their own
 too: each gives the trainer its first ``num_ranks`` GPUs (or ``trainer.devices``), and node 0's
 address (``trainer.master_addr``; ``auto``: found by node 0's flow run) holds the group's store.
+A placed process's GPUs are positions in its own host's list, resolved where it runs
+(``devices_on_this_host``, called by its flow run): this process's ``CUDA_VISIBLE_DEVICES`` says
+nothing of another host's, so the plan neither maps a placed process's GPUs through it nor puts
+a ``CUDA_VISIBLE_DEVICES`` in its environment.
 
 ``choose_backend`` is the single decision of the weight group's transport: both the trainer's
 sender and every vLLM worker take backend and device from the plan, never from a default.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -65,7 +70,8 @@ class Machine:
     # may name.
     cores: tuple[int, ...] = field(default_factory=lambda: _allowed_cores())
     # The CUDA_VISIBLE_DEVICES this process was given (a GPU work pool sets it for the flow run);
-    # None: every GPU of the node. The plan's indices count within it (``physical_gpus``).
+    # None: every GPU of the node. The plan's indices of the processes it starts here count
+    # within it (``physical_gpus``); a placed process's count within its own host's.
     visible: str | None = None
     # NVIDIA GPUs the kernel driver lists (/proc/driver/nvidia/gpus), seen by torch or not: more
     # than ``gpus`` sees means a driver too old for the wheels' CUDA, not a CPU machine.
@@ -147,7 +153,10 @@ class PlannedProcess:
     role: Literal["inference", "trainer"]
     node: int
     device: Device
-    gpus: tuple[int, ...]  # indices on its node; () on CPU
+    # Indices among the GPUs its host gives it (() on CPU): mapped through this process's
+    # CUDA_VISIBLE_DEVICES into ``env`` here, or by the process itself on a host of its own
+    # (``resolved_where_it_runs``).
+    gpus: tuple[int, ...]
     weight_ranks: tuple[int, ...]  # its ranks in the weight group; () for trainer nodes > 0
     env: dict[str, str]
     # "prefect": a flow run of a deployment (trainer.node_deployment, inference.server_deployment)
@@ -160,6 +169,13 @@ class PlannedProcess:
     @property
     def first_weight_rank(self) -> int:
         return self.weight_ranks[0]
+
+    @property
+    def resolved_where_it_runs(self) -> bool:
+        """A flow run on a host of its own: ``gpus`` are positions in that host's
+        ``CUDA_VISIBLE_DEVICES``, which its flow run maps (``devices_on_this_host``); ``env``
+        names no device."""
+        return self.started_by == "prefect"
 
 
 @dataclass(frozen=True)
@@ -211,7 +227,7 @@ class Plan:
                     p.name,
                     where,
                     p.device + (f" (cores {','.join(map(str, p.cpus))})" if p.cpus else ""),
-                    p.env.get("CUDA_VISIBLE_DEVICES", "-"),
+                    _shown_devices(p),
                     ranks,
                     p.started_by,
                 )
@@ -399,7 +415,7 @@ def _planned_servers(
     cores = [] if placed else _pinned_cores(cfg, machine, device, trainer_device)
     servers = []
     for i, gpus in enumerate(inference_gpus):
-        env = _device_env(device, gpus, tp, machine.cpus, machine.visible)
+        env = _device_env(device, gpus, tp, machine.cpus, machine.visible, placed)
         if cores:
             env["VLLM_CPU_OMP_THREADS_BIND"] = _threads_bind(cores[i], tp)
         servers.append(
@@ -440,8 +456,14 @@ def _planned_trainer_nodes(
                 device=device,
                 gpus=gpus,
                 weight_ranks=(0,) if node == 0 else (),
-                # this process's CUDA_VISIBLE_DEVICES says nothing of another node's GPUs
-                env=_device_env(device, gpus, visible=machine.visible if here else None),
+                # this process's CUDA_VISIBLE_DEVICES says nothing of another node's GPUs; a
+                # placed node resolves its own on its host
+                env=_device_env(
+                    device,
+                    gpus,
+                    visible=machine.visible if here else None,
+                    placed=sites.node0_placed,
+                ),
                 started_by="prefect" if sites.node0_placed else "rollflow" if here else "you",
                 queue=_queue(tr, node) if sites.node0_placed else None,
                 # another node is another host, whose cores this plan does not know
@@ -644,20 +666,45 @@ def physical_gpus(local: tuple[int, ...] | list[int], visible: str | None) -> tu
     return tuple(entries[g] for g in local)
 
 
+def devices_on_this_host(
+    gpus: Sequence[int], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """A placed process's ``CUDA_VISIBLE_DEVICES``, resolved by the process on the host it runs
+    on: the plan's ``gpus`` ("this many GPUs, the host's first ones": positions in the host's
+    list) mapped through this host's own ``CUDA_VISIBLE_DEVICES`` (``environ``, default this
+    process's): a worker given ``4,5,6,7`` puts positions 0 and 1 on 4 and 5; unset, they are
+    the indices. {} for a process without GPUs. Raises ``PlanError`` naming this host's list
+    where it holds fewer (``''``: none)."""
+    if not gpus:
+        return {}
+    visible = (os.environ if environ is None else environ).get(CUDA_VISIBLE)
+    return {CUDA_VISIBLE: ",".join(physical_gpus(tuple(gpus), visible))}
+
+
 def _device_env(
     device: Device,
     gpus: tuple[int, ...],
     tp: int = 1,
     cpus: int = 1,
     visible: str | None = None,
+    placed: bool = False,
 ) -> dict[str, str]:
+    """A planned process's device environment: its GPUs mapped through ``visible`` (this
+    process's list); none for a ``placed`` process, which maps its own on its host."""
     if device == "cuda":
-        return {CUDA_VISIBLE: ",".join(physical_gpus(gpus, visible))}
+        return {} if placed else {CUDA_VISIBLE: ",".join(physical_gpus(gpus, visible))}
     if tp > 1:
         # vLLM's CPU workers bind their OpenMP threads per rank, "|"-separated: one core each,
         # round the machine's cores (docs/research/vllm-cpu-0.32.md: TP 2 on 2 cores = "0|1").
         return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % cpus) for r in range(tp))}
     return {}
+
+
+def _shown_devices(p: PlannedProcess) -> str:
+    """The plan's CUDA_VISIBLE_DEVICES column: a placed process's GPUs are its host's."""
+    if p.resolved_where_it_runs and p.gpus:
+        return f"its host's {','.join(map(str, p.gpus))}"
+    return p.env.get(CUDA_VISIBLE, "-")
 
 
 def _ranges(ranks: tuple[int, ...]) -> str:

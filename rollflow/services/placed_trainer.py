@@ -55,19 +55,29 @@ class TrainerNodes:
     def submit(
         self,
         run: str,
-        commands: dict[int, tuple[list[str], dict[str, str]]],
+        args: str,
+        gpus: dict[int, list[int]],
         serve: dict[str, Any] | None = None,
     ) -> None:
-        """Submit node k's flow run for each ``k -> (argv, env)`` of ``commands``, as children
-        of the calling flow run, each to its queue (``trainer.node_queues``) where named; node
-        0's with ``serve`` (``PlacedTrainer``'s settings: it starts its own launcher)."""
+        """Submit node k's flow run for each ``k -> gpus`` (positions in its host's
+        ``CUDA_VISIBLE_DEVICES``, [] on CPU: its flow run resolves them there), with the
+        trainer's arguments ``args`` (``ServiceArgs`` as JSON), from which it makes its launcher
+        command on its host; as children of the calling flow run, each to its queue
+        (``trainer.node_queues``) where named; node 0's with ``serve`` (``PlacedTrainer``'s
+        settings: it serves the trainer's API)."""
         from prefect.deployments import run_deployment
         from prefect.runtime import flow_run as this_run
 
         driver = this_run.get_id()  # the run's flow run (None outside one): the nodes end with it
-        for node, (argv, env) in sorted(commands.items()):
+        for node, node_gpus in sorted(gpus.items()):
             queue = self.queues[node] if self.queues else None
-            parameters = {"run": run, "node": node, "argv": argv, "env": env, "driver": driver}
+            parameters = {
+                "run": run,
+                "node": node,
+                "args": args,
+                "gpus": list(node_gpus),
+                "driver": driver,
+            }
             if self.storage_secret:
                 parameters["storage_secret"] = list(self.storage_secret)  # names, no value
             if node == 0:
@@ -191,7 +201,8 @@ class PlacedTrainer:
         """``args``: the trainer's ``ServiceArgs`` (host and port are node 0's to choose);
         ``storage``: the run's ``RunStorage``; ``settings``: ``storage`` (root and options as
         the config gives them, without credentials: node 0's host has its own), ``reach`` (the
-        run's host, which node 0 serves toward), ``env`` (its devices), ``cpus``."""
+        run's host, which node 0 serves toward), ``gpus`` (positions in its host's
+        ``CUDA_VISIBLE_DEVICES``, which its flow run resolves there), ``cpus``."""
         self.nodes, self.run, self.args, self.token = nodes, run, args, token
         self.storage, self.settings, self.progress = storage, dict(settings), progress
         self.startup_timeout_s = args.trainer.startup_timeout_s + PLACEMENT_S
@@ -232,13 +243,13 @@ class PlacedTrainer:
         serve = {
             "storage": root,
             "storage_options": options,
-            "args": self.args.model_dump_json(),
             "reach": self.settings["reach"],
             "cpus": list(self.settings.get("cpus") or ()),
         }
         self.client = self.endpoint = self.master_addr = None
         self._state = "PENDING"
-        self.nodes.submit(self.run, {0: ([], dict(self.settings.get("env") or {}))}, serve)
+        gpus = {0: list(self.settings.get("gpus") or ())}
+        self.nodes.submit(self.run, self.args.model_dump_json(), gpus, serve)
         return self
 
     def wait_placed(self) -> str:

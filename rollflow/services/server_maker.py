@@ -103,6 +103,7 @@ class ServerMaker:
                     *inf.extra_args,
                 ],
                 "env": dict(planned.env),
+                "gpus": list(planned.gpus),  # its host's first ones, which its flow run names
                 "cpus": list(planned.cpus),
             },
             api_key=self.token,

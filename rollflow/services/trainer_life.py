@@ -90,7 +90,7 @@ class TrainerLife:
             {
                 "storage": (cfg.run.storage, cfg.run.storage_options),
                 "reach": own_address(),  # node 0 serves toward this host
-                "env": dict(node.env),
+                "gpus": list(node.gpus),  # its host's first ones, which its flow run names
                 "cpus": list(node.cpus),
             },
             progress=self.progress,
@@ -100,35 +100,28 @@ class TrainerLife:
 
     def _start_other_nodes(self) -> None:
         """Nodes 1..: flow runs of ``trainer.node_deployment`` meeting node 0 where it said
-        (``master``), or the commands a person runs on their hosts, printed."""
-        cfg = self.cfg
-        tr = cfg.trainer.model_copy(update={"master_addr": self.master})  # found, if auto
-        args = self.proc.args.model_copy(update={"trainer": tr})
-        commands = {}
-        for node in self.plan.trainer_nodes[1:]:
-            commands[node.node] = (
-                node_argv(
-                    tr,
-                    node.node,
-                    self.proc.args_file,
-                    cfg.trainer.master_port,
-                    node.env,  # DeepSpeed names that node's GPUs with --include
-                    # The arguments themselves: the node may be another host, without our files.
-                    service_args=args.model_dump_json(),
-                ),
-                dict(node.env),
-            )
-        if not commands:
+        (``master``), each making its command on its host, or the commands a person runs on
+        their hosts, printed."""
+        cfg, others = self.cfg, self.plan.trainer_nodes[1:]
+        if not others:
             return
+        tr = cfg.trainer.model_copy(update={"master_addr": self.master})  # found, if auto
+        # The arguments themselves: the node may be another host, without our files.
+        args = self.proc.args.model_copy(update={"trainer": tr}).model_dump_json()
         wait = f"trainer: waiting up to {cfg.trainer.startup_timeout_s:.0f}s for node"
         if self.nodes is not None:
-            self.nodes.submit(cfg.run.name, commands)
-            self.progress(f"{wait}s {', '.join(map(str, commands))} to join")
+            self.nodes.submit(cfg.run.name, args, {node.node: list(node.gpus) for node in others})
+            self.progress(f"{wait}s {', '.join(str(node.node) for node in others)} to join")
             return
-        for node, (cmd, env) in commands.items():
-            prefix = "".join(f"{k}={v} " for k, v in sorted(env.items()))
+        for node in others:
+            # DeepSpeed names that node's GPUs in the command (its --world_info entry)
+            cmd = node_argv(
+                tr, node.node, self.proc.args_file, cfg.trainer.master_port, node.env, args
+            )
+            prefix = "".join(f"{k}={v} " for k, v in sorted(node.env.items()))
             self.progress(
-                f"{wait} {node} of {cfg.trainer.num_nodes}; on it, run: {prefix}{shlex.join(cmd)}"
+                f"{wait} {node.node} of {cfg.trainer.num_nodes}; on it, run: "
+                f"{prefix}{shlex.join(cmd)}"
             )
 
     def wait_healthy(self) -> None:

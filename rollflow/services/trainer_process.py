@@ -12,15 +12,19 @@ after ``stop`` no process of the tree is left.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.http import Endpoint
+from rollflow.infra.placement import devices_on_this_host
 from rollflow.infra.processes import ManagedProcess, cpu_split, free_port, log_tail, wait_port_free
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.trainer.protocol import (
@@ -52,23 +56,28 @@ def launcher_argv(
     num_nodes: int = 1,
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
-    hostfile: str | Path | None = None,
     gpus: str | None = None,
 ) -> list[str]:
     """The launcher command line of one trainer node: torchrun for FSDP2, the deepspeed launcher
     for DeepSpeed, ``num_ranks`` ranks on this node of ``num_nodes``.
 
-    ``gpus`` is the node's ``CUDA_VISIBLE_DEVICES`` from the plan (None on CPU). torchrun keeps
-    the variable; DeepSpeed's launcher does not (it deletes it and gives the ranks 0..N-1 of
-    ``--num_gpus``, or its hostfile's slots), so its devices are named with ``--include``.
+    ``gpus`` is the node's ``CUDA_VISIBLE_DEVICES`` (None on CPU). torchrun keeps the variable;
+    DeepSpeed's launcher does not (it sets the ranks' to the ids it is given: 0..N-1 of
+    ``--num_gpus`` unless named), so its devices are named: ``--include localhost:4,5`` on one
+    node, this node's entry of ``--world_info`` on several.
 
     Both are run as modules of this interpreter (``torchrun`` is ``torch.distributed.run``,
     ``deepspeed`` is ``deepspeed.launcher.runner``), so the ranks get the same environment.
     Several nodes rendezvous at ``master_addr:master_port`` on node 0 with fixed node ranks
-    (torchrun's static c10d store; DeepSpeed's hostfile with ``--no_ssh``): global rank 0, the
-    one that serves the trainer's HTTP API and roots the weight group, is always on node 0.
-    torchrun's dynamic c10d rendezvous orders nodes by host name and pid, so it could not
+    (torchrun's static c10d store; DeepSpeed's per-node launcher with its node rank): global rank
+    0, the one that serves the trainer's HTTP API and roots the weight group, is always on node
+    0. torchrun's dynamic c10d rendezvous orders nodes by host name and pid, so it could not
     promise that (see docs/architecture.md).
+
+    DeepSpeed on several nodes starts ``deepspeed.launcher.launch``, the per-node launcher that
+    its runner starts under ``--no_ssh`` once it has read the hostfile, with what the runner
+    would have read there (``deepspeed_world_info``): the command then holds all the node
+    needs, on any host, where a hostfile written on node 0 is not on node 1's.
     """
     if backend == "fsdp2":
         return [
@@ -86,15 +95,15 @@ def launcher_argv(
             str(args_file),
         ]
     if backend == "deepspeed":
-        argv = [sys.executable, "-m", "deepspeed.launcher.runner"]
         if num_nodes > 1:
-            if hostfile is None:
-                raise ValueError("a multi-node DeepSpeed launch needs a hostfile")
-            argv += [f"--hostfile={hostfile}", "--no_ssh", f"--node_rank={node_rank}"]
-        if gpus is not None:
-            argv.append("--include=" + deepspeed_include(gpus, num_ranks, num_nodes, node_rank))
-        elif num_nodes == 1:
-            argv.append(f"--num_gpus={num_ranks}")
+            world = deepspeed_world_info(gpus, num_ranks, num_nodes, node_rank)
+            argv = [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
+            argv += [f"--world_info={world}", f"--node_rank={node_rank}"]
+        elif gpus is not None:
+            argv = [sys.executable, "-m", "deepspeed.launcher.runner"]
+            argv.append("--include=" + deepspeed_include(gpus, num_ranks))
+        else:
+            argv = [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={num_ranks}"]
         return [
             *argv,
             f"--master_addr={master_addr}",
@@ -118,28 +127,32 @@ def deepspeed_gpu_ids(gpus: str) -> list[int]:
     return [int(g) for g in ids]
 
 
-def deepspeed_include(gpus: str, num_ranks: int, num_nodes: int = 1, node_rank: int = 0) -> str:
-    """DeepSpeed's own way to name devices: ``localhost:4,5,6,7`` on one node; with a hostfile,
-    ``node-0:..@node-1:..`` where this node's slots are its GPUs (each node runs its own launcher,
-    which only uses its own entry; the others' give their rank counts)."""
+def _node_gpu_ids(gpus: str, num_ranks: int) -> list[int]:
     ids = deepspeed_gpu_ids(gpus)
     if len(ids) != num_ranks:
         raise ConfigError(
             f"trainer.num_ranks = {num_ranks} but the plan gives this node {len(ids)} GPU(s) "
             f"({gpus}): one rank per GPU"
         )
-    own = ",".join(map(str, ids))
-    if num_nodes == 1:
-        return f"localhost:{own}"
-    others = ",".join(map(str, range(num_ranks)))
-    return "@".join(f"node-{i}:{own if i == node_rank else others}" for i in range(num_nodes))
+    return ids
 
 
-def hostfile_text(num_nodes: int, num_ranks: int, slots: int | None = None) -> str:
-    """DeepSpeed's hostfile: one line per trainer node (names only label nodes with --no_ssh).
-    ``slots`` (default ``num_ranks``) must cover the highest GPU index ``--include`` names."""
-    slots = max(num_ranks, slots or 0)
-    return "".join(f"node-{i} slots={slots}\n" for i in range(num_nodes))
+def deepspeed_include(gpus: str, num_ranks: int) -> str:
+    """DeepSpeed's own way to name one node's devices: ``localhost:4,5,6,7``."""
+    return "localhost:" + ",".join(map(str, _node_gpu_ids(gpus, num_ranks)))
+
+
+def deepspeed_world_info(gpus: str | None, num_ranks: int, num_nodes: int, node_rank: int) -> str:
+    """The world DeepSpeed's per-node launcher takes (``--world_info``: each node's device ids by
+    name, JSON in URL-safe base64, as its runner encodes what it reads from a hostfile and
+    ``--include``): this node's ids are its GPUs (``gpus``, its ``CUDA_VISIBLE_DEVICES``;
+    0..N-1 on CPU), the others' only give their rank counts (a node's launcher uses its own
+    entry, and the others' sizes to number its ranks)."""
+    own = list(range(num_ranks)) if gpus is None else _node_gpu_ids(gpus, num_ranks)
+    world = {
+        f"node-{i}": own if i == node_rank else list(range(num_ranks)) for i in range(num_nodes)
+    }
+    return base64.urlsafe_b64encode(json.dumps(world).encode("utf-8")).decode("utf-8")
 
 
 def launcher_env(
@@ -173,12 +186,9 @@ def node_argv(
     service_args: str | None = None,
 ) -> list[str]:
     """The launcher command of trainer node ``node_rank`` for a run's ``[trainer]`` section;
-    ``device_env`` is the plan's environment for that node (its ``CUDA_VISIBLE_DEVICES``).
+    ``device_env`` is the node's device environment (its ``CUDA_VISIBLE_DEVICES``).
     The ranks read their ``ServiceArgs`` from ``args_file``, or take ``service_args`` (the JSON
     itself) where given: another host has none of node 0's files."""
-    hostfile = None
-    if trainer.backend == "deepspeed" and trainer.num_nodes > 1:
-        hostfile = Path(args_file).with_name("trainer-hostfile")
     return launcher_argv(
         trainer.backend,
         trainer.num_ranks,
@@ -187,15 +197,31 @@ def node_argv(
         num_nodes=trainer.num_nodes,
         node_rank=node_rank,
         master_addr=trainer.master_addr if trainer.num_nodes > 1 else "127.0.0.1",
-        hostfile=hostfile,
         gpus=(device_env or {}).get("CUDA_VISIBLE_DEVICES"),
     )
+
+
+def node_command(
+    service_args: str, node_rank: int, gpus: Sequence[int] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """Trainer node ``node_rank``'s launcher command and device environment, made on the host
+    that runs it (a placed node's flow run, ``flows/trainer_node.py``) from the trainer's
+    arguments alone (``ServiceArgs`` as JSON, carried in the command: this host has none of node
+    0's files), its GPUs (``gpus``: positions in this host's list) resolved against this host's
+    own ``CUDA_VISIBLE_DEVICES`` (``placement.devices_on_this_host``)."""
+    trainer = ServiceArgs.model_validate_json(service_args).trainer
+    env = devices_on_this_host(gpus)
+    argv = node_argv(
+        trainer, node_rank, "trainer-args.json", trainer.master_port, env, service_args
+    )
+    return argv, env
 
 
 class TrainerProcess:
     """One trainer node's launcher and ranks; node 0's is reachable through ``client``.
 
-    ``device_env`` is the plan's environment for this node (``CUDA_VISIBLE_DEVICES``);
+    ``device_env`` is this node's device environment (``CUDA_VISIBLE_DEVICES``: the plan's, or
+    resolved on a placed node's host);
     ``node_rank`` > 0 starts another node of a multi-node trainer (its ranks serve no API);
     ``cpus``: the cores the plan pins the launcher and its ranks to (``trainer.cpus``);
     ``progress``: where what it waits for is said.
@@ -245,21 +271,13 @@ class TrainerProcess:
             cpus=cpus,
         )
         self.args_file = args_file
-        self.device_env = dict(device_env or {})
         self.ranks: list[RankInfo] = []
 
     def start(self) -> TrainerProcess:
         """Launch the ranks; returns at once (they load while other services start)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.args_file.write_text(self.args.model_dump_json())
-        tr = self.args.trainer
-        if tr.backend == "deepspeed" and tr.num_nodes > 1:
-            gpus = self.device_env.get("CUDA_VISIBLE_DEVICES")
-            slots = max(deepspeed_gpu_ids(gpus)) + 1 if gpus else None
-            self.args_file.with_name("trainer-hostfile").write_text(
-                hostfile_text(tr.num_nodes, tr.num_ranks, slots)
-            )
-        if tr.num_nodes > 1 and self.node_rank == 0:
+        if self.args.trainer.num_nodes > 1 and self.node_rank == 0:
             self._wait_rendezvous_port()
         self.process.start()
         return self

@@ -39,7 +39,7 @@ def _routes_past_the_link(host) -> list[str]:
 
 def test_two_hosts_reach_each_other_only_and_share_no_files():
     mine = tempfile.NamedTemporaryFile(dir="/tmp", prefix="host0-")  # on host 0
-    with two_hosts() as (host0, host1):
+    with two_hosts(visible=("", "5,6")) as (host0, host1):
         # Host 0's side of the link answers host 1; loopback and host 0's files are its own.
         server = socket.create_server((host0.address, 0))
         port = server.getsockname()[1]
@@ -53,7 +53,8 @@ def test_two_hosts_reach_each_other_only_and_share_no_files():
             "print(s.recv(2).decode())\n"
             f"print(os.path.exists({mine.name!r}), os.path.exists({str(host0.home)!r} + '/secret'))\n"
             "print(os.environ['HOME'], socket.gethostname(), sorted(os.listdir('/tmp')))\n"
-            f"print([bool(os.statvfs(p).f_flag & os.ST_RDONLY) for p in {image!r}])\n",
+            f"print([bool(os.statvfs(p).f_flag & os.ST_RDONLY) for p in {image!r}])\n"
+            "print(os.environ.get('CUDA_VISIBLE_DEVICES'))\n",
         )
         assert seen.returncode == 0, seen.stderr
         lines = seen.stdout.splitlines()
@@ -63,6 +64,10 @@ def test_two_hosts_reach_each_other_only_and_share_no_files():
         under_tmp = sorted({p.parts[2] for p in IMAGE if p.is_relative_to("/tmp")})
         assert lines[2] == f"{host1.home} rollflow-host-1 {under_tmp}"
         assert lines[3] == str([True] * len(IMAGE))  # the image: there, and read-only
+        # Each host's own GPU visibility: a worker's 5,6 on host 1, '' (none) on host 0.
+        assert lines[4] == "5,6"
+        gpus0 = _on(host0, "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))")
+        assert gpus0.stdout.strip() == "''", gpus0.stderr
         # Nothing past the link: no route but the link's (no default route), on either host.
         assert _routes_past_the_link(host0) == [] and _routes_past_the_link(host1) == []
         names = host0.netns, host1.netns

@@ -4,9 +4,11 @@ One service per backend configuration for the whole module (launches are the slo
 torchrun + FSDP2, and the deepspeed launcher with ZeRO-1, -2 and -3. Every configuration runs
 the exactness test; FSDP2 and ZeRO-3 (one per launcher) run the whole suite, which ends by
 killing a rank. Batches have widely varying lengths and a small micro-batch budget, so ranks
-hold different token counts and several micro-batches, some of them empty. fsdp2-2nodes runs
-its two nodes on separate hosts (tests/host_support.py: network and mount namespaces, storage
-on S3) and, besides the exactness test, round-trips a checkpoint across them.
+hold different token counts and several micro-batches, some of them empty. fsdp2-2nodes and
+zero2-2nodes run their two nodes on separate hosts (tests/host_support.py: network and mount
+namespaces, storage on S3, the only thing the hosts share), node 1 started as its flow run
+starts it: its command made on its host from the trainer's arguments alone, on the first GPU
+of that host's own CUDA_VISIBLE_DEVICES; fsdp2-2nodes also round-trips a checkpoint across them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,10 +33,10 @@ from safetensors.torch import load_file
 from rollflow.infra.config import LossConfig, TrainerServiceSection, TrainSection
 from rollflow.infra.errors import ServiceError
 from rollflow.infra.http import Endpoint
-from rollflow.infra.processes import free_port
+from rollflow.infra.processes import ManagedProcess, free_port
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightReceiverGroup
-from rollflow.services.trainer_process import TrainerProcess
+from rollflow.services.trainer_process import TORCH_EXTENSIONS_DIR, TrainerProcess
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.trainer.protocol import HEALTH, ServiceArgs, TensorMeta
 
@@ -54,9 +57,12 @@ CONFIGS = {  # name: (backend, ZeRO stage, trainer nodes; 2 ranks in all)
     "fsdp2": ("fsdp2", None, 1),
     "fsdp2-2nodes": ("fsdp2", None, 2),  # two torchrun launchers on two hosts, one rank each
     "zero1": ("deepspeed", 1, 1),
-    "zero2": ("deepspeed", 2, 1),
+    # DeepSpeed's per-node launchers on two hosts (before: ZeRO-2 on one; ZeRO-1 and -3 keep
+    # DeepSpeed's runner on one node)
+    "zero2-2nodes": ("deepspeed", 2, 2),
     "zero3": ("deepspeed", 3, 1),
 }
+HOST_1_GPUS = "5,6"  # host 1's own CUDA_VISIBLE_DEVICES (a worker's GPUs); host 0 sets none
 WHOLE_SUITE = ("fsdp2", "zero3")
 LR, MAX_GRAD_NORM = 1e-2, 0.05
 PPO = LossConfig(eps_low=0.1, eps_high=0.2, entropy_coef=0.01)
@@ -86,7 +92,7 @@ def service(request, tiny_model_dir, tmp_path_factory):
         if nodes == 1:
             hosts, storage_root, options, master_addr = [], str(root / "runs"), {}, "127.0.0.1"
         else:  # node 1 on a host of its own; storage is the only thing the hosts share
-            hosts = hosts_and_storage.enter_context(two_hosts())
+            hosts = hosts_and_storage.enter_context(two_hosts(visible=(None, HOST_1_GPUS)))
             endpoint = hosts_and_storage.enter_context(object_storage(hosts[0]))
             storage_root = f"s3://rollflow/{request.param}"
             options = {"endpoint_url": endpoint, "skip_instance_cache": True}
@@ -127,19 +133,12 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
     )
     token = secrets.token_hex(8)
     proc = TrainerProcess(args, token=token, log_dir=root / "logs")
-    # The other node's launcher, as `rollflow plan` prints it: started by the user, not the run,
-    # on its own host with its own copy of the model (tests/host_support.py).
+    # The other node on its own host, with its own copy of the model (tests/host_support.py).
     others = []
     for n, host in enumerate(hosts[1:], start=1):
         own_model = shutil.copytree(model_dir, host.root / "model")
-        other = TrainerProcess(
-            args.model_copy(update={"model_path": str(own_model)}),
-            token="",
-            log_dir=host.root / "logs",
-            node_rank=n,
-        )
-        other.process.argv = host.wrap(other.process.argv)
-        others.append(other)
+        own = args.model_copy(update={"model_path": str(own_model)})
+        others.append(_node_on_its_host(host, n, own, root / f"trainer-node-{n}.log"))
     if hosts:
         proc.process.argv = hosts[0].wrap(proc.process.argv)
     start = time.monotonic()
@@ -157,9 +156,14 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
             p.name for port in ports for p in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*")
         ]
         assert ports - {None} and not left, (ports, left)
+        # Node 1's rank on its own host's first GPU (named to DeepSpeed's launcher, which sets
+        # its ranks' variable), resolved there: the test's host sets none.
+        for other in others:
+            ranks = [p.environ() for p in other.members() if "RANK" in p.environ()]
+            assert [r.get("CUDA_VISIBLE_DEVICES") for r in ranks] == ["5"], ranks
         yield Service(name, proc, storage, root)
     finally:
-        pids = proc.process.pids() + [p for o in others for p in o.process.pids()]
+        pids = proc.process.pids() + [p for o in others for p in o.pids()]
         proc.stop(timeout_s=30)
         for other in others:
             other.stop(timeout_s=30)
@@ -168,6 +172,28 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
         for p in pids
         if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
     ]
+
+
+# What a placed node's flow run does on its host (flows/trainer_node.py), without Prefect.
+NODE_ON_ITS_HOST = """
+import os, sys
+from rollflow.services.trainer_process import node_command
+argv, env = node_command(sys.argv[1], int(sys.argv[2]), [0])
+os.execve(argv[0], argv, {**os.environ, **env})
+"""
+
+
+def _node_on_its_host(host, node: int, args: ServiceArgs, log_path: Path) -> ManagedProcess:
+    """Trainer node ``node`` started on ``host`` as its flow run starts it: its launcher command
+    made there (``node_command``) from the trainer's arguments alone, on the first GPU of the
+    host's own CUDA_VISIBLE_DEVICES (the ranks compute on CPU; the launchers pass the device
+    on, which shows where it was resolved). Nothing of node 0's folder is there."""
+    argv = host.wrap([sys.executable, "-c", NODE_ON_ITS_HOST, args.model_dump_json(), str(node)])
+    # DeepSpeed's compiled op: the image's build cache (else each host builds it, minutes)
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
+    return ManagedProcess(
+        f"trainer-node-{node}", argv, log_path, env={"TORCH_EXTENSIONS_DIR": cache}
+    )
 
 
 def _whole_suite(service):

@@ -18,6 +18,7 @@ from rollflow.flows import trainer_node
 from rollflow.infra.config import load_config
 from rollflow.infra.errors import ConfigError, ServiceError
 from rollflow.infra.placement import Machine, make_plan, resolve_addresses
+from rollflow.infra.storage import RunStorage
 from rollflow.services import placed as toolkit
 from rollflow.services import placed_trainer as nodes
 
@@ -132,10 +133,13 @@ def test_every_node_of_a_trainer_placed_by_prefect_is_a_flow_run_with_its_hosts_
         "trainer.node_queues=['a', 'b']",
     )
     plan = make_plan(cfg, Machine(gpus=0, nodes=2))
-    assert [(p.node, p.started_by, p.queue, p.gpus) for p in plan.trainer_nodes] == [
-        (0, "prefect", "a", (0, 1)),
-        (1, "prefect", "b", (0, 1)),
+    assert [(p.node, p.started_by, p.queue, p.gpus, p.env) for p in plan.trainer_nodes] == [
+        (0, "prefect", "a", (0, 1), {}),  # positions in its host's list, which it names there
+        (1, "prefect", "b", (0, 1), {}),
     ]
+    # A pool's GPUs 4-7 on this host are not the nodes': neither node is put on 4,5.
+    pooled = make_plan(cfg, Machine(gpus=4, nodes=2, visible="4,5,6,7"))
+    assert [p.env for p in pooled.trainer_nodes] == [{}, {}]
     assert plan.group_host == "node-0.svc"
     # "auto" is node 0's own host's address, which its flow run finds: not this host's.
     auto = cfg.model_copy(
@@ -250,7 +254,7 @@ def _node_0(tmp_path, startup_timeout_s: float = 5.0):
         trainer_args(cfg, "/m", None),
         "key",
         storage,
-        {"storage": (storage.root, {}), "reach": "192.0.2.9", "env": {"X": "1"}, "cpus": []},
+        {"storage": (storage.root, {}), "reach": "192.0.2.9", "gpus": [0, 1], "cpus": []},
         progress=lambda _: None,
     )
     trainer.startup_timeout_s = startup_timeout_s  # no placement allowance in a unit test
@@ -265,14 +269,9 @@ def test_node_0_as_a_flow_run_is_met_where_its_own_flow_run_says_it_serves(tmp_p
     trainer, storage = _node_0(tmp_path)
     trainer.start()
     [asked] = api.submitted
-    assert (asked["node"], asked["queue"], asked["argv"], asked["env"]) == (
-        0,
-        "host-1",
-        [],
-        {"X": "1"},
-    )
+    assert (asked["node"], asked["queue"], asked["gpus"]) == (0, "host-1", [0, 1])
     assert asked["serve"]["reach"] == "192.0.2.9" and "key" not in str(asked)
-    args = json.loads(asked["serve"]["args"])
+    args = json.loads(asked["args"])
     assert args["trainer"]["master_addr"] == "auto"  # node 0's flow run finds its address
     api.states[trainer.flow_run_id] = "RUNNING"
     storage.write_json(
@@ -324,14 +323,67 @@ def test_node_0_started_by_hand_without_the_runs_key_refuses(tmp_path):
     from rollflow.services.trainer_life import trainer_args
 
     cfg = _cfg("trainer.master_addr=auto", "trainer.node_deployment='rollflow-trainer-node/gpu'")
-    serve = {
-        "storage": str(tmp_path / "runs"),
-        "storage_options": {},
-        "args": trainer_args(cfg, "/m", None).model_dump_json(),
-        "reach": "127.0.0.1",
-    }
+    serve = {"storage": str(tmp_path / "runs"), "storage_options": {}, "reach": "127.0.0.1"}
+    args = trainer_args(cfg, "/m", None).model_dump_json()
     with pytest.raises(ServiceError, match=r"control/servers/key.json holds no key"):
-        trainer_node._serve_node_0("run", serve, {}, "id", toolkit.DriverWatch(None))
+        trainer_node._serve_node_0("run", args, [], serve, "id", toolkit.DriverWatch(None))
+
+
+def _deepspeed_args(num_ranks: int) -> str:
+    from rollflow.infra.config import TrainerServiceSection
+    from rollflow.trainer.protocol import ServiceArgs
+
+    trainer = TrainerServiceSection(
+        backend="deepspeed", num_ranks=num_ranks, num_nodes=2, master_addr="n0", device="cuda"
+    )
+    return ServiceArgs(
+        model_path="/m", storage_root="s3://b", run="run", trainer=trainer
+    ).model_dump_json()
+
+
+def test_a_placed_node_names_its_own_hosts_gpus_never_the_run_hosts(
+    flow_logger, monkeypatch, tmp_path
+):
+    """Node 1's flow run on a worker given GPUs 6,7 (its host's CUDA_VISIBLE_DEVICES) puts its
+    rank on 6, its host's first, in the variable and in DeepSpeed's command (its launcher sets
+    the ranks' variable to the ids named); node 0's on a worker given 4-7, on 4 and 5. A host
+    with none fails the flow run naming its list, before anything starts."""
+    import base64
+
+    from rollflow.infra.placement import PlanError
+    from rollflow.services import trainer_process
+
+    in_a_placed_flow_run(monkeypatch, trainer_node)
+    started = []
+    monkeypatch.setattr(
+        trainer_node, "_run_node", lambda run, node, argv, env, watch: started.append((argv, env))
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    trainer_node.trainer_node.fn("run", 1, _deepspeed_args(1), [0])
+    [(argv, env)] = started
+    assert env == {"CUDA_VISIBLE_DEVICES": "6"}
+    [world] = [a.split("=", 1)[1] for a in argv if a.startswith("--world_info=")]
+    assert json.loads(base64.urlsafe_b64decode(world)) == {"node-0": [0], "node-1": [6]}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(PlanError, match="CUDA_VISIBLE_DEVICES=''"):
+        trainer_node.trainer_node.fn("run", 1, _deepspeed_args(1), [0])
+
+    class Made(Exception):
+        pass
+
+    def made(args, **kwargs):
+        raise Made(kwargs["device_env"])
+
+    monkeypatch.setattr(trainer_process, "TrainerProcess", made)
+    storage = RunStorage(str(tmp_path / "runs"), "run")
+    toolkit.publish_key(storage, "k")
+    serve = {"storage": storage.root, "storage_options": {}, "reach": "127.0.0.1"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with pytest.raises(Made) as node_0:
+        trainer_node._serve_node_0(
+            "run", _deepspeed_args(2), [0, 1], serve, "id", toolkit.DriverWatch(None)
+        )
+    assert node_0.value.args[0] == {"CUDA_VISIBLE_DEVICES": "4,5"}
 
 
 def test_a_prefect_api_hiccup_is_no_death_of_a_placed_node_0_or_server(tmp_path, monkeypatch):
@@ -377,9 +429,9 @@ def test_every_nodes_flow_run_loads_the_runs_storage_secret_itself(
     api = _Api(monkeypatch)
     root = str(tmp_path / "runs")
     placed = nodes.TrainerNodes("d/default", [], lambda _: None, storage_secret=(root, "creds"))
-    placed.submit("r", {1: (["launch"], {}), 2: (["launch"], {})})
+    placed.submit("r", "{}", {1: [], 2: []})
     assert [asked["storage_secret"] for asked in api.submitted] == [[root, "creds"]] * 2
-    nodes.TrainerNodes("d/default", [], lambda _: None).submit("r", {1: (["launch"], {})})
+    nodes.TrainerNodes("d/default", [], lambda _: None).submit("r", "{}", {1: []})
     assert "storage_secret" not in api.submitted[-1]
 
     # The flow body, on the node's host: the block loaded, handed to the launcher's processes.
@@ -388,6 +440,10 @@ def test_every_nodes_flow_run_loads_the_runs_storage_secret_itself(
         "from rollflow.infra.storage import RunStorage; "
         f"print('rank sees', RunStorage({root!r}, 'r').options['secret'])"
     )
-    argv = [sys.executable, "-c", rank]
-    out = trainer_node.trainer_node.fn("r", 1, argv, None, storage_secret=[root, "creds"])
+    from rollflow.services import trainer_process
+
+    monkeypatch.setattr(
+        trainer_process, "node_command", lambda args, node, gpus: ([sys.executable, "-c", rank], {})
+    )
+    out = trainer_node.trainer_node.fn("r", 1, "{}", [], storage_secret=[root, "creds"])
     assert out["exit_code"] == 0 and "rank sees planted-secret" in flow_logger, flow_logger

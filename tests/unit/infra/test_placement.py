@@ -15,6 +15,7 @@ from rollflow.infra.placement import (
     PlanError,
     WeightWire,
     choose_backend,
+    devices_on_this_host,
     make_plan,
     physical_gpus,
 )
@@ -288,6 +289,46 @@ def test_every_child_of_a_work_pool_flow_run_starts_on_the_pools_gpus(monkeypatc
     assert [n.env["CUDA_VISIBLE_DEVICES"] for n in two.trainer_nodes] == ["5", "0"]
 
 
+PLACED = (
+    "inference.num_servers=2",
+    "inference.server_deployment='rollflow-inference-server/default'",
+    "trainer.master_addr='n0'",
+)
+
+
+@pytest.mark.parametrize("visible", ["4,5,6,7", "", None])
+def test_a_placed_process_takes_its_own_hosts_gpus_never_the_run_hosts(visible):
+    """Placed servers and trainer nodes run on hosts of their own: the plan gives each "this
+    many GPUs, its host's first ones" (positions in its host's list) and no
+    CUDA_VISIBLE_DEVICES; the run host's list (a pool's 4-7, or '' on a CPU host) is never
+    applied to them (both servers were put on 4), nor fails their plan ('': a PlanError about
+    GPUs the run's host was never going to use)."""
+    on_gpus = ("inference.device='cuda'", "trainer.device='cuda'", "trainer.num_ranks=2")
+    nodes = ("trainer.num_nodes=2", "trainer.node_deployment='rollflow-trainer-node/default'")
+    machine = Machine(gpus=4 if visible else 0, nodes=2, visible=visible)
+    plan = make_plan(cfg(*PLACED, *on_gpus, *nodes), machine)
+    assert [p.gpus for p in plan.processes] == [(0,), (0,), (0, 1), (0, 1)]
+    assert [p.env for p in plan.processes] == [{}] * 4
+    assert all(p.resolved_where_it_runs for p in plan.processes)
+    assert re.search(r"^trainer-node-1 .* its host's 0,1 ", plan.render(), re.M)
+    if visible:  # node 0 beside the run: the servers elsewhere, node 0 on the run host's list
+        mixed = make_plan(cfg(*PLACED, *on_gpus), machine)
+        assert [s.env for s in mixed.servers] == [{}, {}]
+        assert mixed.trainer_nodes[0].env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+
+
+def test_a_placed_process_resolves_its_gpus_against_its_own_hosts_list():
+    """Where it runs (its flow run): positions through its host's CUDA_VISIBLE_DEVICES; a host
+    that holds fewer fails naming its list."""
+    assert devices_on_this_host((0, 1), {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == {
+        "CUDA_VISIBLE_DEVICES": "4,5"
+    }
+    assert devices_on_this_host([0], {}) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert devices_on_this_host((), {"CUDA_VISIBLE_DEVICES": ""}) == {}  # on CPU
+    with pytest.raises(PlanError, match="CUDA_VISIBLE_DEVICES=''"):
+        devices_on_this_host((0,), {"CUDA_VISIBLE_DEVICES": ""})
+
+
 # -------------------------------------------------------------------------- launchers
 
 
@@ -296,12 +337,9 @@ def test_multi_node_launchers_fix_node_ranks():
         "fsdp2", 2, "a.json", 29400, num_nodes=2, node_rank=1, master_addr="n0"
     )
     assert "--nnodes=2" in torchrun and "--node-rank=1" in torchrun
-    ds = launcher_argv(
-        "deepspeed", 2, "a.json", 29400, num_nodes=2, node_rank=1, master_addr="n0", hostfile="h"
-    )
-    assert "--hostfile=h" in ds and "--no_ssh" in ds and "--node_rank=1" in ds
-    with pytest.raises(ValueError, match="hostfile"):
-        launcher_argv("deepspeed", 2, "a.json", 1, num_nodes=2, node_rank=1)
+    ds = launcher_argv("deepspeed", 2, "a.json", 29400, num_nodes=2, node_rank=1, master_addr="n0")
+    assert "deepspeed.launcher.launch" in ds and "--node_rank=1" in ds
+    assert not any("hostfile" in a for a in ds)  # the world is in the command (on any host)
 
 
 def test_a_fleet_that_may_grow_has_every_slot_placed_and_the_trainer_on_what_is_left():

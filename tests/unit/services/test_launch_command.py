@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +13,10 @@ from rollflow.infra.config import TrainerServiceSection, TrainSection
 from rollflow.infra.errors import ConfigError
 from rollflow.services.trainer_process import (
     TrainerProcess,
-    hostfile_text,
+    deepspeed_world_info,
     launcher_argv,
     node_argv,
+    node_command,
 )
 from rollflow.trainer.protocol import ServiceArgs
 
@@ -20,9 +24,20 @@ runner = pytest.importorskip("deepspeed.launcher.runner")
 
 
 def deepspeed_devices(argv: list[str], gpus_on_host: int = 8) -> dict[str, list[int]]:
-    """The GPU indices DeepSpeed's runner hands each host's ranks for ``argv``, by its own code
-    (runner.main: hostfile or all local GPUs, --include/--exclude, --num_nodes/--num_gpus; its
-    trainer_process.py then sets CUDA_VISIBLE_DEVICES to exactly these)."""
+    """The GPU indices DeepSpeed's launcher hands each host's ranks for ``argv``, by its own code
+    (runner.main: hostfile or all local GPUs, --include/--exclude, --num_nodes/--num_gpus; or, on
+    several nodes, the per-node launcher's --world_info; launch.py then sets each node's ranks'
+    CUDA_VISIBLE_DEVICES to exactly its entry)."""
+    if "deepspeed.launcher.launch" in argv:
+        from deepspeed.launcher import launch
+
+        i = argv.index("deepspeed.launcher.launch")
+        saved, sys.argv = sys.argv, ["launch", *argv[i + 1 :]]
+        try:
+            args = launch.parse_args()
+        finally:
+            sys.argv = saved
+        return json.loads(base64.urlsafe_b64decode(args.world_info))
     i = argv.index("deepspeed.launcher.runner")
     args = runner.parse_args(argv[i + 1 :])
     pool = runner.fetch_hostfile(args.hostfile) or {"localhost": gpus_on_host}
@@ -55,12 +70,11 @@ def test_trainer_process_passes_the_plans_devices_to_deepspeed(tmp_path):
     assert deepspeed_devices(proc.process.argv) == {"localhost": [2, 3]}
 
 
-def test_two_node_deepspeed_names_each_nodes_gpus(tmp_path):
+def test_two_node_deepspeed_names_each_nodes_gpus(tmp_path, monkeypatch):
     trainer = TrainerServiceSection(
         backend="deepspeed", num_ranks=2, num_nodes=2, master_addr="n0", device="cuda"
     )
-    hostfile = tmp_path / "trainer-hostfile"
-    hostfile.write_text(hostfile_text(2, 2, slots=4))
+    monkeypatch.chdir(tmp_path)  # nothing written anywhere: the commands hold it all
     env = {"CUDA_VISIBLE_DEVICES": "2,3"}  # node 0: vLLM has 0 and 1
     node0 = node_argv(trainer, 0, tmp_path / "trainer-args.json", 29500, env)
     assert deepspeed_devices(node0) == {"node-0": [2, 3], "node-1": [0, 1]}
@@ -68,6 +82,44 @@ def test_two_node_deepspeed_names_each_nodes_gpus(tmp_path):
         trainer, 1, tmp_path / "trainer-args.json", 29500, {"CUDA_VISIBLE_DEVICES": "0,1"}
     )
     assert deepspeed_devices(node1)["node-1"] == [0, 1]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_world_in_the_command_is_what_deepspeeds_runner_reads_from_a_hostfile():
+    """The per-node launcher gets what DeepSpeed's runner would have handed it under --no_ssh
+    after reading a hostfile and --include, byte for byte."""
+    pool = runner._parse_hostfile(["node-0 slots=4", "node-1 slots=4", "node-2 slots=4"])
+    active = runner.parse_inclusion_exclusion(pool, "node-0:0,1@node-1:2,3@node-2:0,1", "")
+    assert runner.encode_world_info(active) == deepspeed_world_info("2,3", 2, 3, 1)
+    cpu = runner.parse_inclusion_exclusion(
+        runner._parse_hostfile(["node-0 slots=1", "node-1 slots=1"]), "", ""
+    )
+    assert runner.encode_world_info(cpu) == deepspeed_world_info(None, 1, 2, 1)
+
+
+def test_another_hosts_deepspeed_node_starts_from_its_command_on_its_own_gpus(
+    tmp_path, monkeypatch
+):
+    """Node 1 of a DeepSpeed trainer across hosts, its command made where it runs (a placed
+    node's flow run) in a folder without any of node 0's files: DeepSpeed's launcher finds the
+    world in the command, and this node's ranks on its host's first GPUs (the worker's 6,7).
+    Before, the command named ``--hostfile=<node 0's folder>/trainer-hostfile``, which only node
+    0 wrote: on another host DeepSpeed's runner fell back to localhost and raised "Hostname
+    'node-0' not found in hostfile"."""
+    trainer = TrainerServiceSection(
+        backend="deepspeed", num_ranks=2, num_nodes=2, master_addr="n0", device="cuda"
+    )
+    args = ServiceArgs(model_path="m", storage_root="s3://b/r", run="r", trainer=trainer)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    argv, env = node_command(args.model_dump_json(), 1, [0, 1])
+    assert env == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    assert deepspeed_devices(argv) == {"node-0": [0, 1], "node-1": [6, 7]}
+    assert ServiceArgs.model_validate_json(argv[-1]) == args
+    assert "--node_rank=1" in argv and "--master_addr=n0" in argv
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # a host that sets none: its first GPUs
+    assert node_command(args.model_dump_json(), 1, [0, 1])[1] == {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
 def test_deepspeed_cannot_name_gpus_by_uuid():

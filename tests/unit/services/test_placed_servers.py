@@ -264,3 +264,47 @@ def test_the_runs_services_hand_the_storage_secrets_name_to_its_placed_servers(
     )
     run = RunServices(cfg, "/m", None, tmp_path / "logs", lambda _: None, Machine(gpus=0))
     assert run.maker.placed_server(0).storage_secret == "creds"
+
+
+def test_a_placed_server_names_its_own_hosts_gpus_never_the_run_hosts(tmp_path, monkeypatch):
+    """The run's host was given GPUs 4-7 (or '': a CPU host): a placed server's flow run gets
+    no CUDA_VISIBLE_DEVICES from it (both servers were put on 4), only how many of its host's
+    first GPUs it takes, and names them on its host against that host's own list (a worker
+    given 2,3: 2); a host with none fails the flow run naming its list."""
+    from rollflow.infra.placement import PlanError
+    from rollflow.services import server_maker, vllm_server
+    from rollflow.services.run_services import RunServices
+
+    monkeypatch.setattr(server_maker, "max_model_len", lambda policy: 64)
+    cfg = _cfg(
+        f"run.storage='{tmp_path}'",
+        "inference.num_servers=2",
+        "inference.device='cuda'",
+        "trainer.device='cpu'",
+        f"inference.server_deployment='{DEPLOYMENT}'",
+        "trainer.master_addr='192.0.2.1'",
+    )
+    for visible in ("4,5,6,7", ""):
+        machine = Machine(gpus=4 if visible else 0, visible=visible)
+        run = RunServices(cfg, "/m", None, tmp_path / "logs", lambda _: None, machine)
+        settings = [run.maker.placed_server(slot).settings for slot in (0, 1)]
+        assert [(s["env"], s["gpus"]) for s in settings] == [({}, [0]), ({}, [0])]
+
+    class Made(Exception):
+        pass
+
+    def made(*args, **kwargs):
+        raise Made(kwargs["extra_env"])
+
+    monkeypatch.setattr(vllm_server, "InferenceServer", made)
+    storage = RunStorage(str(tmp_path / "runs"), "run")
+    toolkit.publish_key(storage, "k")
+    monkeypatch.setattr(storage, "local_copy", lambda *args: tmp_path / "model")
+    on_its_host = {**settings[1], "reach": "127.0.0.1"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(Made) as server:
+        inference_server.serve("run", 1, storage, ("policy", 0), on_its_host, "id")
+    assert server.value.args[0] == {"CUDA_VISIBLE_DEVICES": "2"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(PlanError, match="CUDA_VISIBLE_DEVICES=''"):
+        inference_server.serve("run", 1, storage, ("policy", 0), on_its_host, "id")
