@@ -1,9 +1,9 @@
 """The trainer service as a process tree: the real launcher, its ranks, the HTTP endpoint of rank 0.
 
 ``TrainerProcess`` starts ``torchrun`` (FSDP2) or the ``deepspeed`` launcher with N ranks of
-the service (``trainer/rank_main.py``) under one ``ManagedProcess`` (own process group, dies with the
-run), waits until rank 0 answers ``/health``, and stops the ranks with a ``/shutdown`` command
-(every rank tears down its engine and process group) before signalling whatever is left.
+the service (``trainer/rank_main.py``) under one ``ManagedProcess`` (own process group, dies
+with the run), waits until rank 0 answers ``/health``, and stops the ranks with a ``/shutdown``
+command (every rank tears down its engine and process group) before signalling whatever is left.
 
 Invariants: ``check_alive`` raises within seconds of a rank's death with a message naming the
 rank (rank 0 answers 503 naming it; once the launcher has exited, the log's last lines do);
