@@ -131,7 +131,8 @@ def _explain(exc: ValidationError) -> str:
 def _suggest(parent: list[str], leaf: str, known: list[str]) -> str:
     """The closest known key, also one section down (``train.kl_coef`` -> ``train.loss.kl_coef``)."""
     nested = {f"{key}.{sub}": sub for key in known for sub in _known_keys([*parent, key])}
-    by_leaf = {key: key for key in known} | {sub: path for path, sub in nested.items()}
+    # A key of the same section wins over one a section down of the same name.
+    by_leaf = {sub: path for path, sub in nested.items()} | {key: key for key in known}
     hint = difflib.get_close_matches(leaf, list(by_leaf), n=1)
     return f"; did you mean {'.'.join([*parent, by_leaf[hint[0]]])!r}?" if hint else ""
 
