@@ -35,3 +35,33 @@ def prefect_pools(monkeypatch):
         monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda **kw: Client())
 
     return install
+
+
+@pytest.fixture
+def loopback_only(monkeypatch):
+    """Any name but the loopback's fails to resolve, so an S3 client that misses its endpoint
+    fails at once instead of reaching AWS; no storage endpoint or secret comes from the
+    environment, and s3fs clients are made anew for each test (s3fs keeps them by options, with
+    the credentials and endpoint they found)."""
+    import logging
+    import socket
+
+    import s3fs
+
+    from rollflow.infra.secrets import SECRETS_ENV
+
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise socket.gaierror(f"test: {host} is not loopback")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(logging.getLogger("werkzeug"), "level", logging.ERROR)  # moto's access log
+    monkeypatch.delenv(SECRETS_ENV, raising=False)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -4,7 +4,6 @@ under 5 s, never a traceback. No address other than loopback is ever contacted."
 
 from __future__ import annotations
 
-import logging
 import socket
 import time
 
@@ -24,27 +23,7 @@ COMMANDS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch):
-    """Any name but the loopback's fails to resolve; clients are made anew for each test (s3fs
-    keeps them by options, with the credentials and endpoint they found)."""
-    import s3fs
-
-    real = socket.getaddrinfo
-
-    def getaddrinfo(host, *args, **kwargs):
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise socket.gaierror(f"test: {host} is not loopback")
-        return real(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    monkeypatch.setattr(logging.getLogger("werkzeug"), "level", logging.ERROR)  # moto's access log
-    monkeypatch.delenv("ROLLFLOW_STORAGE_SECRETS", raising=False)
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield
-    s3fs.S3FileSystem.clear_instance_cache()
+pytestmark = pytest.mark.usefixtures("loopback_only")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from moto's S3 on 127.0.0.1; failures are one line; ``import rollflow`` stays ch
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import pytest
 import rollflow
 from rollflow.infra.errors import InputError, StorageError
 from rollflow.infra.storage import RunStorage
+
+pytestmark = pytest.mark.usefixtures("loopback_only")
 
 
 def write_small_run(storage: RunStorage) -> None:
@@ -35,28 +36,6 @@ def write_small_run(storage: RunStorage) -> None:
     storage.commit("checkpoints", 1)  # step 3's checkpoint stays unmarked
     storage.append_event("run_started")
     storage.append_event("step_committed", step=2)
-
-
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch):
-    """Any name but the loopback's fails to resolve; s3fs clients are made anew for each test."""
-    import s3fs
-
-    real = socket.getaddrinfo
-
-    def getaddrinfo(host, *args, **kwargs):
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise socket.gaierror(f"test: {host} is not loopback")
-        return real(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    monkeypatch.setattr(logging.getLogger("werkzeug"), "level", logging.ERROR)
-    monkeypatch.delenv("ROLLFLOW_STORAGE_SECRETS", raising=False)
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield
-    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(params=["local", "s3"])
