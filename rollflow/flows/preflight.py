@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from typing import Any
 from rollflow.infra.config import RunConfig
 from rollflow.infra.errors import ConfigError
 from rollflow.infra.secrets import load_storage_secret, merge, secret_storage_options
+from rollflow.infra.storage_access import fail_fast_fs, failure_kind, within_deadline
 
 PROBE_DEADLINE_S = 4.0
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
@@ -142,7 +142,7 @@ class Preflight:
                 f"(huggingface-cli download {repo}) or point model.path at a local folder",
             )
             return
-        outcome = _within_deadline(
+        outcome = within_deadline(
             lambda: _hub_lookup(repo),
             PROBE_DEADLINE_S,
             f"not in the Hugging Face cache and the hub gave no answer in {PROBE_DEADLINE_S:.0f} s; "
@@ -169,7 +169,7 @@ class Preflight:
             except Exception as exc:  # not found, not JSON, server down
                 self.fail("run.storage_secret", run.storage_secret, f"cannot load it: {exc}")
                 return
-        outcome = _within_deadline(
+        outcome = within_deadline(
             lambda: _probe_storage(run.storage, run.name, run.storage_options),
             PROBE_DEADLINE_S,
             (
@@ -353,18 +353,11 @@ def _probe_storage(root: str, run: str, options: dict[str, Any]) -> tuple[str, s
     protocol = fsspec.core.split_protocol(root)[0] or "file"
     where = "run.storage"
     opts = merge(dict(options), secret_storage_options(root))  # credentials handed over
-    if protocol in ("s3", "s3a"):
-        # Fail fast: one attempt, short timeouts (the run itself keeps the user's retries).
-        config = dict(opts.get("config_kwargs") or {})
-        config.update(connect_timeout=2, read_timeout=3, retries={"max_attempts": 1})
-        opts.update(config_kwargs=config, skip_instance_cache=True)
-        if opts.get("endpoint_url"):
-            where = "run.storage_options.endpoint_url"
+    if protocol in ("s3", "s3a") and opts.get("endpoint_url"):
+        where = "run.storage_options.endpoint_url"
     folder = root
     try:
-        fs, base = fsspec.core.url_to_fs(f"{root.rstrip('/')}/{run}", **opts)
-        if protocol in ("s3", "s3a"):
-            fs.retries = 1  # s3fs's own retry loop (5 tries with backoff by default)
+        fs, base = fail_fast_fs(f"{root.rstrip('/')}/{run}", opts, read_timeout_s=3)
         if protocol == "file":  # probe the folder the run will be created in; create nothing
             base = folder = str(_existing_parent(Path(base)))
             if not Path(base).is_dir():
@@ -378,9 +371,8 @@ def _probe_storage(root: str, run: str, options: dict[str, Any]) -> tuple[str, s
 
 
 def _storage_problem(exc: Exception, where: str, protocol: str, folder: str) -> tuple[str, str]:
-    name = type(exc).__name__
-    text = str(exc).splitlines()[0] if str(exc) else name
-    if name == "NoCredentialsError" or "Unable to locate credentials" in text:
+    kind, name, text = failure_kind(exc)
+    if kind == "no credentials":
         return (
             "run.storage",
             "no S3 credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
@@ -392,15 +384,13 @@ def _storage_problem(exc: Exception, where: str, protocol: str, folder: str) -> 
             "run.storage",
             f"cannot write in {folder} ({reason}); choose a writable folder",
         )
-    if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
+    if kind == "denied":
         return "run.storage", f"not allowed to write there ({text}); check the credentials' rights"
-    if protocol != "file" and (isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text):
+    if kind == "no bucket" or isinstance(exc, FileNotFoundError):
         return "run.storage", f"the bucket does not exist; create it ({text})"
-    if "Timeout" in name:
+    if kind == "no answer":
         return where, f"no answer ({text}); check the address and that the service is up"
-    if any(s in name for s in ("EndpointConnection", "ConnectionError")) or (
-        "Could not connect" in text
-    ):
+    if kind == "unreachable":
         return where, f"unreachable ({text}); check the address and that the service is up"
     return where, f"the probe write failed: {name}: {text}"
 
@@ -421,15 +411,6 @@ def _hub_lookup(repo: str) -> str | None:
             "download it where there is a network, or point model.path at a local folder"
         )
     return None
-
-
-def _within_deadline(fn: Callable[[], Any], deadline_s: float, timed_out: Any) -> Any:
-    """``fn()`` in a daemon thread; ``timed_out`` if it has not returned by the deadline."""
-    box: list[Any] = []
-    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True, name="preflight")
-    thread.start()
-    thread.join(deadline_s)
-    return box[0] if box else timed_out
 
 
 def _existing_parent(path: Path) -> Path:

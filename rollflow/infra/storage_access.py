@@ -106,29 +106,19 @@ def open_run(address: RunAddress) -> RunStorage:
     """The run's storage, once a probe (one request, short timeouts, one try, under
     ``PROBE_DEADLINE_S``) found the run's folder. Raises ``StorageError`` (unreachable, no
     answer, no credentials, refused, no bucket) or ``InputError`` (no such run), one line each."""
-    import fsspec
-
-    protocol = fsspec.core.split_protocol(address.root)[0] or "file"
-    is_s3 = protocol in ("s3", "s3a")
     opts = merge(dict(address.options), secret_storage_options(address.root))  # as RunStorage
     seen: dict[str, Any] = {}
 
     def probe() -> Exception | None:
         try:
-            if is_s3:  # fail fast: the command itself keeps the user's timeouts and retries
-                config = dict(opts.get("config_kwargs") or {})
-                config.update(connect_timeout=2, read_timeout=2, retries={"max_attempts": 1})
-                opts.update(config_kwargs=config, skip_instance_cache=True)
-            fs, base = fsspec.core.url_to_fs(address.uri, **opts)
+            fs, base = fail_fast_fs(address.uri, opts, read_timeout_s=2)
             seen["fs"] = fs
-            if is_s3:
-                fs.retries = 1  # s3fs's own retry loop: 5 tries with backoff by default
             fs.info(base)
         except Exception as exc:  # classified by the caller
             return exc
         return None
 
-    outcome = _within_deadline(probe, PROBE_DEADLINE_S)
+    outcome = within_deadline(probe, PROBE_DEADLINE_S, _TIMED_OUT)
     if outcome is _TIMED_OUT:
         endpoint = _endpoint_of(seen.get("fs"), address)
         raise StorageError(
@@ -161,15 +151,14 @@ def storage_errors(address: RunAddress) -> Iterator[None]:
 def storage_problem(exc: BaseException, address: RunAddress, fs: Any = None) -> str:
     """One line for a failed request to the run's storage: what failed and which setting to
     change."""
-    name = type(exc).__name__
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
+    kind, name, text = failure_kind(exc)
     where = f"storage {address.root}"
-    if name == "NoCredentialsError" or "Unable to locate credentials" in text:
+    if kind == "no credentials":
         return f"{where}: no S3 credentials found; {_CREDENTIALS_HINT}"
-    if "bucket does not exist" in text or "NoSuchBucket" in text:
+    if kind == "no bucket":
         bucket = address.root.split("://", 1)[-1].split("/", 1)[0]
         return f"{where}: the bucket {bucket!r} does not exist; check --storage (the run's run.storage)"
-    if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
+    if kind == "denied":
         return f"{where}: not allowed to read it ({text}); check the credentials and their rights"
     if isinstance(exc, (TypeError, ValueError)):  # fsspec or botocore refused an option
         return (
@@ -177,11 +166,49 @@ def storage_problem(exc: BaseException, address: RunAddress, fs: Any = None) -> 
             "--storage-option (run.storage_options)"
         )
     endpoint = _endpoint_of(fs, address)
-    if "Timeout" in name:
+    if kind == "no answer":
         return f"{where}: no answer from {endpoint} ({text}); {_endpoint_hint(address)}"
-    if "EndpointConnection" in name or "ConnectionError" in name or "Could not connect" in text:
+    if kind == "unreachable":
         return f"{where}: {endpoint} is unreachable ({text}); {_endpoint_hint(address)}"
     return f"{where}: {name}: {text}" if _from_botocore(exc) else f"{name}: {text}"
+
+
+def failure_kind(exc: BaseException) -> tuple[str | None, str, str]:
+    """What a failed storage request met, for a message a user can act on: ``"no credentials"``,
+    ``"no bucket"``, ``"denied"``, ``"no answer"``, ``"unreachable"`` or None; with the
+    exception's class name and its first line. One reading for every caller (the CLI's probe
+    here, the run's preflight)."""
+    name = type(exc).__name__
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
+    if name == "NoCredentialsError" or "Unable to locate credentials" in text:
+        return "no credentials", name, text
+    if "bucket does not exist" in text or "NoSuchBucket" in text:
+        return "no bucket", name, text
+    if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
+        return "denied", name, text
+    if "Timeout" in name:
+        return "no answer", name, text
+    if "EndpointConnection" in name or "ConnectionError" in name or "Could not connect" in text:
+        return "unreachable", name, text
+    return None, name, text
+
+
+def fail_fast_fs(uri: str, options: dict[str, Any], read_timeout_s: float) -> tuple[Any, str]:
+    """The filesystem and path of ``uri`` for a probe: on S3 one attempt with short timeouts and
+    no s3fs retry loop (5 tries with backoff by default), so that a probe answers fast; the run
+    and the commands themselves keep the user's timeouts and retries."""
+    import fsspec
+
+    opts = dict(options)
+    s3 = (fsspec.core.split_protocol(uri)[0] or "file") in ("s3", "s3a")
+    if s3:
+        config = dict(opts.get("config_kwargs") or {})
+        config.update(connect_timeout=2, read_timeout=read_timeout_s, retries={"max_attempts": 1})
+        opts.update(config_kwargs=config, skip_instance_cache=True)
+    fs, base = fsspec.core.url_to_fs(uri, **opts)
+    if s3:
+        fs.retries = 1
+    return fs, base
 
 
 def _endpoint_hint(address: RunAddress) -> str:
@@ -221,11 +248,11 @@ def _from_botocore(exc: BaseException) -> bool:
 _TIMED_OUT = object()
 
 
-def _within_deadline(fn: Callable[[], Any], deadline_s: float) -> Any:
-    """``fn()`` in a daemon thread; ``_TIMED_OUT`` if it has not returned by the deadline (the
+def within_deadline(fn: Callable[[], Any], deadline_s: float, timed_out: Any) -> Any:
+    """``fn()`` in a daemon thread; ``timed_out`` if it has not returned by the deadline (the
     thread is left to end on its own, or with the process)."""
     box: list[Any] = []
-    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True, name="storage-probe")
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True, name="probe")
     thread.start()
     thread.join(deadline_s)
-    return box[0] if box else _TIMED_OUT
+    return box[0] if box else timed_out
