@@ -75,12 +75,14 @@ class Run:
     @cached_property
     def steps(self) -> list[int]:
         """The committed steps, ascending (read once; ``refresh()`` reads them again)."""
+        from rollflow.infra.events import Event
+
         with self._errors():
             done = set(self.storage.committed_steps("checkpoints"))
             done |= {
                 int(e["step"])
                 for e in self.storage.read_events()
-                if e.get("event") == "step_committed" and "step" in e
+                if e.get("event") == Event.STEP_COMMITTED and "step" in e
             }
         return sorted(done)
 
