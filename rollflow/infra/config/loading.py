@@ -75,13 +75,48 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    node = data
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
+    node: Any = data
+    for depth, part in enumerate(parents):
+        if isinstance(node, list):
+            node = node[_list_index(node, part, parents[:depth], item)]
+            if not isinstance(node, dict):
+                raise ConfigError(
+                    f"override {item!r}: item {part} of {'.'.join(parents[:depth])!r} is "
+                    f"not a table"
+                )
+            continue
+        following = [*parents, leaf][depth + 1]
+        child = node.setdefault(part, [] if following.isdigit() else {})
+        if not isinstance(child, dict | list):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        if isinstance(child, list) and not child:
+            node.pop(part)
+            raise ConfigError(
+                f"override {item!r}: the config sets no {'.'.join(parents[: depth + 1])!r} "
+                "items to address by index; add them to the config file first"
+            )
         node = child
-    node[leaf] = value
+    if isinstance(node, list):
+        node[_list_index(node, leaf, parents, item)] = value
+    else:
+        node[leaf] = value
+
+
+def _list_index(items: list, part: str, where: list[str], item: str) -> int:
+    """``part`` as an index of the config's list ``where`` (``envs.0``), or a clear error."""
+    name = ".".join(where)
+    if not part.isdigit():
+        raise ConfigError(
+            f"override {item!r}: {name!r} is a list; address an item by its index "
+            f"({name}.0 ... {name}.{len(items) - 1}), not {part!r}"
+        )
+    index = int(part)
+    if index >= len(items):
+        raise ConfigError(
+            f"override {item!r}: index {index} is out of range: {name!r} has {len(items)} "
+            f"item{'s' if len(items) != 1 else ''} ({name}.0 ... {name}.{len(items) - 1})"
+        )
+    return index
 
 
 def _remove(data: dict[str, Any], parents: list[str], leaf: str, item: str) -> None:
