@@ -75,16 +75,8 @@ class Run:
     @cached_property
     def steps(self) -> list[int]:
         """The committed steps, ascending (read once; ``refresh()`` reads them again)."""
-        from rollflow.infra.events import Event
-
         with self._errors():
-            done = set(self.storage.committed_steps("checkpoints"))
-            done |= {
-                int(e["step"])
-                for e in self.storage.read_events()
-                if e.get("event") == Event.STEP_COMMITTED and "step" in e
-            }
-        return sorted(done)
+            return committed_steps(self.storage)
 
     def refresh(self) -> Run:
         """Forget the committed steps read so far (a run in progress commits more)."""
@@ -114,9 +106,8 @@ class Run:
         name is a ``rollflow.infra.metric_names.Metric``."""
         import pyarrow as pa
 
-        committed = {0, *self.steps}
         with self._errors():
-            rows = [r for r in self.storage.read_metrics() if r.get("step") in committed]
+            rows = committed_metrics(self.storage, self.steps)
         columns = dict.fromkeys(key for row in rows for key in row)
         return _as(pa.table({key: [row.get(key) for row in rows] for key in columns}), format)
 
@@ -139,6 +130,28 @@ class Run:
         from rollflow.infra.storage_access import storage_errors
 
         return storage_errors(self.address)
+
+
+def committed_steps(storage: RunStorage) -> list[int]:
+    """The run's committed steps, ascending: a checkpoint folder with ``_SUCCESS``, or a
+    ``step_committed`` event (the commit rule of docs/concepts/step.md)."""
+    from rollflow.infra.events import Event
+
+    done = set(storage.committed_steps("checkpoints"))
+    done |= {
+        int(e["step"])
+        for e in storage.read_events()
+        if e.get("event") == Event.STEP_COMMITTED and "step" in e
+    }
+    return sorted(done)
+
+
+def committed_metrics(storage: RunStorage, steps: list[int] | None = None) -> list[dict[str, Any]]:
+    """The metrics rows of the committed steps (``steps``, default: read now) and of step 0 (the
+    start), by step. A row of a step in flight, or left half-done by a crash, is not among them.
+    The run's own live views in the Prefect UI read these too (flows/live_views.py)."""
+    committed = {0, *(committed_steps(storage) if steps is None else steps)}
+    return [r for r in storage.read_metrics() if r.get("step") in committed]
 
 
 def _as(table: pa.Table, format: Format) -> Any:

@@ -2,7 +2,9 @@
 
 - each step flow run publishes a table artifact of its metrics row (key ``<run>-step-metrics``,
   so the Artifacts page keeps one version per step);
-- the run flow keeps a progress artifact (``<run>-progress``) at committed steps / ``num_steps``;
+- the run flow keeps a progress artifact (``<run>-progress``) at committed steps / ``num_steps``,
+  with the pace and ETA the live views read (``live_views.py``, which also redraws the curves and
+  the per-environment table during the run);
 - at the end, a markdown summary (``<run>-summary``): held-out reward at start and end, the
   reward curve as an embedded PNG, and where the Parquet data, checkpoints and events are.
 
@@ -18,6 +20,7 @@ import io
 import logging
 import math
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -91,10 +94,13 @@ def _cell(value: Any) -> Any:
 
 
 class RunProgress:
-    """The run's progress artifact: committed steps over ``num_steps``, in percent."""
+    """The run's progress artifact: committed steps over ``num_steps``, in percent; its
+    description says the pace and ETA the live views last read (flows/live_views.py)."""
 
     def __init__(self, run: str, num_steps: int, done: int = 0):
         self.run, self.num_steps, self.done = run, num_steps, done
+        self.pace = ""
+        self._lock = threading.Lock()  # the step loop and the live views' thread both write
         self.artifact_id: UUID | None = self._create()
 
     @_best_effort
@@ -109,15 +115,25 @@ class RunProgress:
         if self.artifact_id is not None:
             self._update()
 
+    def set_pace(self, pace: str) -> None:
+        """Show ``pace`` (e.g. ``3.2 steps/min, ETA 12 min``) after the steps committed."""
+        self.pace = pace
+        if self.artifact_id is not None:
+            self._update()
+
     @_best_effort
     def _update(self) -> None:
-        update_progress_artifact(self.artifact_id, self._percent(), description=self._description())
+        with self._lock:  # each write carries the state at its time, in order
+            update_progress_artifact(
+                self.artifact_id, self._percent(), description=self._description()
+            )
 
     def _percent(self) -> float:
         return 100.0 * min(self.done, self.num_steps) / self.num_steps
 
     def _description(self) -> str:
-        return f"Run {self.run}: {self.done} of {self.num_steps} steps committed"
+        text = f"Run {self.run}: {self.done} of {self.num_steps} steps committed"
+        return f"{text}; {self.pace}" if self.pace else text
 
 
 @_best_effort

@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect import flow
 
 from rollflow.flows.artifacts import RunProgress, publish_summary
+from rollflow.flows.live_views import LiveViews
 from rollflow.flows.names import FLOW_NAME
 from rollflow.flows.order import StepOrder
 from rollflow.flows.step_metrics import StepMetrics
@@ -83,30 +84,37 @@ def _train(config: dict | RunConfig) -> dict:
     policy_dir = _policy_after(storage, resumed_from, base_model)
     publish(storage, Event.RUN_STARTED, resumed_from=resumed_from)
     progress = RunProgress(cfg.run.name, cfg.run.num_steps, resumed_from)
+    live = LiveViews(storage, cfg.run.num_steps, cfg.metrics.ui_every, progress)
     log_dir = storage.log_dir()
     # Sinks open first: a configured sink whose package is missing fails before services start.
-    with (
-        MetricSinks.from_config(cfg, log_dir) as sinks,
-        RunServices(
-            cfg, policy_dir, resumed_from or None, log_dir, progress=say, base_model=base_model
-        ) as services,
-    ):
+    try:
+        with (
+            MetricSinks.from_config(cfg, log_dir) as sinks,
+            RunServices(
+                cfg, policy_dir, resumed_from or None, log_dir, progress=say, base_model=base_model
+            ) as services,
+        ):
 
-        def report(step: int, metrics: dict) -> None:
-            say(progress_line(step, cfg.run.num_steps, metrics))
-            sinks.log(step, metrics)
-            progress.update(step)
+            def report(step: int, metrics: dict) -> None:
+                say(progress_line(step, cfg.run.num_steps, metrics))
+                sinks.log(step, metrics)
+                progress.update(step)
+                live.committed(step)  # redrawn from storage, every metrics.ui_every steps
 
-        restarts = 0
-        while True:
-            try:
-                _train_steps(
-                    cfg, storage, services, base_model, resumed_from, restarts, sinks, report
-                )
-                break
-            except TrainerLost as lost:
-                resumed_from = _restart_trainer(cfg, storage, services, lost, restarts)
-                restarts += 1
+            restarts = 0
+            while True:
+                try:
+                    _train_steps(
+                        cfg, storage, services, base_model, resumed_from, restarts, sinks, report
+                    )
+                    break
+                except TrainerLost as lost:
+                    resumed_from = _restart_trainer(cfg, storage, services, lost, restarts)
+                    restarts += 1
+    except BaseException:
+        live.close(final=False)
+        raise
+    live.close()  # the last redraw, with every committed step
     publish_summary(storage)
     return summarize(storage, say)
 
@@ -118,7 +126,8 @@ def _finish_committed_run(cfg: RunConfig, storage: RunStorage) -> dict:
     say(f"run {cfg.run.name}: all {cfg.run.num_steps} steps are already committed in {storage.uri}")
     if not has_event(storage, Event.TRAINING_FINISHED):
         publish(storage, Event.TRAINING_FINISHED, source="storage", step=cfg.run.num_steps)
-    RunProgress(cfg.run.name, cfg.run.num_steps, cfg.run.num_steps)
+    progress = RunProgress(cfg.run.name, cfg.run.num_steps, cfg.run.num_steps)
+    LiveViews(storage, cfg.run.num_steps, cfg.metrics.ui_every, progress).close()
     publish_summary(storage)
     return summarize(storage)
 

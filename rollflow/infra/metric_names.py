@@ -21,7 +21,10 @@ class Metric:
     REWARD_MEAN = "reward_mean"
     REWARD = "reward"  # per environment: reward/<env>
     REWARD_FN = "reward_fn"  # per env and plain reward function: reward_fn/<env>/<function>
-    NUM_ROLLOUTS = "num_rollouts"
+    NUM_ROLLOUTS = "num_rollouts"  # also per environment: num_rollouts/<env>
+    # the model's tokens (mask 1) per rollout without error: mean and max over the step's
+    COMPLETION_TOKENS_MEAN = "completion_tokens_mean"
+    COMPLETION_TOKENS_MAX = "completion_tokens_max"
     NUM_ERRORS = "num_errors"
     ROLLOUTS_REUSED = "rollouts_reused"
     NUM_SKIPPED_ROWS = "num_skipped_rows"
@@ -52,8 +55,12 @@ class Metric:
     NUM_SAMPLES_KEPT = "num_samples_kept"
     NUM_FAILED_SAMPLES = "num_failed_samples"
     NUM_TRUNCATED_SAMPLES = "num_truncated_samples"
-    # train (the trainer's own numbers keep the names it gives them; this one is shown)
+    # train (the trainer's own numbers keep the names it gives them; these are shown)
     LOSS = "loss"
+    KL = "kl"  # to the reference policy (0 without one)
+    MISMATCH_KL = "mismatch_kl"  # of the trainer's log-probabilities to vLLM's
+    ENTROPY = "entropy"
+    GRAD_NORM = "grad_norm"
     # sync and evaluation
     SYNC_S = "sync_s"
     SYNC_PAUSE_S = "sync_pause_s"

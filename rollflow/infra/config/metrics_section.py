@@ -44,6 +44,13 @@ class MetricsSection(Section):
     mlflow: MlflowOptions = Field(
         default_factory=MlflowOptions, description="[metrics.mlflow]: options of the MLflow sink."
     )
+    ui_every: int = Field(
+        5,
+        ge=0,
+        description="Redraw the run's live views in the Prefect UI (the curves plot, the "
+        "per-environment table, the progress artifact's pace and ETA) every N committed steps "
+        "and at the end, from the committed metrics; 0: at the end only.",
+    )
 
     @model_validator(mode="after")
     def _unique_sinks(self) -> MetricsSection:

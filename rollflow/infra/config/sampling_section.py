@@ -62,11 +62,20 @@ class PromptSection(Section):
         description="System prompt put first in every chat-formatted prompt, unless the env's "
         "messages start with their own.",
     )
-    chat_template: Literal["messages", "always", "never"] = Field(
-        "messages",
-        description="When the tokenizer's chat template renders a prompt: 'messages' for prompts "
-        "an env gives as chat messages (raw text goes as it is), 'always' (raw text too, as one "
-        "user message), 'never' (a base model: message prompts are refused).",
+    chat_template: Literal["auto", "messages", "always", "never"] = Field(
+        "auto",
+        description="When the tokenizer's chat template renders a prompt: 'auto' (every prompt "
+        "when the tokenizer has a template, raw text as one user message; none without one), "
+        "'messages' (only prompts an env gives as chat messages; raw text goes as it is), "
+        "'always' (every prompt; the tokenizer must have a template), 'never' (a base model: raw "
+        "text as it is, message prompts refused).",
+    )
+    max_prompt_length: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt, in tokens as vLLM gets them (after the chat template): a "
+        "dataset env's longer prompts are dropped when it loads, counted in num_skipped_rows and "
+        "warned of, never truncated. None: no limit.",
     )
 
 

@@ -9,9 +9,13 @@ the model may call). ``PromptRenderer`` turns either into the token ids vLLM get
   template writes the BOS where the format has one: adding it again would double it);
 - the run's system prompt (``[prompt] system``) goes first unless the env's messages start with
   their own system message (the env knows its task best);
-- ``[prompt] chat_template`` says when the template applies: ``"messages"`` (default) for
-  prompts given as messages only, raw text as it is; ``"always"`` also wraps raw text as one user
-  message (instruct models expect it); ``"never"`` refuses message prompts (a base model).
+- ``[prompt] chat_template`` says when the template applies: ``"auto"`` (default) to every
+  prompt when the tokenizer has a template (raw text as one user message: instruct models expect
+  it) and to none when it has not (a base model such as the quickstart's); ``"messages"`` to
+  prompts given as messages only, raw text as it is; ``"always"`` to every prompt (a template is
+  required); ``"never"`` to none (message prompts are refused).
+- a mismatch is warned once per model, in one line: a tokenizer with a template given raw text
+  because the config asked for it, or a model named as a chat model whose tokenizer has none.
 
 Owns: how a prompt becomes token ids. Multi-turn episodes use ``render_messages`` to append
 environment turns in the same format.
@@ -19,11 +23,24 @@ environment turns in the same format.
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from rollflow.infra.config import PromptSection
 from rollflow.infra.errors import InputError
 from rollflow.tasks.generate.environments import Prompt
+
+log = logging.getLogger(__name__)
+# A model path that names a chat model (Qwen2.5-7B-Instruct, Llama-2-7b-chat-hf, gemma-2-2b-it).
+CHAT_MODEL_NAME = re.compile(r"(instruct|chat|(^|[-_])it([-_]|$))", re.I)
+_warned: set[tuple[str, str]] = set()  # (model, mismatch): each warned once per process
+
+
+def warn_once(model_path: str, kind: str, message: str) -> None:
+    if (model_path, kind) not in _warned:
+        _warned.add((model_path, kind))
+        log.warning("%s", message)
 
 
 class PromptRenderer:
@@ -43,6 +60,15 @@ class PromptRenderer:
             )
         if cfg.chat_template == "always" or cfg.system is not None:
             self._need_template("[prompt] chat_template = 'always' or [prompt] system")
+        name = str(model_path).rstrip("/").rsplit("/", 1)[-1]
+        if not self.has_template and cfg.chat_template != "never" and CHAT_MODEL_NAME.search(name):
+            warn_once(
+                model_path,
+                "no-template",
+                f"{model_path}: named as a chat model, but its tokenizer has no chat template, "
+                "so raw-text prompts go without one; use the instruct model's tokenizer (or set "
+                "its chat_template), or set [prompt] chat_template = 'never' if it is a base model",
+            )
 
     @property
     def has_template(self) -> bool:
@@ -64,7 +90,17 @@ class PromptRenderer:
         """The messages the template renders for ``prompt`` (system prompt first), or None
         when the prompt goes as raw text."""
         if prompt.messages is None:
-            if self.cfg.chat_template != "always":
+            mode = self.cfg.chat_template
+            if mode in ("messages", "never") or (mode == "auto" and not self.has_template):
+                if self.has_template:
+                    warn_once(
+                        self.model_path,
+                        "raw",
+                        f"{self.model_path}: the tokenizer has a chat template, but env "
+                        f"{prompt.env}'s raw-text prompts go without it ([prompt] chat_template "
+                        f"= {mode!r}); an instruct model expects its template: set 'auto' "
+                        "unless the model is a base model",
+                    )
                 return None
             messages = [{"role": "user", "content": prompt.text}]
         else:

@@ -1,12 +1,17 @@
-"""Single-turn environments whose prompts come from a local dataset (JSONL, Parquet, HF folder).
+"""Single-turn environments whose prompts come from a dataset (``dataset.py``: a hub id, local
+json/jsonl/parquet/csv files, a ``save_to_disk`` or dataset-repository folder).
 
 ``dataset``: exact match of the stripped completion against the answer column.
 ``math``: the answer checked with math-verify (``\\frac{1}{2}``, ``0.5`` and ``\\boxed{1/2}`` all
 match); ships ``data/math_small.jsonl`` (a few dozen small problems) as its default dataset.
 
 Held-out split: a second source (``eval_path`` and/or ``eval_split``), or else a stable hash of
-the prompt text puts ``eval_fraction`` of the rows aside. Either way train and eval never share a
-prompt text. Rewards run in SingleTurnEnv's worker thread, off the event loop.
+the prompt puts ``eval_fraction`` of the rows aside. Either way train and eval never share a
+prompt. Rewards run in SingleTurnEnv's worker thread, off the event loop.
+
+A row's prompt is text or chat messages (TRL's conversational format); messages go to the model
+through its chat template (``chat.py``). ``limit_prompt_length`` drops (and counts) the prompts
+longer than ``[prompt] max_prompt_length`` tokens once the tokenizer is known: never truncated.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import random
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,10 +33,10 @@ DATA_DIR = Path(__file__).parent / "data"
 
 
 class DatasetEnv(SingleTurnEnv):
-    """Prompts from a local dataset; reward 1 when the stripped completion equals the answer.
+    """Prompts from a dataset; reward 1 when the stripped completion equals the answer.
 
     ``prompt_template`` wraps each prompt: ``{prompt}`` is replaced by the row's text (plain
-    replacement, so LaTeX braces need no escaping).
+    replacement, so LaTeX braces need no escaping); in a chat row it wraps the last user message.
     """
 
     name = "dataset"
@@ -41,6 +47,7 @@ class DatasetEnv(SingleTurnEnv):
         *,
         format: str = "auto",
         split: str | None = None,
+        subset: str | None = None,
         prompt_column: str = "prompt",
         answer_column: str | None = "answer",
         eval_path: str | None = None,
@@ -54,14 +61,15 @@ class DatasetEnv(SingleTurnEnv):
                 "put {prompt} where the dataset's prompt goes"
             )
         columns = {"format": format, "prompt_column": prompt_column, "answer_column": answer_column}
+        columns["subset"] = subset
         train = load_prompts(path, split=split, **columns)
         if eval_path is None and eval_split is None:
             if not 0 < eval_fraction < 1:
                 raise ConfigError(
                     f"env {self.name}: args.eval_fraction must be in (0, 1), got {eval_fraction}"
                 )
-            held_out = [r for r in train.rows if in_eval_split(r.prompt, eval_fraction)]
-            train_rows = [r for r in train.rows if not in_eval_split(r.prompt, eval_fraction)]
+            held_out = [r for r in train.rows if in_eval_split(r.key, eval_fraction)]
+            train_rows = [r for r in train.rows if not in_eval_split(r.key, eval_fraction)]
             self.num_skipped_rows = train.num_skipped
             eval_prefix = ""
             how = f"eval_fraction {eval_fraction} of {len(train.rows)} rows of {train.source}"
@@ -73,7 +81,7 @@ class DatasetEnv(SingleTurnEnv):
                     f"({train.source}); set a different args.eval_path or args.eval_split"
                 )
             held_out = list(held.rows)
-            train_rows = _without_prompts(train, {r.prompt for r in held_out})
+            train_rows = _without_prompts(train, {r.key for r in held_out})
             self.num_skipped_rows = train.num_skipped + held.num_skipped
             eval_prefix = "eval:"
             how = f"{train.source} with held-out {held.source}"
@@ -87,15 +95,56 @@ class DatasetEnv(SingleTurnEnv):
             "train": [self._prompt(r, "", prompt_template) for r in train_rows],
             "eval": [self._prompt(r, eval_prefix, prompt_template) for r in held_out],
         }
+        self.num_long_prompts = 0  # dropped by limit_prompt_length, also in num_skipped_rows
 
     def _prompt(self, row: PromptRow, prefix: str, template: str) -> Prompt:
+        text = template.replace("{prompt}", row.prompt)
+        messages = None
+        if row.messages is not None:
+            messages = list(row.messages)
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            last_user = users[-1] if users else len(messages) - 1
+            messages[last_user] = {**messages[last_user], "content": text}
+            messages = tuple(messages)
         return Prompt(
             self.name,
             f"{self.name}:{prefix}{row.index}",
-            template.replace("{prompt}", row.prompt),
+            text,
             row.answer,
+            messages=messages,
             fields=row.fields or None,
         )
+
+    def limit_prompt_length(self, prompt_len: Callable[[Prompt], int], max_len: int) -> int:
+        """Drop the prompts longer than ``max_len`` tokens (``prompt_len`` counts them as vLLM
+        gets them); they are counted in ``num_skipped_rows`` and ``num_long_prompts`` and said in
+        one warning, never truncated. Returns how many were dropped now."""
+        kept = {
+            split: [p for p in rows if prompt_len(p) <= max_len]
+            for split, rows in self._rows.items()
+        }
+        dropped = sum(len(self._rows[s]) - len(kept[s]) for s in kept)
+        if not dropped:
+            return 0
+        if not kept["train"] or not kept["eval"]:
+            raise InputError(
+                f"env {self.name}: every {'training' if not kept['train'] else 'held-out'} "
+                f"prompt is longer than [prompt] max_prompt_length = {max_len} tokens; raise it"
+            )
+        longest = max(prompt_len(p) for rows in self._rows.values() for p in rows)
+        log.warning(
+            "env %s: dropped %d of %d prompts longer than [prompt] max_prompt_length = %d tokens "
+            "(the longest has %d); they are not truncated",
+            self.name,
+            dropped,
+            sum(len(rows) for rows in self._rows.values()),
+            max_len,
+            longest,
+        )
+        self._rows = kept
+        self.num_long_prompts += dropped
+        self.num_skipped_rows += dropped
+        return dropped
 
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
         """Training: ``count`` prompts, without repeats until the set is used up. Eval: at most
@@ -118,7 +167,7 @@ class DatasetEnv(SingleTurnEnv):
 
 def _without_prompts(loaded: LoadedDataset, held_out: set[str]) -> list[PromptRow]:
     """Training rows minus any whose prompt is also held out (said, not silent)."""
-    rows = [r for r in loaded.rows if r.prompt not in held_out]
+    rows = [r for r in loaded.rows if r.key not in held_out]
     if len(rows) < len(loaded.rows):
         log.warning(
             "dataset %s: dropped %d training rows whose prompt is also in the held-out set",

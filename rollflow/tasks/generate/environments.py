@@ -140,6 +140,12 @@ class Environment(ABC):
     # generate task so that the count reaches the step's result and metrics.
     num_skipped_rows: int = 0
 
+    def limit_prompt_length(self, prompt_len: Callable[[Prompt], int], max_len: int) -> int:
+        """Drop the prompts longer than ``max_len`` tokens (``[prompt] max_prompt_length``),
+        counted in ``num_skipped_rows``; returns how many. Envs with a finite prompt set
+        (``DatasetEnv``) override it; generated prompts are left as they are."""
+        return 0
+
     @abstractmethod
     def prompts(self, split: Split, count: int, rng: random.Random) -> list[Prompt]:
         """``count`` prompts of ``split``; the train and eval splits never share a prompt.

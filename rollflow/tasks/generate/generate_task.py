@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from statistics import fmean
@@ -64,6 +64,10 @@ class Rollouts:
     reward_fns: dict[str, float] = field(default_factory=dict)
     # Episodes: environment tokens, model turns per episode, the share cut short, stop reasons.
     turns: dict[str, float] = field(default_factory=dict)
+    # The model's tokens per rollout without error (mean, max) and each env's rollouts.
+    completion_tokens_mean: float = float("nan")
+    completion_tokens_max: int = 0
+    rollouts_by_env: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,12 +241,16 @@ def _summary(rows: list[dict]) -> dict:
     for r in rows:
         if r["reward"] is not None:
             by_env[r["env"]].append(r["reward"])
+    lengths = [sum(loss_mask(r)) for r in rows if r["error"] is None]
     return {
         "num_rollouts": len(rows),
         "num_errors": sum(r["error"] is not None for r in rows),
         "reward_mean": fmean(rewards) if rewards else float("nan"),
         "reward_by_env": {k: fmean(v) for k, v in sorted(by_env.items())},
+        "rollouts_by_env": dict(sorted(Counter(r["env"] for r in rows).items())),
         "completion_tokens": sum(sum(loss_mask(r)) for r in rows),
+        "completion_tokens_mean": fmean(lengths) if lengths else float("nan"),
+        "completion_tokens_max": max(lengths, default=0),
         "turns": _turn_summary(rows),
         "reward_fns": _reward_fn_summary(rows),
     }

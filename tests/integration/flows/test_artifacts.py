@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import re
+import time
 import uuid
 
 import pytest
@@ -14,18 +15,20 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from rollflow.flows import artifacts
+from rollflow.flows import artifacts, live_views
 from rollflow.flows.artifacts import (
     RunProgress,
     artifact_key,
     publish_step_metrics,
     publish_summary,
 )
+from rollflow.flows.live_views import LiveViews
 from rollflow.infra.storage import RunStorage
 
 from run_support import session_prefect_api
 
 NUM_STEPS = 4
+UI_EVERY = 2  # metrics.ui_every of the fake run: the live views redrawn at steps 2 and 4
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +51,11 @@ def fake_metrics(step: int) -> dict:
         "reward_mean": 0.1 * step,
         "reward/add": 0.05 * step,
         "reward/sort_letters": 0.15 * step,
+        "num_rollouts/add": 16,
+        "num_rollouts/sort_letters": 16,
         "num_groups_kept": 8,
         "loss": float("nan"),
+        "entropy": 1.0 - 0.1 * step,
         "step_s": 1.5,
     }
     if step % 2 == 0:
@@ -66,14 +72,22 @@ def fake_step(storage: RunStorage, step: int) -> None:
 
 @flow(name="fake-run")
 def fake_run(root: str, run: str) -> None:
-    """The run flow's three hooks around fake steps that write metrics to storage."""
+    """The run flow's hooks around fake steps that write metrics to storage: the progress, the
+    live views (as ``rl_run`` calls them: after each commit, closed at the end), the summary."""
     storage = RunStorage(root, run)
     storage.write_metrics(0, {"eval_reward": 0.2})
     progress = RunProgress(storage.run, NUM_STEPS, 0)
+    live = LiveViews(storage, NUM_STEPS, UI_EVERY, progress)
     for step in range(1, NUM_STEPS + 1):
         fake_step(storage, step)
         storage.commit("checkpoints", step)
         progress.update(step)
+        live.committed(step)
+        if step % UI_EVERY == 0:  # a real step takes longer than a redraw: let it finish
+            deadline = time.monotonic() + 60
+            while step not in live.drawn and time.monotonic() < deadline:
+                time.sleep(0.05)
+    live.close()
     storage.append_event("training_finished", step=NUM_STEPS)
     publish_summary(storage)
 
@@ -96,7 +110,32 @@ def test_run_publishes_step_tables_progress_and_summary(prefect_api, tmp_path):
 
     (progress,) = read_artifacts(f"fake-run-{suffix}-progress")
     assert progress.type == "progress" and float(progress.data) == 100.0
-    assert progress.description == f"Run {run}: 4 of 4 steps committed"
+    # The pace, from the committed steps' step_s (1.5 s each); no ETA once all are committed.
+    assert progress.description == f"Run {run}: 4 of 4 steps committed; 40 steps/min"
+
+    # The live views: redrawn during the run at steps 2 and 4 (UI_EVERY), one key each, on the
+    # run's flow run; the end adds no third version (step 4 was drawn).
+    curves = read_artifacts(f"fake-run-{suffix}-curves")
+    assert [a.description for a in curves] == [
+        f"Curves of run {run} to committed step {s} of 4" for s in (2, 4)
+    ]
+    run_flow = read_artifacts(f"fake-run-{suffix}-summary")[0].flow_run_id
+    assert all(a.type == "markdown" and a.flow_run_id == run_flow for a in curves)
+    assert curves[0].created < tables[-1].created  # drawn before the last step's table: live
+    assert f"# Run `{run}`: step 2 of 4" in curves[0].data
+    png = base64.b64decode(
+        re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)\)", curves[-1].data).group(1)
+    )
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) < 150_000
+    envs = read_artifacts(f"fake-run-{suffix}-envs")
+    assert [a.description for a in envs] == [
+        f"Each environment of run {run} to committed step {s}" for s in (2, 4)
+    ]
+    assert all(a.type == "table" and a.flow_run_id == run_flow for a in envs)
+    by_env = {r["env"]: r for r in json.loads(envs[-1].data)}
+    assert set(by_env) == {"add", "sort_letters"}
+    assert by_env["add"]["rollouts"] == 64 and by_env["add"]["reward (last step)"] == 0.2
+    assert by_env["sort_letters"]["steps sampled"] == 4
 
     (summary,) = read_artifacts(f"fake-run-{suffix}-summary")
     text = summary.data
@@ -130,6 +169,7 @@ def test_a_failure_to_publish_is_a_warning_never_an_error(prefect_api, monkeypat
 
     for name in ("create_table_artifact", "create_progress_artifact", "create_markdown_artifact"):
         monkeypatch.setattr(artifacts, name, refuse)
+        monkeypatch.setattr(live_views, name, refuse, raising=False)
 
     @flow(name="step-with-broken-artifacts")
     def step() -> str:
@@ -137,6 +177,7 @@ def test_a_failure_to_publish_is_a_warning_never_an_error(prefect_api, monkeypat
         progress = RunProgress("broken", 3)
         progress.update(1)  # nothing to update: no artifact was created
         publish_summary(RunStorage("/nonexistent-root", "broken"))
+        LiveViews(RunStorage("/nonexistent-root", "broken"), 3, 1, progress).close()
         return "step finished"
 
     with caplog.at_level(logging.WARNING):
@@ -148,3 +189,4 @@ def test_a_failure_to_publish_is_a_warning_never_an_error(prefect_api, monkeypat
     )
     assert any("could not publish the _create artifact" in w for w in warnings)
     assert any("could not publish the publish_summary artifact" in w for w in warnings)
+    assert any("could not publish the _publish_curves artifact" in w for w in warnings)

@@ -51,6 +51,9 @@ def test_the_producers_quarantine_numbers_reach_the_row():
             reward_mean=0.5,
             reward_by_env={},
             num_rollouts=8,
+            rollouts_by_env={"add": 8},
+            completion_tokens_mean=3.5,
+            completion_tokens_max=6,
             num_errors=0,
             reused=False,
             num_skipped_rows=0,
@@ -62,6 +65,8 @@ def test_the_producers_quarantine_numbers_reach_the_row():
     assert by_env(m.row, Metric.ENV_QUARANTINED) == {"calc": 1, "add": 0}
     assert m.row[Metric.QUARANTINE_SET_ASIDE_TOTAL] == 40 and m.row[Metric.ENVS_QUARANTINED] == 1
     assert "num_admitted" not in m.row
+    assert m.row[per_env(Metric.NUM_ROLLOUTS, "add")] == 8
+    assert m.row[Metric.COMPLETION_TOKENS_MEAN] == 3.5 and m.row[Metric.COMPLETION_TOKENS_MAX] == 6
 
 
 def test_the_progress_line_says_how_many_groups_dynamic_sampling_replaced():

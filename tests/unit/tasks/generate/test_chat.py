@@ -51,9 +51,10 @@ def test_system_prompt_from_config_unless_the_env_gives_one(qwen_tok):
     assert "Think." in text and "Be brief." not in text
 
 
-def test_raw_text_goes_as_it_is_unless_always(qwen_tok):
+def test_raw_text_goes_as_it_is_only_when_asked(qwen_tok):
     prompt = Prompt("e", "0", "12+30=", "42")
-    assert PromptRenderer(qwen_tok, PromptSection())(prompt) == qwen_tok("12+30=").input_ids
+    raw = PromptRenderer(qwen_tok, PromptSection(chat_template="messages"))(prompt)
+    assert raw == qwen_tok("12+30=").input_ids
     wrapped = PromptRenderer(qwen_tok, PromptSection(chat_template="always"))(prompt)
     assert _text(qwen_tok, wrapped) == "<|im_start|>user\n12+30=<|im_end|>\n<|im_start|>assistant\n"
 

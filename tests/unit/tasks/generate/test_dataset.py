@@ -70,7 +70,7 @@ def test_malformed_jsonl_rows_are_skipped_counted_and_reported(tmp_path, caplog)
     assert loaded.first_skipped == (
         "line 2: bad JSON (Expecting property name enclosed in double quotes at column 2)",
         "line 3: missing 'q'",
-        "line 4: 'q' is int, not a string",
+        "line 4: 'q' is int, not a string or a list of messages",
         "line 5: empty 'q'",
         "line 6: 'a' is list, not a string or number",
     )
@@ -116,11 +116,11 @@ def test_empty_file_missing_file_and_unknown_suffix(tmp_path):
     empty.write_text("")
     with pytest.raises(InputError, match="no usable rows out of 0 .it is empty"):
         load_prompts(empty)
-    with pytest.raises(InputError, match="no such file.*save_to_disk"):
+    with pytest.raises(InputError, match="no such file or folder, and not a hub dataset id"):
         load_prompts(tmp_path / "nope.jsonl")
-    (tmp_path / "d.csv").write_text("q,a\n")
-    with pytest.raises(InputError, match=r"suffix '.csv'.*set format"):
-        load_prompts(tmp_path / "d.csv")
+    (tmp_path / "d.txt").write_text("q,a\n")
+    with pytest.raises(InputError, match=r"suffix '.txt'.*set format"):
+        load_prompts(tmp_path / "d.txt")
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(InputError, match="not a readable Parquet file"):
         load_prompts(tmp_path / "bad.parquet")
