@@ -30,9 +30,18 @@ import psutil
 from rollflow.infra.errors import ServiceError
 
 _PR_SET_PDEATHSIG = 1
+# The guard: a bash between the owner and the service, the leader of the service's process
+# group. When its owner dies (SIGUSR1, its parent-death signal), it stops the whole group:
+# SIGTERM, then SIGKILL 5 s later. A SIGTERM to the group (``stop``) does not end the guard: it
+# waits on for the service, so an owner killed while it stops the service (Prefect's worker
+# kills a cancelled flow run 30 s after its SIGTERM) still takes a slow service with it. (A guard
+# that died of that SIGTERM left torchrun holding a trainer node's rendezvous port.) ``:`` and
+# not ``""``: an ignored signal would stay ignored in the service.
 _GUARD = (
     "trap 'trap \"\" TERM; kill -TERM -- -$$; sleep 5; kill -KILL -- -$$' USR1; "
-    '"$@" & child=$!; wait $child; exit $?'
+    "trap ':' TERM; "
+    '"$@" & child=$!; '
+    "while :; do wait $child; code=$?; kill -0 $child 2>/dev/null || exit $code; done"
 )
 
 

@@ -73,6 +73,12 @@ class DriverWatch:
         return self.ended is not None
 
 
+# A placed process's SIGTERM-to-SIGKILL wait when its flow run ends: well within the 30 s
+# Prefect's worker gives a cancelled flow run before it SIGKILLs it (the guard then still takes
+# the service, but this owner's own stop is the one that says so).
+STOP_S = 15.0
+
+
 def follow_to_its_end(proc: ManagedProcess, what: str, watch: DriverWatch | None = None) -> int:
     """Say each line of the started ``proc``'s log until it exits (or ``watch`` sees the run's
     flow run over), stop what is left of it; return its exit code 0, else raise
@@ -82,7 +88,7 @@ def follow_to_its_end(proc: ManagedProcess, what: str, watch: DriverWatch | None
     try:
         follow_log(proc.log_path, lambda: proc.is_alive() and not over(), say)
     finally:
-        proc.stop()
+        proc.stop(timeout_s=STOP_S)
     if watch is not None and watch.ended is not None:
         raise ServiceError(
             f"{what}: stopped, its run's flow run ({watch.driver}) ended {watch.ended} (its host "

@@ -86,3 +86,52 @@ def test_a_service_whose_guard_was_killed_is_stopped_whole_and_lets_its_port_go(
         for pid in service:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# A service slow to leave on SIGTERM (as torchrun is while its ranks linger after a peer died).
+STUBBORN = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('ready', flush=True); time.sleep(120)"
+)
+# The flow run's process: starts the service, stops it, and is SIGKILLed by its worker while it
+# waits (Prefect's process worker kills a cancelled flow run 30 s after its SIGTERM).
+OWNER = """
+import sys, time
+from rollflow.infra.processes import ManagedProcess
+proc = ManagedProcess("stubborn", [sys.executable, "-c", sys.argv[2]], sys.argv[1])
+proc.start()
+while "ready" not in open(sys.argv[1]).read():
+    time.sleep(0.05)
+print(*proc.pids(), flush=True)
+proc.stop(timeout_s=120)
+"""
+
+
+def test_a_service_whose_owner_is_killed_while_stopping_it_is_killed_with_it(tmp_path):
+    """The owner's stop() sends SIGTERM to the whole group, guard included. The guard outlives
+    it: killed while it waits, the owner still takes the service with it (the guard's parent-death
+    signal), and nothing is left holding the trainer's ports (a torchrun left so held node 0's
+    rendezvous port when a cancelled trainer node was placed again)."""
+    import subprocess
+
+    import psutil
+
+    log = tmp_path / "stubborn.log"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(log), STUBBORN], stdout=subprocess.PIPE, text=True
+    )
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2, pids  # the guard and the service
+        time.sleep(1.0)  # the owner's SIGTERM has reached the group
+        assert psutil.pid_exists(pids[1])  # the service ignores it
+        owner.kill()
+        owner.wait(timeout=10)
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids[1:]], timeout=15)
+        assert not alive, f"the service outlived its owner: {alive}"
+    finally:
+        owner.kill()
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
