@@ -51,9 +51,9 @@ TINY = [
     "model.warm_start_max_steps=50",
     "sampling.group_size=4",
     "sampling.num_eval_prompts=16",
-    "train.train_batch_size=8",
-    "train.mini_batch_size=4",
 ]
+# Given as the form's `train` section, in part (`-p train='{...}'`): laid over the deployment's.
+TINY_TRAIN = {"train_batch_size": 8, "mini_batch_size": 4}
 
 
 @dataclass
@@ -68,6 +68,10 @@ class DeployedRun:
     redeploy_output: list[str]  # a second `rollflow deploy`, after the run
     deployments: list[str]  # flow/deployment names on the server after it
     scale_flow_run: dict = field(default_factory=dict)  # rollflow-scale/fleet's, during the run
+    # rl-run/quickstart as the server holds it: its parameter schema (the run form) and parameters
+    form_schema: dict = field(default_factory=dict)
+    form_parameters: dict = field(default_factory=dict)
+    flow_run_parameters: dict = field(default_factory=dict)  # the deployment's flow run's
     # the flow run lost with its host: id, state, message, seconds from the loss to Crashed and
     # to the rerun's flow run
     crashed: dict = field(default_factory=dict)
@@ -190,7 +194,10 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         storage = tmp / "runs"
         overrides = [f"run.storage={storage}", f"model.cache_dir={tmp / 'models'}", *TINY]
         flow_run_id = _deployment_run(
-            env, "rl-run/quickstart", f"overrides={json.dumps(overrides)}"
+            env,
+            "rl-run/quickstart",
+            f"overrides={json.dumps(overrides)}",
+            f"train={json.dumps(TINY_TRAIN)}",
         )
 
         def ended(run_id: str) -> dict | None:
@@ -464,6 +471,7 @@ def _read_back(
         pools = {p.name: p.type for p in client.read_work_pools()}
         redeploy: list[str] = []
         deploy(ROOT / "prefect.yaml", out=redeploy.append)
+        form = client.read_deployment_by_name("rl-run/quickstart")
         flows = {f.id: f.name for f in client.read_flows()}
         deployments = sorted(f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments())
     return DeployedRun(
@@ -483,4 +491,7 @@ def _read_back(
         pools=pools,
         redeploy_output=redeploy,
         deployments=deployments,
+        form_schema=form.parameter_openapi_schema,
+        form_parameters=form.parameters,
+        flow_run_parameters=parent.parameters,
     )

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from rollflow.flows.names import ENTRYPOINT, FLOW_NAME, FLOWS, HEAL_ENTRYPOINT, HEAL_FLOW_NAME
+from rollflow.flows.run_form import form_parameters, form_schema
 from rollflow.infra.config import resolve_config
 from rollflow.infra.errors import ConfigError, InputError
 
@@ -118,9 +119,13 @@ def deploy(
             if entrypoint not in schemas:
                 flow_ids[entrypoint] = client.create_flow_from_name(flow_name)
                 path, _, name = entrypoint.partition(":")
-                schemas[entrypoint] = parameter_schema_from_entrypoint(
-                    f"{root / path}:{name}"
-                ).model_dump(exclude_unset=True)
+                schemas[entrypoint] = (
+                    form_schema()  # the run configuration's own sections, typed
+                    if entrypoint == ENTRYPOINT
+                    else parameter_schema_from_entrypoint(f"{root / path}:{name}").model_dump(
+                        exclude_unset=True
+                    )
+                )
             parameters = entry.get("parameters") or {}
             client.create_deployment(  # creates, or updates the deployment of that name
                 flow_id=flow_ids[entrypoint],
@@ -134,10 +139,12 @@ def deploy(
                 work_queue_name=work_pool.get("work_queue_name"),
                 job_variables=work_pool.get("job_variables") or {},
                 pull_steps=entry["pull"],
-                enforce_parameter_schema=False,
+                # Prefect checks a run's form against the config's types before the flow run
+                # is created; the tools' parameters are checked by their flows.
+                enforce_parameter_schema=entrypoint == ENTRYPOINT,
             )
             names.append(f"{flow_name}/{entry['name']}")
-            what = f"config {parameters.get('config')!r}" if flow_name == FLOW_NAME else "a tool"
+            what = f"config {entry.get('source')!r}" if flow_name == FLOW_NAME else "a tool"
             out(f"deployment {names[-1]} on pool {work_pool['name']} ({what}) registered at {url}")
         healers = [
             e for e in entries if e.get("entrypoint") == HEAL_ENTRYPOINT
@@ -208,12 +215,18 @@ def _config_parameter(path: Path, root: Path) -> str:
 
 
 def _check_config(entry: dict, root: Path) -> None:
-    """Validate a deployment's config now, not when a worker first runs it."""
+    """Validate a deployment's config now, not when a worker first runs it, and make its
+    parameters the typed form's: the config's sections (``run_form.form_parameters``; a config
+    given as a dict stays one). The config it came from is kept as ``entry["source"]``."""
     params = entry.get("parameters") or {}
     config = params.get("config", "configs/quickstart.toml")
+    entry["source"] = config
     if isinstance(config, str) and not Path(config).is_absolute():
         config = str(root / config)
     try:
-        resolve_config(config, params.get("overrides") or [])
+        if isinstance(config, str):
+            entry["parameters"] = form_parameters(Path(config), params.get("overrides") or [])
+        else:
+            resolve_config(config, params.get("overrides") or [])
     except ConfigError as exc:
         raise InputError(f"deployment {FLOW_NAME}/{entry.get('name')}: {exc}") from None

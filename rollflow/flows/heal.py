@@ -50,7 +50,7 @@ def heal_crashed_run(flow_run_id: str) -> str:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.deployments import run_deployment
 
-    from rollflow.infra.config import resolve_config
+    from rollflow.flows.run_form import config_from_parameters
 
     flow_run_id = flow_run_id.removeprefix("prefect.flow-run.")
     answered = f"{RERUN_OF_TAG}:{flow_run_id}"
@@ -69,9 +69,8 @@ def heal_crashed_run(flow_run_id: str) -> str:
         ):
             return _say(f"{what} was already rerun")
         params = crashed.parameters
-        limit = resolve_config(
-            params.get("config", "configs/quickstart.toml"), params.get("overrides") or []
-        ).run.max_reruns
+        deployed = client.read_deployment(crashed.deployment_id).parameters
+        limit = config_from_parameters(params, deployed).run.max_reruns
         done = reruns_of(crashed.tags)
         if done >= limit:
             return _say(f"{what} crashed and is not rerun: {done} of run.max_reruns = {limit} used")

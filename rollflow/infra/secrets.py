@@ -118,6 +118,11 @@ def load_secret_block(name: str) -> dict[str, Any]:
     return value
 
 
+def secret_option_names(options: dict[str, Any]) -> list[str]:
+    """The dotted names of the credentials in ``options`` (nothing is handed over)."""
+    return _dotted(split_secrets(options)[1])
+
+
 def _dotted(tree: dict[str, Any], prefix: str = "") -> list[str]:
     names = []
     for name, value in tree.items():

@@ -70,6 +70,33 @@ def test_deployment_run_publishes_its_artifacts(deployed_run):
     assert f"{deployed_run.run_dir}/rollouts" in summary["data"]
 
 
+def test_the_run_form_is_the_configs_sections_and_holds_no_secret(deployed_run):
+    """The deployment's parameter schema, read back from the API, is the run configuration's:
+    every section, each field typed with its default and description (the Prefect UI renders
+    one field per setting); its parameters are the quickstart's values. The run's flow run gave
+    `train` in part (`-p train='{...}'`, validated by the server) and it was laid over the
+    deployment's: 8 prompts a step (test_deployment_run_trains_and_commits_its_data), the
+    quickstart's learning rate kept."""
+    from rollflow.flows.run_form import SECTIONS
+    from rollflow.infra.config.root import RunConfig
+    from rollflow.infra.secrets import SECRET_OPTION_KEYS
+
+    schema = deployed_run.form_schema
+    assert set(SECTIONS) == set(RunConfig.model_fields) <= set(schema["properties"])
+    assert {"overrides", "config"} <= set(schema["properties"])
+    train = schema["definitions"]["TrainSection"]["properties"]
+    assert train["lr"]["type"] == "number" and train["lr"]["description"]
+    assert train["max_staleness"]["default"] == 0 and "minimum" in train["max_staleness"]
+    assert schema["properties"]["model"]["description"].startswith("[model]")
+    params = deployed_run.form_parameters
+    assert params["train"]["lr"] == 3e-4 and params["run"]["num_steps"] == 60  # the quickstart's
+    assert params["envs"][0]["name"] == "sort_letters"
+    given = deployed_run.flow_run_parameters
+    assert given["train"] == {"train_batch_size": 8, "mini_batch_size": 4}
+    words = json.dumps(given).lower()
+    assert not any(f'"{key}"' in words for key in SECRET_OPTION_KEYS), given
+
+
 def test_work_pools_of_prefect_yaml_are_accepted_by_the_server(deployed_run):
     assert deployed_run.pools == {
         "rollflow-cpu": "process",

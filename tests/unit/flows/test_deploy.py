@@ -18,7 +18,7 @@ from rollflow.flows.names import (
     SCALE_ENTRYPOINT,
     SERVER_ENTRYPOINT,
 )
-from rollflow.infra.config import resolve_config
+from rollflow.infra.config import dump_config, resolve_config
 from rollflow.infra.errors import InputError
 from rollflow.infra.processes import free_port
 from rollflow.infra.work_pools import load_base_job_template
@@ -37,7 +37,12 @@ def test_every_deployment_of_prefect_yaml_runs_from_the_repository_root():
     assert node["entrypoint"] == NODE_ENTRYPOINT and node["pull"] == quickstart["pull"]
     assert server["entrypoint"] == SERVER_ENTRYPOINT and server["pull"] == quickstart["pull"]
     assert quickstart["name"] == "quickstart"
-    assert quickstart["parameters"] == {"config": "configs/quickstart.toml", "overrides": []}
+    # The form's parameters: the config's sections as resolved, no overrides left to apply.
+    assert quickstart["source"] == "configs/quickstart.toml"
+    assert quickstart["parameters"] == {
+        **dump_config(resolve_config(ROOT / "configs/quickstart.toml")),
+        "overrides": [],
+    }
     assert (
         quickstart["work_pool"]["name"] == "rollflow-cpu"
         and quickstart["work_pool"]["type"] == "process"
@@ -59,7 +64,8 @@ def test_a_config_not_in_prefect_yaml_gets_a_deployment_named_after_it(tmp_path)
     assert names == ("fleet", "crashed-run", "default", "default")
     assert node["work_pool"]["type"] == server["work_pool"]["type"] == "kubernetes"
     assert entry["name"] == "math-gpu"
-    assert entry["parameters"]["config"] == str(config)  # outside the repository: absolute
+    assert entry["source"] == str(config)  # outside the repository: absolute
+    assert entry["parameters"]["run"]["name"] == "quickstart"  # its sections, from that file
     assert entry["work_pool"]["type"] == "kubernetes"
     # Container pools run the code baked into the image, not the deploying machine's folder.
     assert (
@@ -73,7 +79,7 @@ def test_a_listed_config_keeps_its_entry_and_moves_to_another_pool():
         PREFECT_YAML, [str(ROOT / "configs/quickstart.toml")], pool="rollflow-gpu"
     )
     assert entry["name"] == "quickstart" and entry["work_pool"]["name"] == "rollflow-gpu"
-    assert entry["parameters"]["config"] == "configs/quickstart.toml"
+    assert entry["source"] == "configs/quickstart.toml"
 
 
 def test_unknown_pool_names_the_pools_there_are():

@@ -4,6 +4,7 @@ Prefect server in tests/integration/flows/test_deployment.py)."""
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from uuid import uuid4
 
@@ -83,11 +84,19 @@ class FakeClient:
     def read_flow(self, flow_id):
         return SimpleNamespace(name=self.flow_name)
 
+    def read_deployment(self, deployment_id):
+        assert deployment_id == self.run.deployment_id
+        from rollflow.flows.run_form import form_parameters
+
+        return SimpleNamespace(parameters=form_parameters(Path("configs/quickstart.toml")))
+
     def read_flow_runs(self, flow_run_filter):
         return self.answered
 
 
-def crashed_run(tags=(), overrides=()):
+def crashed_run(tags=(), overrides=(), **sections):
+    """A crashed run of the quickstart's deployment: given its file as ``config``, or
+    ``sections`` of the typed form (laid over the deployment's own)."""
     from prefect.states import Crashed
 
     return SimpleNamespace(
@@ -97,7 +106,9 @@ def crashed_run(tags=(), overrides=()):
         state_type="CRASHED",
         deployment_id=uuid4(),
         flow_id=uuid4(),
-        parameters={"config": "configs/quickstart.toml", "overrides": list(overrides)},
+        parameters={"overrides": list(overrides), **sections}
+        if sections
+        else {"config": "configs/quickstart.toml", "overrides": list(overrides)},
         tags=list(tags),
     )
 
@@ -107,6 +118,7 @@ def crashed_run(tags=(), overrides=()):
     [
         (crashed_run(["rollflow-rerun:2"]), {}, "not rerun: 2 of run.max_reruns = 2 used"),
         (crashed_run(overrides=["run.max_reruns=0"]), {}, "0 of run.max_reruns = 0 used"),
+        (crashed_run(run={"max_reruns": 0}), {}, "0 of run.max_reruns = 0 used"),  # the form's
         (crashed_run(), {"flow_name": "rl-step"}, "not 'rl-run': left as it is"),
         (crashed_run(), {"answered": ["a rerun"]}, "was already rerun"),
     ],
