@@ -7,6 +7,7 @@
     rollflow deploy [CONFIG ...] [--pool NAME] [--prefect-file prefect.yaml]
     rollflow export [RUN] --step N [--out DIR] [--merged] [--storage ROOT] [--storage-option ...]
                     [--config CONFIG]
+    rollflow prepare {gsm8k,math} SOURCE OUT [--split S] [--subset S]
 
 ``status``, ``scale`` and ``export`` find the run as ``rollflow run`` does: by its config file, or
 by its name, storage root and storage options (infra/storage_access.py).
@@ -92,6 +93,24 @@ def main(argv: list[str] | None = None) -> int:
         help="LoRA runs: write the merged model instead of the adapter alone",
     )
     add_run_arguments(export)
+    prepare = sub.add_parser(
+        "prepare",
+        help="write a GSM8K- or MATH-style dataset (a hub id or a local file) as the math env "
+        "reads it: problem, answer (the final answer alone), solution",
+    )
+    prepare.add_argument(
+        "style",
+        choices=["gsm8k", "math"],
+        help="gsm8k: question + answer ending '#### 42'; math: problem + solution with \\boxed{}",
+    )
+    prepare.add_argument(
+        "source", help="hub id (read through the hub cache) or local json/jsonl/parquet/csv file"
+    )
+    prepare.add_argument("out", help="the .jsonl or .parquet file to write")
+    prepare.add_argument("--split", help="split of the source (default: train)")
+    prepare.add_argument("--subset", help="configuration of a hub dataset, e.g. main for gsm8k")
+    prepare.add_argument("--question-column", help="default: question (gsm8k), problem (math)")
+    prepare.add_argument("--solution-column", help="default: answer (gsm8k), solution (math)")
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
     if args.command in ("run", "plan"):
@@ -110,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             "scale": cmd_scale,
             "deploy": cmd_deploy,
             "export": cmd_export,
+            "prepare": cmd_prepare,
         }
         return commands[args.command](args)
     raise AssertionError(args.command)  # pragma: no cover
@@ -393,6 +413,30 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(
         f"exported step {args.step} of run {address.run} to {path}; load it with "
         f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`"
+    )
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """A GSM8K- or MATH-style dataset as the math env reads it (tasks/generate/prepare_data.py)."""
+    from rollflow.infra.errors import InputError
+    from rollflow.tasks.generate.prepare_data import prepare
+
+    try:
+        prepared = prepare(
+            args.style,
+            args.source,
+            args.out,
+            split=args.split,
+            subset=args.subset,
+            question_column=args.question_column,
+            solution_column=args.solution_column,
+        )
+    except InputError as exc:
+        return fail(exc)
+    print(
+        f'{prepared.summary()}; train on it with [[envs]] name = "math", '
+        f'args = {{ path = "{prepared.out}" }}'
     )
     return 0
 

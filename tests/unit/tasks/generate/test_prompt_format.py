@@ -130,7 +130,9 @@ def test_max_prompt_length_drops_longer_prompts_and_counts_them(tmp_path, instru
     ]
     data = write_jsonl(tmp_path / "d.jsonl", rows + [{"prompt": ""}])  # and one malformed row
     render = PromptRenderer(tok, PromptSection(), instruct_path)
-    lengths = sorted(len(render(Prompt("e", "0", "", "", messages=tuple(r["prompt"])))) for r in rows)
+    lengths = sorted(
+        len(render(Prompt("e", "0", "", "", messages=tuple(r["prompt"])))) for r in rows
+    )
     limit = lengths[19]  # every short question fits, no long one does
     assert lengths[20] > limit
     cfg = run_config(tmp_path, data, max_prompt_length=limit)
@@ -141,6 +143,8 @@ def test_max_prompt_length_drops_longer_prompts_and_counts_them(tmp_path, instru
     kept = env.prompts("train", 100, random.Random(0)) + env.prompts("eval", 100, random.Random(0))
     assert {p.answer for p in kept} == {str(2 * i) for i in range(20)}
     assert all(len(render(p)) <= limit for p in kept)  # dropped, never truncated
-    assert f"dropped 6 of 26 prompts longer than [prompt] max_prompt_length = {limit}" in caplog.text
+    assert (
+        f"dropped 6 of 26 prompts longer than [prompt] max_prompt_length = {limit}" in caplog.text
+    )
     with pytest.raises(ValueError, match="every training prompt is longer than"):
         build_envs(run_config(tmp_path, data, max_prompt_length=1), instruct_path)
