@@ -176,7 +176,7 @@ def _train_steps(
         say(f"reusing the committed rollouts of steps {reused} (within the staleness bound)")
     host = ProducerHost(
         cfg,
-        build_envs(cfg),
+        build_envs(cfg, str(base_model)),
         partial(make_rollout_context, cfg, str(base_model), temperature=cfg.sampling.temperature),
         services.fleet,  # followed as it grows and shrinks
         resumed_from,

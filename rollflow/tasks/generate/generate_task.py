@@ -85,8 +85,10 @@ def _tokenizer(model_path: str, revision: str | None = None, trust_remote_code: 
     )
 
 
-def build_envs(cfg: RunConfig) -> dict[str, Environment]:
-    return {
+def build_envs(cfg: RunConfig, model_path: str | None = None) -> dict[str, Environment]:
+    """The run's envs; with ``model_path``, each drops its prompts longer than ``[prompt]
+    max_prompt_length`` tokens as that model's tokenizer renders them (counted, never cut)."""
+    envs = {
         spec.name: load_env(
             spec.name,
             spec.args,
@@ -96,6 +98,13 @@ def build_envs(cfg: RunConfig) -> dict[str, Environment]:
         )
         for i, spec in enumerate(cfg.envs)
     }
+    max_len = cfg.prompt.max_prompt_length
+    if max_len is not None and model_path is not None:
+        tok = _tokenizer(model_path, cfg.model.revision, cfg.model.trust_remote_code)
+        render = PromptRenderer(tok, cfg.prompt, model_path)
+        for env in envs.values():
+            env.limit_prompt_length(lambda prompt: len(render(prompt)), max_len)
+    return envs
 
 
 def make_rollout_context(
@@ -289,7 +298,7 @@ def _turn_summary(rows: list[dict]) -> dict[str, float]:
 def evaluate(ctx: RunContext) -> Evaluation:
     """Held-out reward per environment: a fixed prompt set, sampled at the eval temperature."""
     cfg = ctx.config
-    envs = build_envs(cfg)
+    envs = build_envs(cfg, ctx.model_path)
     s = cfg.sampling
     prompts = []
     for i, name in enumerate(sorted(envs)):
