@@ -38,11 +38,11 @@ def hub_cache(hf_home, repo_id, rows_by_split):
     (cache / name).rename(cache / f"{namespace}___{name}")
 
 
-def load_offline(hf_home, code):
-    """``code`` in a fresh process whose environment is offline with ``hf_home`` as HF_HOME (the
-    datasets library reads both when it is imported)."""
+def load_offline(hf_home, code, offline="HF_HUB_OFFLINE"):
+    """``code`` in a fresh process whose environment is offline (``offline=1``) with ``hf_home``
+    as HF_HOME (the datasets library reads both when it is imported)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
-    env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    env |= {"HF_HOME": str(hf_home), offline: "1"}
     prelude = "import json; from rollflow.tasks.generate.dataset import load_prompts, InputError\n"
     proc = subprocess.run(
         [sys.executable, "-c", prelude + code], env=env, capture_output=True, text=True, timeout=120
@@ -80,6 +80,7 @@ def test_a_hub_dataset_without_the_split_names_its_splits(tmp_path):
         "    load_prompts('someone/only-test', prompt_column='question', answer_column=None)\n"
         "except InputError as exc:\n"
         "    print(exc)",
+        offline="HF_DATASETS_OFFLINE",  # datasets' own switch works as well
     )
     assert "its splits are ['test']; there is no split 'train'" in out
 
