@@ -6,13 +6,14 @@ never redoing a committed step (see docs/architecture.md, "Resume").
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
@@ -32,6 +33,15 @@ from rollflow.infra.errors import ConfigError, ServiceError, TrainerLost
 from rollflow.infra.events import Event, has_event, publish
 from rollflow.infra.metric_names import Metric, by_env, series
 from rollflow.infra.metrics_sinks import MetricSinks
+from rollflow.infra.outage import (
+    Outage,
+    OutageStop,
+    Watch,
+    api_outage,
+    patient_prefect_client,
+    stop_main,
+    storage_outage,
+)
 from rollflow.infra.secrets import load_storage_secret, take_secrets_out
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.terminal import PrefectRunLog, log_run_failure, say
@@ -74,6 +84,12 @@ def _train(config: dict | RunConfig) -> dict:
     take_secrets_out(cfg.run)  # a caller that left credentials in: not into config.json
     load_storage_secret(cfg.run)
     storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
+    with watched(cfg, storage) as api:
+        return _train_watched(cfg, storage, api)
+
+
+def _train_watched(cfg: RunConfig, storage: RunStorage, api: Outage | None) -> dict:
+    """The run, its Prefect API and storage watched (``watched``)."""
     _record_config(storage, cfg)
     resumed_from = _last_checkpoint(storage)
     if resumed_from >= cfg.run.num_steps:
@@ -105,7 +121,15 @@ def _train(config: dict | RunConfig) -> dict:
             while True:
                 try:
                     _train_steps(
-                        cfg, storage, services, base_model, resumed_from, restarts, sinks, report
+                        cfg,
+                        storage,
+                        services,
+                        base_model,
+                        resumed_from,
+                        restarts,
+                        sinks,
+                        report,
+                        api,
                     )
                     break
                 except TrainerLost as lost:
@@ -153,6 +177,7 @@ def _train_steps(
     trainer_restarts: int,
     sinks: MetricSinks,
     report: Callable[[int, dict], None],
+    api: Outage | None = None,
 ) -> None:
     """The steps after ``resumed_from`` on the running services, to the trainer's end."""
     ctx = RunContext(
@@ -186,7 +211,7 @@ def _train_steps(
     end = TrainingEnd(services.trainer, host)
     try:
         with StepOrder(cfg, resumed_from) as order:
-            run_steps(ctx, services, host, order, resumed_from, report)
+            run_steps(ctx, services, host, order, resumed_from, report, api)
         # The end is the trainer's to say; the producer has stopped on it already.
         finished = end.wait(TRAINING_FINISHED_DEADLINE_S)
     except BaseException as exc:
@@ -287,8 +312,12 @@ def run_steps(
     order: StepOrder,
     resumed_from: int,
     report: Callable[[int, dict], None],
+    api: Outage | None = None,
 ) -> None:
     """Run the step flows in step order, ``step_flows_in_flight`` at once (each its own flow run).
+
+    While the Prefect API does not answer (``api``: its outage, noticed by the run's watch), no
+    new step flow starts: each is a flow run the API must create (docs/performance.md, "Faults").
 
     The flows beyond the staleness bound wait at their generate task while the others work, so a
     flow run's own cost (~1 s to start and finish) is never on the critical path. A failed step closes the
@@ -299,10 +328,14 @@ def run_steps(
     steps = iter(range(resumed_from + 1, cfg.run.num_steps + 1))
     running: deque[tuple[int, Future]] = deque()
     next_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="step") as pool:
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="step")
+    wait_for_pool = True
+    try:
         try:
             while True:
                 while len(running) < workers and (step := next(steps, None)) is not None:
+                    while api is not None and not api.wait_up(HEALTH_CHECK_INTERVAL_S):
+                        services.check_alive()
                     run = (
                         contextvars.copy_context().run
                     )  # each thread's flow is a child of this run
@@ -321,6 +354,9 @@ def run_steps(
         except BaseException as exc:
             for _, future in running:
                 future.cancel()
+            # A step held in a request to a service that is not answering would hold the stop
+            # until its client gives up (minutes): the stop does not wait for it.
+            wait_for_pool = not isinstance(exc, OutageStop)
             order.close(exc)  # ends the step flows still waiting, before the pool joins them
             host.close(exc)
             if isinstance(exc, Exception) and (dead := services.dead_service(grace_s=5.0)):
@@ -328,6 +364,44 @@ def run_steps(
                     raise dead from exc  # the run may restart it (_restart_trainer)
                 raise ServiceError(_run_stops(dead)) from exc
             raise
+    finally:
+        pool.shutdown(wait=wait_for_pool, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def watched(cfg: RunConfig, storage: RunStorage) -> Iterator[Outage | None]:
+    """While the run runs, its Prefect API and its object store are probed every few seconds: an
+    outage of either says one line when noticed and one when over, and past its deadline setting
+    stops the run (``OutageStop``, as Ctrl-C does). Yields the API's outage (None: no API)."""
+    from prefect.settings import get_current_settings
+
+    from rollflow.infra import http
+    from rollflow.infra.storage_access import fail_fast_fs
+
+    with contextlib.ExitStack() as stack:
+        api = None
+        url = get_current_settings().api.url
+        if url:
+            api = api_outage(url, cfg.run.api_outage_timeout_s, say, stop_main)
+            health = f"{url.rstrip('/')}/health"
+            stack.enter_context(
+                Watch(api, lambda: http.client().get(health, timeout=2).status_code == 200)
+            )
+            stack.enter_context(patient_prefect_client(api))
+        if not storage.is_local:
+            fs, base = fail_fast_fs(storage.uri, storage.options, read_timeout_s=2)
+
+            def answers() -> bool:
+                fs.invalidate_cache()
+                try:
+                    fs.info(f"{base}/config.json")
+                except FileNotFoundError:  # an answer all the same (a new run's first moments)
+                    pass
+                return True
+
+            outage = storage_outage(storage.uri, cfg.run.storage_outage_timeout_s, say, stop_main)
+            stack.enter_context(Watch(outage, answers, name="storage-watch"))
+        yield api
 
 
 def _log_tail_apart(err: ServiceError) -> tuple[str, str]:

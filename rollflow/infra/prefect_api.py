@@ -127,37 +127,9 @@ def local_prefect_api(timeout_s: float = 120.0) -> Iterator[str | None]:
     home = Path(settings.home).expanduser()
     server = ManagedProcess(
         "prefect API",
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--app-dir",
-            str(Path(__file__).resolve().parents[2]),
-            "--factory",
-            "rollflow.infra.prefect_server:create_app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "error",
-            "--lifespan",
-            "on",
-            "--ws-per-message-deflate",
-            "false",
-        ],
+        private_api_command(port),
         home / "rollflow-api.log",
-        env={
-            "PREFECT_UI_ENABLED": "0",
-            "PREFECT__SERVER_EPHEMERAL": "1",
-            "PREFECT__SERVER_FINAL": "1",
-            **{
-                f"PREFECT_SERVER_SERVICES_{name.upper()}_ENABLED": "false"
-                for name in PRIVATE_API_SERVICES_OFF
-            },
-            **PRIVATE_API_ENV,
-            **settings.to_environment_variables(exclude_unset=True),
-        },
+        env=private_api_env(settings),
         niceness=PRIVATE_API_NICENESS,
     )
     url = f"http://127.0.0.1:{port}/api"
@@ -174,6 +146,45 @@ def local_prefect_api(timeout_s: float = 120.0) -> Iterator[str | None]:
                 _drain_prefect_workers(timeout_s=10)
     finally:
         server.stop(timeout_s=10)
+
+
+def private_api_command(port: int) -> list[str]:
+    """The private API's server process: Prefect's app as ``prefect_server.create_app`` makes it."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(Path(__file__).resolve().parents[2]),
+        "--factory",
+        "rollflow.infra.prefect_server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+        "--ws-per-message-deflate",
+        "false",
+    ]
+
+
+def private_api_env(settings) -> dict[str, str]:
+    """The private API's environment over the run's: its services off, its tuning, and the
+    Prefect settings the user set."""
+    return {
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        **{
+            f"PREFECT_SERVER_SERVICES_{name.upper()}_ENABLED": "false"
+            for name in PRIVATE_API_SERVICES_OFF
+        },
+        **PRIVATE_API_ENV,
+        **settings.to_environment_variables(exclude_unset=True),
+    }
 
 
 def _user_set(setting) -> bool:

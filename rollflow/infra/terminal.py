@@ -62,7 +62,25 @@ def attach_run_log(log_dir: Path, debug: bool) -> Path:
     if not debug:
         terminal.setFormatter(_NoTraceback())
     logging.getLogger("rollflow").addHandler(terminal)
+    if not debug:
+        internal_to_log(file)
     return path
+
+
+def internal_to_log(file: logging.Handler) -> None:
+    """Prefect's background workers (``EventsWorker``, ``APILogWorker``) log what they failed to
+    send, whole ``Event(...)`` reprs of several kilobytes each, on ``prefect._internal``, whose
+    handler is the console's stderr: while the API is away that reached the terminal. They go to
+    the run's log instead (the terminal has the run's own line about the API)."""
+    import prefect.logging  # noqa: F401  (Prefect's logging config is applied at its import)
+
+    internal = logging.getLogger("prefect._internal")
+    for handler in list(internal.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(
+            handler, logging.FileHandler
+        ):
+            internal.removeHandler(handler)
+    internal.addHandler(file)
 
 
 def log_failure(exc: BaseException, log_path: Path | None) -> None:
@@ -107,24 +125,38 @@ def resume_command(config: str, overrides: list[str]) -> str:
     return shlex.join(["rollflow", "run", config, *overrides])
 
 
-def stopped_line(exc: KeyboardInterrupt, cfg: RunConfig, config: str, overrides: list[str]) -> str:
-    """``stopped by Ctrl-C: committed through step 7 of 40 in runs/x; resume with: rollflow run ...``."""
-    from rollflow.infra.storage import RunStorage
+STOP_READ_DEADLINE_S = 5.0
 
+
+def stopped_line(exc: KeyboardInterrupt, cfg: RunConfig, config: str, overrides: list[str]) -> str:
+    """``stopped by Ctrl-C: committed through step 7 of 40 in runs/x; resume with: rollflow run ...``;
+    a stop for a service's outage (``OutageStop``) names it instead: ``stopped: storage s3://...
+    not answering for 600 s (run.storage_outage_timeout_s = 600): ...``."""
+    from rollflow.infra.outage import OutageStop, pending_reason
+    from rollflow.infra.storage import RunStorage
+    from rollflow.infra.storage_access import within_deadline
+
+    reason = exc.reason if isinstance(exc, OutageStop) else pending_reason()
     how = "SIGTERM" if isinstance(exc, Stopped) else "Ctrl-C"
-    try:
-        storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
-        steps = storage.committed_steps("checkpoints")
-        where = storage.uri
-    except Exception:  # storage unreadable: still say how to resume
-        steps, where = None, cfg.run.storage
+    head = f"stopped: {reason}" if reason else f"stopped by {how}"
+
+    def committed():
+        try:
+            storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
+            return storage.committed_steps("checkpoints"), storage.uri
+        except Exception:  # storage unreadable: still say how to resume
+            return None
+
+    # The storage may be what is not answering: never wait on it for long.
+    found = within_deadline(committed, STOP_READ_DEADLINE_S, None)
+    steps, where = found if found else (None, cfg.run.storage)
     if steps is None:
         done = "committed steps unknown"
     elif not steps:
         done = f"no step committed yet in {where}"
     else:
         done = f"committed through step {steps[-1]} of {cfg.run.num_steps} in {where}"
-    return f"stopped by {how}: {done}; resume with: {resume_command(config, overrides)}"
+    return f"{head}: {done}; resume with: {resume_command(config, overrides)}"
 
 
 # ------------------------------------------------------------------ the run's Prefect logs

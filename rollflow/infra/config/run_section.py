@@ -34,6 +34,20 @@ class RunSection(Section):
         "Needs a Prefect server (PREFECT_API_URL). Without it, use the environment "
         "(AWS_ACCESS_KEY_ID, ...).",
     )
+    api_outage_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long the run waits for its Prefect API when it stops answering (one "
+        "line when it goes, one when it is back; steps wait for it); past it the run stops "
+        "cleanly with its resume command.",
+    )
+    storage_outage_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long the run waits for its object store (run.storage on s3://) when it "
+        "stops answering (one line after 10 s, one when it answers again); past it the run stops "
+        "cleanly with its resume command (nothing half-written counts: a step commits last).",
+    )
     seed: int = Field(0, description="Seed for prompt order and sampling.")
     num_steps: int = Field(40, ge=1, description="Outer training steps (weight syncs).")
     eval_every: int = Field(
