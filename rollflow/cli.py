@@ -7,6 +7,7 @@
     rollflow deploy [CONFIG ...] [--pool NAME] [--prefect-file prefect.yaml]
     rollflow export [RUN] --step N [--out DIR] [--merged] [--storage ROOT] [--storage-option ...]
                     [--config CONFIG]
+    rollflow ui [--port N] [--host HOST] [--home DIR] [--timeout S]
     rollflow prepare {gsm8k,math} SOURCE OUT [--split S] [--subset S]
 
 ``status``, ``scale`` and ``export`` find the run as ``rollflow run`` does: by its config file, or
@@ -19,14 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from rollflow.infra.metric_names import Metric
-
-# `rollflow run`'s exit status when it stopped because the Prefect API or the object store did
-# not answer within its deadline setting (EX_TEMPFAIL: rerun it once the service is back).
-OUTAGE_EXIT = 75
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +94,24 @@ def main(argv: list[str] | None = None) -> int:
         help="LoRA runs: write the merged model instead of the adapter alone",
     )
     add_run_arguments(export)
+    ui = sub.add_parser(
+        "ui",
+        help="start a local Prefect server with its UI (until Ctrl-C) and print the URL and the "
+        "PREFECT_API_URL=... rollflow run line that runs against it",
+    )
+    ui.add_argument("--port", type=int, help="default: 4200 when free, else a free port (printed)")
+    ui.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    ui.add_argument(
+        "--home",
+        help="PREFECT_HOME of the server: its database (runs stay from one start to the next) "
+        "and server.log; default: ~/.rollflow/prefect",
+    )
+    ui.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds the server has to answer /api/health (default: 180)",
+    )
     prepare = sub.add_parser(
         "prepare",
         help="write a GSM8K- or MATH-style dataset (a hub id or a local file) as the math env "
@@ -134,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             "scale": cmd_scale,
             "deploy": cmd_deploy,
             "export": cmd_export,
+            "ui": cmd_ui,
             "prepare": cmd_prepare,
         }
         return commands[args.command](args)
@@ -222,11 +237,9 @@ def _train(cfg, args: argparse.Namespace) -> int:
     from rollflow.flows.rl_run import rl_run, run_log_dir
     from rollflow.infra import terminal
     from rollflow.infra.config import dump_config
-    from rollflow.infra.outage import OutageStop, install_stop_handler, pending_reason
     from rollflow.infra.prefect_api import local_prefect_api
 
     terminal.stop_on_sigterm()
-    install_stop_handler()  # a service's outage past its deadline stops the run as Ctrl-C does
     log_path = None
     try:
         log_path = terminal.attach_run_log(run_log_dir(cfg), args.debug)
@@ -235,13 +248,6 @@ def _train(cfg, args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         terminal.log_failure(exc, log_path)
         print(terminal.stopped_line(exc, cfg, args.config, args.overrides), file=sys.stderr)
-        if isinstance(exc, OutageStop) or pending_reason():
-            # A service the run needs did not answer in time. Threads still in a request to it
-            # would hold the exit until their clients give up (minutes); all that the run
-            # started is stopped already.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(OUTAGE_EXIT)
         return 143 if isinstance(exc, terminal.Stopped) else 130
     except Exception as exc:
         terminal.log_failure(exc, log_path)
@@ -452,6 +458,21 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         f'{prepared.summary()}; train on it with [[envs]] name = "math", '
         f'args = {{ path = "{prepared.out}" }}'
     )
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    """Hold a local Prefect server with its UI until Ctrl-C (infra/prefect_ui.py)."""
+    from rollflow.infra.errors import ServiceError
+    from rollflow.infra.prefect_ui import serve
+
+    try:
+        serve(
+            args.host, args.port, args.home, args.timeout, out=lambda line: print(line, flush=True)
+        )
+    except ServiceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

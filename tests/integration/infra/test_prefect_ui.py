@@ -1,0 +1,72 @@
+"""``rollflow ui``: a real ``prefect server`` with its UI, started, asked, and stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from rollflow.infra.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+START_DEADLINE_S = 180  # the first start migrates a fresh database (20-60 s on busy cores)
+
+
+def test_rollflow_ui_serves_the_ui_and_api_prints_the_run_line_and_stops_on_sigterm(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollflow.cli", "ui", "--port", str(port), "--home", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + START_DEADLINE_S
+        os.set_blocking(proc.stdout.fileno(), False)
+        while not any(line.startswith("Ctrl-C stops") for line in lines):
+            assert proc.poll() is None, "".join(lines) + (proc.stdout.read() or "")
+            assert time.monotonic() < deadline, f"no URL within {START_DEADLINE_S}s: {lines}"
+            line = proc.stdout.readline()
+            if line:
+                lines.append(line)
+            else:
+                time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        assert f"Prefect UI: {url}\n" in lines
+        assert f"  PREFECT_API_URL={url}/api rollflow run configs/quickstart.toml\n" in lines
+        assert httpx.get(f"{url}/api/health", timeout=5).json() is True
+        assert "<html" in httpx.get(url, timeout=5).text.lower()  # the UI itself
+        assert (tmp_path / "prefect.db").is_file()  # the database persists under --home
+        server_pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert server_pids
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+        assert "prefect server stopped" in proc.stdout.read()
+        assert not [p for p in server_pids if psutil.pid_exists(p) and _alive(p)]
+        try:
+            httpx.get(f"{url}/api/health", timeout=2)
+            raise AssertionError("the server still answers after the stop")
+        except httpx.HTTPError:
+            pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
