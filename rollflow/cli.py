@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rollflow.infra.metric_names import Metric
+
+# `rollflow run`'s exit status when it stopped because the Prefect API or the object store did
+# not answer within its deadline setting (EX_TEMPFAIL: rerun it once the service is back).
+OUTAGE_EXIT = 75
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,9 +242,11 @@ def _train(cfg, args: argparse.Namespace) -> int:
     from rollflow.flows.rl_run import rl_run, run_log_dir
     from rollflow.infra import terminal
     from rollflow.infra.config import dump_config
+    from rollflow.infra.outage import OutageStop, install_stop_handler, pending_reason
     from rollflow.infra.prefect_api import local_prefect_api
 
     terminal.stop_on_sigterm()
+    install_stop_handler()  # a service's outage past its deadline stops the run as Ctrl-C does
     log_path = None
     try:
         log_path = terminal.attach_run_log(run_log_dir(cfg), args.debug)
@@ -248,6 +255,13 @@ def _train(cfg, args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         terminal.log_failure(exc, log_path)
         print(terminal.stopped_line(exc, cfg, args.config, args.overrides), file=sys.stderr)
+        if isinstance(exc, OutageStop) or pending_reason():
+            # A service the run needs did not answer in time. Threads still in a request to it
+            # would hold the exit until their clients give up (minutes); all that the run
+            # started is stopped already.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(OUTAGE_EXIT)
         return 143 if isinstance(exc, terminal.Stopped) else 130
     except Exception as exc:
         terminal.log_failure(exc, log_path)
