@@ -26,6 +26,7 @@ PROBE_TIMEOUT_S = 3.0
 # the API at once (each of its probes is a /health on the loopback or the user's server).
 STORAGE_NOTICE_S = 10.0
 API_NOTICE_S = 0.0
+TICK_S = 0.25  # how often a silent service's outage is looked at while a probe is out
 
 
 class OutageStop(KeyboardInterrupt):
@@ -74,10 +75,13 @@ class Outage:
         """Whether the service's outage has been noticed and has not ended."""
         return self.noticed
 
-    def failed(self) -> None:
+    def failed(self, since: float | None = None) -> None:
+        """A probe got no answer; ``since``: when it was sent (default: now). Called again while
+        the service stays silent, it says the line and stops the run when their times come."""
         now = self.clock()
         if self.silent_since is None:
-            self.silent_since, self.silent_since_wall = now, self.wall()
+            self.silent_since = now if since is None else min(since, now)
+            self.silent_since_wall = self.wall() - (now - self.silent_since)
         silent = now - self.silent_since
         if not self.noticed and silent >= self.notice_s:
             self.noticed = True
@@ -129,21 +133,35 @@ class Watch:
         self.outage._up.set()  # nobody waits on a watch that ended
 
     def _loop(self) -> None:
-        from rollflow.infra.storage_access import within_deadline
-
         while not self._stop.is_set():
-            started = time.monotonic()
-            ok = within_deadline(self._probe_once, self.timeout_s, False)
+            started = self.outage.clock()
+            ok = self._probe_once(started)
             if self._stop.is_set():
                 return
-            (self.outage.answered if ok else self.outage.failed)()
-            self._stop.wait(max(0.0, self.every_s - (time.monotonic() - started)))
+            if ok:
+                self.outage.answered()
+            else:
+                self.outage.failed(since=started)
+            self._stop.wait(max(0.0, self.every_s - (self.outage.clock() - started)))
 
-    def _probe_once(self) -> bool:
-        try:
-            return bool(self.probe())
-        except Exception:
-            return False
+    def _probe_once(self, started: float) -> bool:
+        """One probe under ``timeout_s``, in a daemon thread (one that hangs is left behind);
+        while it is out and the service already silent, the outage's clock still runs."""
+        box: list[bool] = []
+
+        def probe() -> None:
+            try:
+                box.append(bool(self.probe()))
+            except Exception:
+                box.append(False)
+
+        thread = threading.Thread(target=probe, daemon=True, name=f"{self._thread.name}-probe")
+        thread.start()
+        while thread.is_alive() and self.outage.clock() - started < self.timeout_s:
+            thread.join(TICK_S)
+            if thread.is_alive() and self.outage.silent_since is not None:
+                self.outage.failed()
+        return bool(box and box[0])
 
 
 def clock_time(wall: float) -> str:

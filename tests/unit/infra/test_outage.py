@@ -127,3 +127,14 @@ def test_prefects_retry_back_off_waits_out_the_outage_and_ends_at_once_past_its_
         base.time.sleep(30)
         assert time.monotonic() - started < 0.1
     assert base.time is time
+
+
+def test_silence_counts_from_when_the_unanswered_probe_was_sent_and_runs_while_it_is_out():
+    out, clock, lines, _ = made("storage")
+    out.failed(since=clock.now - 3)  # a probe sent 3 s ago timed out now
+    clock.now += 6.5
+    out.failed()  # the next probe still out: 9.5 s of silence, nothing said yet
+    assert lines == []
+    clock.now += 0.5
+    out.failed()
+    assert lines == ["storage s3://bucket/runs/r not answering for 10 s; waiting"]
