@@ -22,6 +22,7 @@ from pathlib import Path
 from prefect import flow
 
 from rollflow.flows.artifacts import RunProgress, publish_summary
+from rollflow.flows.curve import show_curve
 from rollflow.flows.live_views import LiveViews
 from rollflow.flows.names import FLOW_NAME
 from rollflow.flows.order import StepOrder
@@ -534,8 +535,10 @@ def progress_line(step: int, num_steps: int, m: dict) -> str:
 
 
 def summarize(storage: RunStorage, out=lambda _: None) -> dict:
-    """First and last held-out reward of the run, and where its data is."""
-    evals = series(storage.read_metrics(), Metric.EVAL_REWARD)
+    """First and last held-out reward of the run, and where its data is; then its curve
+    (``flows/curve.py``): the plot's path and, last, the held-out reward as a sparkline."""
+    rows = storage.read_metrics()
+    evals = series(rows, Metric.EVAL_REWARD)
     summary = {
         "run": storage.run,
         "uri": storage.uri,
@@ -547,5 +550,6 @@ def summarize(storage: RunStorage, out=lambda _: None) -> dict:
             f"done: held-out reward {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
             f"(step {evals[-1][0]}); rollouts in {storage.uri}/rollouts"
         )
+    summary["curve"] = show_curve(storage, rows, out)
     summary["finished_at"] = time.time()
     return summary

@@ -199,6 +199,11 @@ class RunStorage:
     def write_json(self, name: str, data: Any) -> None:
         self._write_bytes(self.path(name), json.dumps(data, indent=2, sort_keys=True).encode())
 
+    def write_file(self, name: str, data: bytes) -> str:
+        """Write ``name`` in the run's folder, whole (e.g. its ``curve.png``); returns its URI."""
+        self._write_bytes(self.path(name), data)
+        return f"{self.uri}/{name}"
+
     def read_json(self, name: str) -> Any | None:
         try:
             with self.fs.open(self.path(name), "rb") as fh:
