@@ -9,6 +9,7 @@
                     [--config CONFIG]
     rollflow ui [--port N] [--host HOST] [--home DIR] [--timeout S]
     rollflow prepare {gsm8k,math} SOURCE OUT [--split S] [--subset S]
+    rollflow eval CONFIG (--checkpoint STEP | --model PATH) [--samples K] [key.path=value ...]
 
 ``status``, ``scale`` and ``export`` find the run as ``rollflow run`` does: by its config file, or
 by its name, storage root and storage options (infra/storage_access.py).
@@ -135,16 +136,36 @@ def main(argv: list[str] | None = None) -> int:
     prepare.add_argument("--subset", help="configuration of a hub dataset, e.g. main for gsm8k")
     prepare.add_argument("--question-column", help="default: question (gsm8k), problem (math)")
     prepare.add_argument("--solution-column", help="default: answer (gsm8k), solution (math)")
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a committed checkpoint of the config's run, or a model folder, on the "
+        "config's held-out prompts on vLLM: mean reward and pass@k per env; Parquet in "
+        "<run>/evals/, a table here",
+    )
+    evaluate.add_argument("config", help="the run's TOML config (its envs, sampling, run)")
+    evaluate.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    which = evaluate.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--checkpoint", type=int, metavar="STEP", help="a step with a committed checkpoint"
+    )
+    which.add_argument("--model", metavar="PATH", help="a Hugging Face model folder")
+    evaluate.add_argument(
+        "--samples",
+        type=int,
+        metavar="K",
+        help="samples per prompt (default: sampling.eval_samples, 1 = greedy); K > 1 reports "
+        "pass@1..K",
+    )
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("run", "plan"):
+    if args.command in ("run", "plan", "eval"):
         unknown = [
             e for e in extra if e.startswith("-") or ("=" not in e and not e.startswith("~"))
         ]
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = [*args.overrides, *extra]
-        return cmd_run(args) if args.command == "run" else cmd_plan(args)
+        return {"run": cmd_run, "plan": cmd_plan, "eval": cmd_eval}[args.command](args)
     if args.command != "run":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -448,6 +469,36 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"exported step {args.step} of run {address.run} to {path}; load it with "
         f"AutoModelForCausalLM.from_pretrained({str(path)!r}) or `vllm serve {path}`"
     )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """A checkpoint or a model folder on the config's held-out prompts (flows/evaluate_model.py)."""
+    from rollflow.infra.terminal import quiet_prefect_console
+
+    quiet_prefect_console(False)  # before anything imports Prefect
+    from rollflow.infra.config import ConfigError, load_config
+
+    if args.samples is not None and args.samples < 1:
+        print(f"error: --samples {args.samples}: give 1 or more", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        return fail(exc)
+    from rollflow.flows.evaluate_model import evaluate_model
+    from rollflow.infra.errors import InferenceError, InputError, StorageError
+    from rollflow.tasks.generate.evaluation import render_table
+
+    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    try:
+        result = evaluate_model(
+            cfg, step=args.checkpoint, model=args.model, samples=args.samples, progress=say
+        )
+    except (InputError, StorageError, InferenceError) as exc:
+        return fail(exc)
+    print(render_table(result.evaluation))
+    print(f"{result.label}: written to {', '.join(result.written)}")
     return 0
 
 

@@ -13,11 +13,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from rollflow.infra.metric_names import Metric, per_env
+from rollflow.infra.metric_names import Metric, eval_pass_at, per_env
 
 if TYPE_CHECKING:
     from rollflow.tasks.advantage.advantage_task import Batch
-    from rollflow.tasks.generate.generate_task import Evaluation, Rollouts
+    from rollflow.tasks.generate.evaluation import Evaluation
+    from rollflow.tasks.generate.generate_task import Rollouts
     from rollflow.tasks.sync.sync_task import Synced
 
 
@@ -116,6 +117,11 @@ class StepMetrics:
     def record_eval(self, e: Evaluation) -> None:
         self.row[Metric.EVAL_REWARD] = e.reward
         self.row.update({per_env(Metric.EVAL_REWARD, env): v for env, v in e.reward_by_env.items()})
+        if e.samples > 1:  # pass@1..k of k samples per prompt (sampling.eval_samples)
+            for k, v in e.pass_at_k.items():
+                self.row[eval_pass_at(k)] = v
+            for env, by_k in e.pass_at_k_by_env.items():
+                self.row.update({per_env(eval_pass_at(k), env): v for k, v in by_k.items()})
 
     def record_trainer_restarts(self, restarts: int) -> None:
         self.row[Metric.TRAINER_RESTARTS] = restarts

@@ -69,6 +69,7 @@ class Metric:
     # refused to the deadline fails the sync): vLLM's KV of the old weights is never read again
     SYNC_CACHE_RESET_TRIES = "sync_cache_reset_tries"
     EVAL_REWARD = "eval_reward"  # per environment: eval_reward/<env>
+    # eval_pass_at_<k> (k = 1..sampling.eval_samples, when above 1): eval_pass_at(k); per env too
     # timed phases of the step flow
     GENERATE_PHASE_S = "generate_phase_s"
     ADVANTAGE_PHASE_S = "advantage_phase_s"
@@ -80,6 +81,11 @@ class Metric:
     EVAL_PHASE_S = "eval_phase_s"
     FLOW_S = "flow_s"
     STEP_S = "step_s"
+
+
+def eval_pass_at(k: int) -> str:
+    """The key of held-out pass@k (``eval_pass_at_4``), logged when ``sampling.eval_samples`` > 1."""
+    return f"eval_pass_at_{k}"
 
 
 def per_env(name: str, env: str) -> str:

@@ -92,6 +92,17 @@ class SamplingSection(Section):
     num_eval_prompts: int = Field(
         256, ge=1, description="Held-out prompts per environment per evaluation."
     )
+    eval_samples: int = Field(
+        1,
+        ge=1,
+        description="Samples per held-out prompt. 1: one sample at eval_temperature (greedy by "
+        "default); k > 1: k samples at eval_temperature, or at temperature when eval_temperature "
+        "is 0, and pass@1..k logged (the unbiased estimator of Chen et al. 2021).",
+    )
+    eval_pass_reward: float = Field(
+        1.0,
+        description="A held-out sample passes (counts for pass@k) when its reward is at least this.",
+    )
     env_quarantine_after: int = Field(
         5,
         ge=0,

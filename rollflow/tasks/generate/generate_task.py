@@ -32,14 +32,18 @@ from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.infra.vllm_fleet.pool import InferencePool
 from rollflow.tasks.generate.chat import PromptRenderer
 from rollflow.tasks.generate.environments import Environment, RolloutContext, load_env
+from rollflow.tasks.generate.evaluation import (
+    Evaluation,
+    eval_prompts,
+    eval_temperature,
+    summarise,
+)
 from rollflow.tasks.generate.host import ProducerHost, step_flows_in_flight
 from rollflow.tasks.generate.rollouts import (
-    GroupResult,
     RetryPolicy,
     Sampler,
     SamplingStats,
     generate_groups,
-    select_prompts,
     to_rows,
 )
 
@@ -68,14 +72,6 @@ class Rollouts:
     completion_tokens_mean: float = float("nan")
     completion_tokens_max: int = 0
     rollouts_by_env: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """Held-out reward: the mean over environments, and each environment's."""
-
-    reward: float
-    reward_by_env: dict[str, float]
 
 
 @lru_cache(maxsize=4)
@@ -149,34 +145,6 @@ def _stop_ids(model_path: str, revision: str | None = None) -> list[int]:
     except OSError:
         return []
     return [eos] if isinstance(eos, int) else list(eos or [])
-
-
-def _sample(
-    ctx: RunContext,
-    envs: dict[str, Environment],
-    prompts: list,
-    group_size: int,
-    temperature: float,
-) -> list[GroupResult]:
-    """One group per prompt from the inference deployment, on a short-lived client."""
-
-    async def run():
-        client = InferencePool.following(
-            ctx.inference_fleet(),
-            timeout_s=ctx.config.inference.request_timeout_s,
-            api_key=ctx.inference[0].token,
-        )
-        try:
-            rctx = make_rollout_context(
-                ctx.config, ctx.model_path, client, SamplingStats(), temperature=temperature
-            )
-            return await generate_groups(
-                envs, prompts, rctx, group_size, ctx.config.inference.max_concurrency
-            )
-        finally:
-            await client.aclose()
-
-    return asyncio.run(run())
 
 
 def reusable_rollouts(ctx: RunContext, step: int, resumed_from: int) -> bool:
@@ -294,25 +262,38 @@ def _turn_summary(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+async def evaluate_policy(
+    cfg: RunConfig,
+    model_path: str,
+    envs: dict[str, Environment],
+    client: InferencePool | InferenceClient,
+    samples: int | None = None,
+) -> Evaluation:
+    """The held-out evaluation (``evaluation.py``): ``samples`` (default
+    ``sampling.eval_samples``) samples of each held-out prompt from the policy ``client`` serves."""
+    k = samples or cfg.sampling.eval_samples
+    prompts = eval_prompts(cfg, envs)
+    rctx = make_rollout_context(
+        cfg, model_path, client, SamplingStats(), temperature=eval_temperature(cfg.sampling, k)
+    )
+    results = await generate_groups(envs, prompts, rctx, k, cfg.inference.max_concurrency)
+    return summarise(prompts, results, k, cfg.sampling.eval_pass_reward)
+
+
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
 def evaluate(ctx: RunContext) -> Evaluation:
-    """Held-out reward per environment: a fixed prompt set, sampled at the eval temperature."""
-    cfg = ctx.config
-    envs = build_envs(cfg, ctx.model_path)
-    s = cfg.sampling
-    prompts = []
-    for i, name in enumerate(sorted(envs)):
-        prompts += select_prompts(
-            {name: envs[name]},
-            {name: 1.0},
-            s.num_eval_prompts,
-            "eval",
-            seed=cfg.run.seed * 7919 + i,
+    """The run's held-out evaluation, on its inference deployment (a short-lived client)."""
+
+    async def run():
+        client = InferencePool.following(
+            ctx.inference_fleet(),
+            timeout_s=ctx.config.inference.request_timeout_s,
+            api_key=ctx.inference[0].token,
         )
-    results = _sample(ctx, envs, prompts, 1, s.eval_temperature)
-    by_env: dict[str, list[float]] = defaultdict(list)
-    for prompt, samples in zip(prompts, results, strict=True):
-        ok = isinstance(samples, list) and samples and samples[0].error is None
-        by_env[prompt.env].append(samples[0].reward if ok else 0.0)
-    per_env = {k: fmean(v) for k, v in sorted(by_env.items())}
-    return Evaluation(fmean(per_env.values()), per_env)
+        try:
+            envs = build_envs(ctx.config, ctx.model_path)
+            return await evaluate_policy(ctx.config, ctx.model_path, envs, client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())

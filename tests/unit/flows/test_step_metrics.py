@@ -4,15 +4,33 @@ import math
 from types import SimpleNamespace
 
 from rollflow.flows.step_metrics import StepMetrics
-from rollflow.infra.metric_names import Metric, by_env, per_env, series
+from rollflow.infra.metric_names import Metric, by_env, eval_pass_at, per_env, series
+from rollflow.tasks.generate.evaluation import Evaluation
 
 
 def test_eval_is_recorded_overall_and_per_environment():
     m = StepMetrics()
-    m.record_eval(SimpleNamespace(reward=0.5, reward_by_env={"add": 0.25, "sort": 0.75}))
+    m.record_eval(Evaluation(reward=0.5, reward_by_env={"add": 0.25, "sort": 0.75}))
     assert m.row[Metric.EVAL_REWARD] == 0.5
     assert m.row[per_env(Metric.EVAL_REWARD, "add")] == 0.25
     assert by_env(m.row, Metric.EVAL_REWARD) == {"add": 0.25, "sort": 0.75}
+    assert not any(key.startswith("eval_pass") for key in m.row)  # one sample: no pass@k
+
+
+def test_eval_of_k_samples_records_pass_at_1_to_k():
+    m = StepMetrics()
+    m.record_eval(
+        Evaluation(
+            reward=0.5,
+            reward_by_env={"add": 0.5},
+            samples=2,
+            pass_at_k={1: 0.5, 2: 0.75},
+            pass_at_k_by_env={"add": {1: 0.5, 2: 0.75}},
+        )
+    )
+    assert m.row[eval_pass_at(1)] == 0.5 and m.row[eval_pass_at(2)] == 0.75
+    assert m.row[per_env(eval_pass_at(2), "add")] == 0.75
+    assert eval_pass_at(2) == "eval_pass_at_2"  # a name every metrics sink takes
 
 
 def test_series_skips_rows_without_a_number():
