@@ -17,6 +17,8 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from rollflow.infra.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 IFNAME_ENVS = {
@@ -67,6 +69,36 @@ def route_source(master_addr: str) -> str:
     with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
         probe.connect(info[4])  # UDP: picks a route, sends nothing
         return probe.getsockname()[0]
+
+
+def check_reachable_name(master_addr: str, what: str = "trainer.master_addr") -> None:
+    """Raise ``InputError`` when ``master_addr``, a host name that other hosts must reach, resolves
+    to a loopback address here (or is one): on stock Ubuntu a host's own name is 127.0.1.1 in
+    /etc/hosts, so gloo bound to loopback and the other nodes waited for it until their
+    deadline. Called where it is used, on the host whose /etc/hosts counts."""
+    try:
+        literal = ipaddress.ip_address(master_addr)
+    except ValueError:
+        literal = None
+    if literal is not None:
+        if literal.is_loopback:
+            raise InputError(
+                f"{what} = {master_addr!r} is a loopback address, which the other hosts cannot "
+                f"reach: set {what} to this host's address as they reach it"
+            )
+        return
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(master_addr, None)}
+    except OSError as err:
+        raise InputError(f"{what} = {master_addr!r} does not resolve on this host: {err}") from None
+    loopback = sorted(a for a in resolved if ipaddress.ip_address(a.split("%")[0]).is_loopback)
+    if loopback:
+        raise InputError(
+            f"{what} = {master_addr!r} resolves to {', '.join(loopback)} on this host "
+            f"({socket.gethostname()}; its /etc/hosts), a loopback address the other hosts "
+            f"cannot reach: set {what} to this host's address as they reach it, or map "
+            f"{master_addr} to that address in /etc/hosts"
+        )
 
 
 def own_address() -> str:

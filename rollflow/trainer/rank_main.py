@@ -107,7 +107,12 @@ def _init_distributed(args: ServiceArgs) -> torch.device:
     timeout = timedelta(seconds=args.trainer.request_timeout_s)
     # The default group's gloo part (every rank's control and CPU collectives) binds to the
     # interface that reaches MASTER_ADDR, not to what the hostname resolves to (127.0.1.1 on
-    # stock Ubuntu, unreachable from another node).
+    # stock Ubuntu, unreachable from another node). A MASTER_ADDR name that itself resolves to
+    # loopback here, with ranks on other hosts, fails now rather than at their deadline.
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
+    if world > local:
+        network.check_reachable_name(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     network.bind_gloo_interface()
     if use_cuda:
         device = torch.device("cuda", local_rank)

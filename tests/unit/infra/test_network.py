@@ -4,11 +4,18 @@ hostname's address by default, which is 127.0.1.1 on stock Ubuntu and unreachabl
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from rollflow.infra import network
 from rollflow.infra.network import bind_gloo_interface, socket_interface
+
+ROOT = Path(__file__).resolve().parents[3]
 
 HOST = {
     "lo": ["127.0.0.1", "::1"],
@@ -114,3 +121,41 @@ def test_auto_master_addr_is_this_hosts_own_address(monkeypatch):
     )
     assert resolve_addresses(cfg).trainer.master_addr == "10.231.7.1"
     assert cfg.trainer.master_addr == "auto"  # what config.json keeps: a rerun resolves anew
+
+
+# A host's own name in its /etc/hosts, as stock Ubuntu writes it.
+UBUNTU_HOSTS = "127.0.0.1 localhost\n127.0.1.1 node-0\n192.0.2.10 node-1\n"
+CHECK = (
+    "import sys; from rollflow.infra.network import check_reachable_name\n"
+    "try:\n    check_reachable_name(sys.argv[1])\nexcept Exception as e:\n"
+    "    print(e); sys.exit(3)\nprint('ok')"
+)
+
+
+@pytest.mark.skipif(
+    shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root's unshare"
+)
+def test_a_master_addr_name_that_resolves_to_loopback_on_its_host_fails_at_once(tmp_path):
+    """trainer.master_addr = "node-0" on a host whose /etc/hosts names itself 127.0.1.1: the
+    rank fails at start naming the name, the address and what to do (gloo bound to loopback and
+    node 1 waited request_timeout_s). Resolved for real, in a mount namespace with that file."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(UBUNTU_HOSTS)
+
+    def check(name: str) -> subprocess.CompletedProcess:
+        script = f'mount --bind {hosts} /etc/hosts && exec "$0" -c "$1" "$2"'
+        return subprocess.run(
+            ["unshare", "--mount", "sh", "-c", script, sys.executable, CHECK, name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+
+    loop = check("node-0")
+    assert loop.returncode == 3, loop.stderr
+    assert "trainer.master_addr = 'node-0' resolves to 127.0.1.1" in loop.stdout
+    assert "map node-0 to that address in /etc/hosts" in loop.stdout
+    assert check("node-1").stdout.strip() == "ok"  # another host's address: resolved, no traffic
+    literal = check("127.0.0.1")
+    assert literal.returncode == 3 and "is a loopback address" in literal.stdout
