@@ -85,6 +85,14 @@ class RunServices:
         self.fleet = self.servers.fleet
         # The run's key travels to processes on other hosts through its storage.
         self.placed = self.maker.placed or self.life.nodes is not None
+        # Colocated on GPUs: vLLM sizes its KV cache from the memory its GPU has free while it
+        # profiles, so the trainer, which shares that GPU, loads only once vLLM is ready (loaded
+        # at once, its weights and optimizer state were counted as vLLM's and the cache starved).
+        self.vllm_first = (
+            self.plan.colocated
+            and not self.placed
+            and any(p.device == "cuda" for p in self.plan.servers)
+        )
 
     @property
     def trainer(self) -> TrainerClient | None:
@@ -109,8 +117,11 @@ class RunServices:
         if self.placed:
             publish_key(self.storage, self.token)  # before any flow run asks for it
         self.maker.check(self.policy_dir, self.checkpoint_step)
-        self.life.start(self.policy_dir, self.checkpoint_step, self.weight_dtype)  # loads meanwhile
-        self.weights.meet_at(self.life.master)
+        if not self.vllm_first:
+            self.life.start(
+                self.policy_dir, self.checkpoint_step, self.weight_dtype
+            )  # loads meanwhile
+            self.weights.meet_at(self.life.master)
         self.maker.prepare(self.policy_dir, self.base_model, self.checkpoint_step)
         keeper = self.servers
         keeper.supervisors = [self.maker(slot) for slot in range(keeper.first_size())]
@@ -119,6 +130,9 @@ class RunServices:
                 sup.spawn()
             for sup in keeper.supervisors:
                 sup.wait_ready()
+            if self.vllm_first:
+                self.life.start(self.policy_dir, self.checkpoint_step, self.weight_dtype)
+                self.weights.meet_at(self.life.master)
             self.life.wait_healthy()
             nodes = f" × {cfg.trainer.num_nodes} nodes" if cfg.trainer.num_nodes > 1 else ""
             self.progress(
