@@ -19,7 +19,18 @@ def test_there_are_recipes_for_one_node_and_for_several():
 def test_recipe_passes_dry_run_without_the_model(recipe, capsys, tmp_path):
     # The recipes' storage is a placeholder (s3.example.internal): the preflight probes it.
     storage = [f"run.storage={tmp_path}", "~run.storage_options"]
-    assert main(["run", str(recipe), "--dry-run", *storage]) == 0
+    # GSM8K as `rollflow prepare gsm8k` writes it, in small: the recipes that name
+    # data/gsm8k-*.jsonl read these instead (nothing is downloaded here).
+    gsm8k = []
+    for split, key, start in (("train", "path", 0), ("test", "eval_path", 10)):
+        data = tmp_path / f"gsm8k-{split}.jsonl"
+        rows = [
+            {"problem": f"Tom has {i} apples and buys 2. How many now?", "answer": i + 2}
+            for i in range(start, start + 10)
+        ]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        gsm8k.append(f"envs.0.args.{key}={data}")
+    assert main(["run", str(recipe), "--dry-run", *storage, *gsm8k]) == 0
     out = capsys.readouterr()
     resolved = json.loads(out.out)
     assert not Path(resolved["model"]["path"]).exists()  # a hub id: the dry run never loads it
