@@ -178,6 +178,56 @@ def s3_endpoint():
 
 
 @pytest.fixture(scope="session")
+def pausable_s3(tmp_path_factory):
+    """An S3 endpoint (moto's server) in a process of its own, so that a test can freeze it
+    (SIGSTOP) and let it go on (SIGCONT) under a run: ``.url``, ``.pause()``, ``.resume()``."""
+    import signal
+    import subprocess
+    import sys
+
+    import boto3
+    import httpx
+
+    from rollflow.infra.processes import free_port
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=log,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(url, timeout=2)
+            break
+        except httpx.HTTPError:
+            assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
+            time.sleep(0.2)
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="rollflow")
+
+    class Server:
+        def pause(self) -> None:
+            proc.send_signal(signal.SIGSTOP)
+
+        def resume(self) -> None:
+            proc.send_signal(signal.SIGCONT)
+
+    server = Server()
+    server.url = url
+    yield server
+    proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    proc.wait(timeout=10)
+    log.close()
+
+
+@pytest.fixture(scope="session")
 def deployed_run(tmp_path_factory):
     """A tiny quickstart run made through a real Prefect server, deployment and process worker
     (tests/deployed_run.py); shared by the tests of deployments, export and the notebook."""

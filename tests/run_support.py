@@ -232,3 +232,97 @@ def assert_documented_layout(
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "already committed" in proc.stdout
+
+
+class RestartableApi:
+    """A Prefect API that a test stops and starts again under a run, on the same port and the
+    same database: rollflow's private API (``local_prefect_api``'s app), run by the test."""
+
+    def __init__(self, home: Path) -> None:
+        from rollflow.infra.processes import free_port
+
+        self.home, self.port = home, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120) -> None:
+        import time
+
+        import httpx
+        from prefect.settings import get_current_settings
+
+        from rollflow.infra.prefect_api import private_api_command, private_api_env
+
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        env.update(private_api_env(get_current_settings()), PREFECT_HOME=str(self.home))
+        env.pop("PREFECT_API_URL", None)
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = open(self.home / "api.log", "ab")  # noqa: SIM115 (the server's, while it runs)
+        self.proc = subprocess.Popen(
+            private_api_command(self.port), stdout=log, stderr=log, env=env, cwd=ROOT
+        )
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, (self.home / "api.log").read_text()[-3000:]
+            assert time.monotonic() < end, "the Prefect API did not start"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def post(self, path: str, body: dict | None = None) -> list[dict]:
+        import httpx
+
+        response = httpx.post(f"{self.url}{path}", json=body or {}, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+
+def run_cli_watched(
+    config: Path,
+    tmp_path: Path,
+    *overrides: str,
+    on_line=lambda line: None,
+    env: dict[str, str] | None = None,
+    timeout: float = 420,
+) -> tuple[int, str, str]:
+    """``rollflow run`` in a subprocess, ``on_line`` called with each line of its stdout as it
+    comes (to act on the run mid-way); returns its exit status, stdout and stderr."""
+    import threading
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollflow.cli", "run", str(config), *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or env_for(tmp_path),
+        cwd=ROOT,
+    )
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    out = []
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            on_line(line)
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    return proc.returncode, "".join(out), "".join(err)
