@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from rollflow.infra.config.base import Section
 from rollflow.infra.config.loss import LoraSection, LossConfig
@@ -19,7 +19,13 @@ class TrainSection(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     train_batch_size: int = Field(64, ge=1, description="Groups per outer step (one weight sync).")
-    mini_batch_size: int = Field(64, ge=1, description="Groups per optimizer step.")
+    mini_batch_size: int = Field(
+        None,  # type: ignore[assignment]  # filled in by _one_mini_batch_by_default
+        ge=1,
+        validate_default=True,
+        description="Groups per optimizer step (default: train_batch_size, one optimizer step "
+        "per weight sync).",
+    )
     max_staleness: float = Field(
         0,
         ge=0,
@@ -139,6 +145,12 @@ class TrainSection(Section):
         le=1,
         description="The decay's floor, a fraction of lr (linear and cosine schedules).",
     )
+
+    @field_validator("mini_batch_size", mode="before")
+    @classmethod
+    def _one_mini_batch_by_default(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # A config that sets only train_batch_size gets one optimizer step per weight sync.
+        return info.data.get("train_batch_size") if value is None else value
 
     @field_validator("loss", mode="before")
     @classmethod

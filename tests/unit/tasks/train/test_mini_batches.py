@@ -146,3 +146,17 @@ def test_token_mean_sets_every_optimizer_steps_denominator(
     ctx = SimpleNamespace(config=SimpleNamespace(train=train))
     train_task.train.fn(ctx, 5, groups, (), num_loss_tokens=90)
     assert recorder.denominators == denominators
+
+
+def test_mini_batch_defaults_to_the_whole_step():
+    """A config that sets only train_batch_size (few keys: docs/guides/your-own-task.md) is
+    valid: one optimizer step per weight sync, not a default of 64 above its batch."""
+    from rollflow.infra.config import load_config
+
+    assert TrainSection(train_batch_size=8).mini_batch_size == 8
+    assert TrainSection().mini_batch_size == 64
+    assert TrainSection(train_batch_size=8, mini_batch_size=2).optim_steps_per_step() == 4
+    cfg = load_config(
+        "configs/quickstart.toml", ["~train.mini_batch_size", "train.train_batch_size=16"]
+    )
+    assert cfg.train.mini_batch_size == 16
