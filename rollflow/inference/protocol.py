@@ -140,11 +140,36 @@ class WorkerMethod(Generic[Args, Reply]):
         """The worker's side: what it returns (vLLM passes a dict through as JSON)."""
         return reply.model_dump()
 
+    def failed(self, exc: BaseException) -> dict[str, Any]:
+        """The worker's side: its answer when the method raised. A worker method never raises
+        through vLLM: its multiproc executor reads the workers' answers in rank order and stops
+        at the first failed one, leaving the others' queued, and the next call (the rejoin after
+        a failed sync) then read a stale answer as its own, with tensor parallelism ≥ 2."""
+        return {FAILED_KEY: f"{type(exc).__name__}: {exc}"}
+
     def replies(self, results: list[Any]) -> list[Reply]:
-        """The run's side: each worker's reply, from ``/collective_rpc``'s ``results``."""
+        """The run's side: each worker's reply, from ``/collective_rpc``'s ``results``; raise
+        ``WorkerMethodFailed`` naming every worker whose method failed (all were read)."""
+        failed = {
+            i: r[FAILED_KEY]
+            for i, r in enumerate(results)
+            if isinstance(r, dict) and FAILED_KEY in r
+        }
+        if failed:
+            raise WorkerMethodFailed(
+                f"{self.name} failed on worker(s) "
+                + "; ".join(f"{i}: {error}" for i, error in sorted(failed.items()))
+            )
         if self.reply is None:
             return []
         return [self.reply.model_validate(r) for r in results]
+
+
+FAILED_KEY = "rollflow_failed"  # a worker's answer when its method raised (``failed``)
+
+
+class WorkerMethodFailed(RuntimeError):
+    """A worker method raised on one or more workers (each worker's answer was read)."""
 
 
 INIT_WEIGHT_GROUP = WorkerMethod("init_weight_group", JoinWeightGroup, Joined)

@@ -12,9 +12,10 @@ as its adapter.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,11 +28,31 @@ from rollflow.inference.protocol import (
     RECEIVE_WEIGHTS,
     Joined,
     Loaded,
+    WorkerMethod,
 )
 from rollflow.infra.weights import adapter
 from rollflow.infra.weights.group import WeightReceiverGroup
 
 logger = logging.getLogger(__name__)
+
+
+def _answers_its_failure(method: WorkerMethod) -> Callable:
+    """Make a worker method answer its exception instead of raising it (``method.failed``):
+    every worker then answers each call, so vLLM reads every answer of it, and no answer of a
+    failed call is left queued for the next one (``WorkerMethod.failed`` says why)."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(self, request: str) -> dict[str, Any] | None:
+            try:
+                return fn(self, request)
+            except Exception as exc:  # noqa: BLE001 - answered, with its name and message
+                logger.exception("worker method %s failed", method.name)
+                return method.failed(exc)
+
+        return call
+
+    return wrap
 
 
 class WeightReceiver:
@@ -43,6 +64,7 @@ class WeightReceiver:
     mode, exactly the adapter it broadcast as V, under the LoRA id the server's requests name.
     """
 
+    @_answers_its_failure(INIT_WEIGHT_GROUP)
     def init_weight_group(self, request: str) -> dict[str, Any]:
         """Join the group as ``first_rank`` + this worker's rank in its engine; answers the rank.
 
@@ -77,6 +99,7 @@ class WeightReceiver:
         )
         return INIT_WEIGHT_GROUP.answer(Joined(rank=my_rank))
 
+    @_answers_its_failure(RECEIVE_WEIGHTS)
     def receive_weights(self, request: str) -> dict[str, Any]:
         """Receive one broadcast and load it into the model; answers its policy version."""
         RECEIVE_WEIGHTS.decode(request)
@@ -116,6 +139,7 @@ class WeightReceiver:
         if not self.add_lora(request):
             raise RuntimeError(f"adapter sync: vLLM did not load the adapter of v{version}")
 
+    @_answers_its_failure(CLOSE_WEIGHT_GROUP)
     def close_weight_group(self, request: str) -> None:
         """Leave the weight group (a no-op if not joined)."""
         CLOSE_WEIGHT_GROUP.decode(request)

@@ -19,7 +19,9 @@ from rollflow.inference.protocol import (
     JoinWeightGroup,
     ReceiveWeights,
     WorkerMethod,
+    WorkerMethodFailed,
 )
+from rollflow.infra.errors import InferenceError
 from rollflow.infra.vllm_fleet.client import InferenceClient
 
 
@@ -69,4 +71,7 @@ class WeightWorkers:
         results = await self.client.collective_rpc(
             method.name, method.encode(args), timeout_s=timeout_s
         )
-        return method.replies(results)
+        try:
+            return method.replies(results)
+        except WorkerMethodFailed as exc:  # as a failed call was before: the same handling
+            raise InferenceError(f"{self.client.base_url}: {exc}", 500) from None

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
 import rollflow
 from rollflow.inference import auth, protocol, worker_extension
@@ -108,8 +107,15 @@ def test_the_worker_parses_the_declared_models_and_answers_the_declared_replies(
     monkeypatch.setenv(protocol.KEY_ENV, "the-key")
     monkeypatch.delenv(protocol.LORA_ROOT_ENV, raising=False)
     worker = _Worker()
-    with pytest.raises(RuntimeError, match="before init_weight_group"):
-        worker.receive_weights(*RECEIVE_WEIGHTS.encode(ReceiveWeights()))
+    # A method that fails answers its failure (vLLM then reads every worker's answer); the
+    # run's side raises it, naming the worker, once every answer was read.
+    failed = worker.receive_weights(*RECEIVE_WEIGHTS.encode(ReceiveWeights()))
+    with pytest.raises(
+        protocol.WorkerMethodFailed,
+        match=r"receive_weights failed on worker\(s\) "
+        r"1: RuntimeError: receive_weights called before init_weight_group",
+    ):
+        RECEIVE_WEIGHTS.replies([{"version": 3}, failed])
 
     answer = worker.init_weight_group(*INIT_WEIGHT_GROUP.encode(JOIN))
     assert [j.rank for j in INIT_WEIGHT_GROUP.replies([answer])] == [2]  # first_rank + its rank
@@ -120,10 +126,12 @@ def test_the_worker_parses_the_declared_models_and_answers_the_declared_replies(
     assert worker.close_weight_group(*CLOSE_WEIGHT_GROUP.encode(CloseWeightGroup())) is None
     assert _Group.joined["closed"]
 
-    with pytest.raises(ValidationError):  # another method's arguments, or a stray field
-        worker.init_weight_group(CloseWeightGroup().model_dump_json())
-    with pytest.raises(ValidationError):
-        worker.close_weight_group('{"force": true}')
+    # Another method's arguments, or a stray field: refused by the model, answered as failed.
+    for answer in (
+        worker.init_weight_group(CloseWeightGroup().model_dump_json()),
+        worker.close_weight_group('{"force": true}'),
+    ):
+        assert answer[protocol.FAILED_KEY].startswith("ValidationError: "), answer
 
 
 def test_a_method_takes_only_its_own_argument_model():
