@@ -51,6 +51,8 @@ class Evaluation:
 ROW_SCHEMA = pa.schema(
     [
         ("env", pa.string()),
+        # the prompt's place in the evaluation (an env may draw one prompt twice: two places)
+        ("prompt_index", pa.int32()),
         ("prompt_id", pa.string()),
         ("prompt", pa.string()),
         ("answer", pa.string()),
@@ -98,7 +100,7 @@ def summarise(
 ) -> Evaluation:
     """The figures of ``samples`` samples per prompt (a failed sample or group scores 0)."""
     rows = []
-    for prompt, result in zip(prompts, results, strict=True):
+    for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         group = result if isinstance(result, list) else []
         for i in range(samples):
             s = group[i] if i < len(group) else None
@@ -108,6 +110,7 @@ def summarise(
             rows.append(
                 {
                     "env": prompt.env,
+                    "prompt_index": index,
                     "prompt_id": prompt.prompt_id,
                     "prompt": prompt.text,
                     "answer": prompt.answer,
@@ -124,10 +127,10 @@ def summarise(
 def summarise_rows(rows: list[dict], samples: int) -> Evaluation:
     """Mean reward and pass@1..samples per env, and over envs, of rows of ``ROW_SCHEMA``."""
     rewards: dict[str, list[float]] = defaultdict(list)
-    passed: dict[tuple[str, str], int] = defaultdict(int)
+    passed: dict[tuple[str, int], int] = defaultdict(int)
     for r in rows:
         rewards[r["env"]].append(r["reward"])
-        passed[(r["env"], r["prompt_id"])] += bool(r["passed"])
+        passed[(r["env"], r["prompt_index"])] += bool(r["passed"])
     per_env = {env: fmean(v) for env, v in sorted(rewards.items())}
     by_env: dict[str, dict[int, float]] = {}
     counts: dict[str, int] = {}

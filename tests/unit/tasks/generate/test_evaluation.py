@@ -118,3 +118,12 @@ def test_table_and_parquet_files():
     about = json.loads(summary.schema.metadata[b"rollflow.eval"])
     assert about == {"samples": 2, "step": 3}
     assert not math.isnan(summary.column("reward").to_pylist()[-1])
+
+
+def test_a_prompt_drawn_twice_counts_as_two_prompts():
+    """An env with few held-out prompts may draw one twice: each draw is a prompt of its own for
+    pass@k (its passes are never pooled past k)."""
+    twice = [prompt("add", 0), prompt("add", 0)]
+    ev = summarise(twice, [[sample("x", 1.0)] * 2, [sample("y", 1.0)] * 2], 2, 1.0)
+    assert ev.pass_at_k == {1: 1.0, 2: 1.0} and ev.num_prompts_by_env == {"add": 2}
+    assert [r["prompt_index"] for r in ev.rows] == [0, 0, 1, 1]
