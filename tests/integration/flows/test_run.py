@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from deployed_run import processes_marked
@@ -227,6 +228,31 @@ def test_a_fractional_staleness_sends_weights_mid_step_and_samples_the_next_step
     ).fetchall()
     assert versions == [(1, 0.0, 0.0), (2, 0.5, 0.5), (3, 1.5, 1.5), (4, 2.5, 2.5)]
     assert [m[-1] for m in metrics] == [0.0, 0.5, 0.5, 0.5]  # staleness in steps: 1 of 2 optim
+    # `rollflow eval` of its checkpoint of step 4 on a vLLM server of its own: the run's own
+    # held-out figures at step 4, overall and per env (issue 40: one evaluation for both).
+    held_out = duckdb.sql(
+        f'select eval_reward, "eval_reward/add", "eval_reward/sort_letters" from '
+        f"read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true) where step = 4"
+    ).fetchall()[0]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollflow.cli", "eval", str(config), "--checkpoint", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env_for(tmp_path),
+        cwd=ROOT,
+    )
+    print(f"rollflow eval --checkpoint 4: {time.monotonic() - start:.1f} s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["env", "num_prompts", "samples", "reward", "pass@1"]
+    assert [line.split()[0] for line in lines[1:4]] == ["add", "sort_letters", "overall"]
+    summary = pq.read_table(run_dir / "evals" / "step=4-k1" / "summary.parquet").to_pylist()
+    got = {r["env"]: r["reward"] for r in summary}
+    assert (got["overall"], got["add"], got["sort_letters"]) == pytest.approx(held_out), proc.stdout
+    samples = pq.read_table(run_dir / "evals" / "step=4-k1" / "samples.parquet")
+    assert samples.num_rows == 32 and samples.column("error").null_count == 32
 
 
 def test_a_lora_run_on_s3_checkpoints_resumes_and_exports_its_adapter(
