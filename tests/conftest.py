@@ -47,6 +47,7 @@ def pytest_report_header(config) -> str:
 # trainer, the chaos campaign's run directory) start once. The files that share one of the
 # session's services below also share a worker: the service starts once per suite, not per worker.
 SHARED_SERVICES = ("deployed_run", "vllm_server")
+DEPLOYED_RUN_TIMEOUT_S = 1200  # pytest-timeout's limit for a test that may start the deployed run
 
 
 @pytest.hookimpl(wrapper=True)
@@ -91,6 +92,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path in group and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(group[item.path]))
+        if "deployed_run" in item.fixturenames and not item.get_closest_marker("timeout"):
+            # Whichever test asks first pays for the deployed run: a run, a lost host and its
+            # rerun, and a run submitted from the form in a browser (~5 min on 2 busy cores).
+            item.add_marker(pytest.mark.timeout(DEPLOYED_RUN_TIMEOUT_S))
         _name_the_group(item)
     unit = [group.get(item.path, str(item.path)) for item in items]
     slow: dict[str, int] = {}

@@ -35,6 +35,7 @@ import yaml
 
 from rollflow.infra import http
 from rollflow.infra.processes import free_port
+from rollflow.testing.browser import FormRun
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -70,6 +71,7 @@ class DeployedRun:
     scale_flow_run: dict = field(default_factory=dict)  # rollflow-scale/fleet's, during the run
     # rl-run/quickstart as the server holds it: its parameter schema (the run form) and parameters
     form_schema: dict = field(default_factory=dict)
+    form_run: FormRun | None = None  # a run submitted from the form in Chromium (None: no Chromium)
     form_parameters: dict = field(default_factory=dict)
     flow_run_parameters: dict = field(default_factory=dict)  # the deployment's flow run's
     # the flow run lost with its host: id, state, message, seconds from the loss to Crashed and
@@ -168,7 +170,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
     try:
         server = Service(
             "prefect server",
-            [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+            [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],  # its UI
             tmp / "server.log",
             env,
         )
@@ -254,7 +256,10 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         rerun_id = _tagged(api, rerun_tag)[0]["id"]
         wait_until(lambda: ended(rerun_id), RUN_DEADLINE_S, "the rerun finished", logs)
         wait_until(lambda: ended(scale_run_id), 120, "the fleet action's flow run finished", logs)
+        # A user's run from the run form in a real browser, on the same server and worker.
+        form_run = _run_from_the_form(api, tmp / "shots", overrides, ended, logs)
         record = _read_back(api, rerun_id, storage, deploy_output, earlier=[flow_run_id])
+        record.form_run = form_run
         assert record.flow_run["state"] == "COMPLETED", f"{record.flow_run}\n{logs()}"
         crashed = ended(flow_run_id)
         record.crashed = {
@@ -282,6 +287,61 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
     record.left_over = [" ".join(p.cmdline())[:200] for p in processes_marked(str(tmp))]
     record.groups_alive = [s.name for s in services if s.group_alive()]
     return record
+
+
+FORM_RUN = "from-the-form"  # its run.name, typed into the form
+
+
+def _run_from_the_form(api: str, shots: Path, overrides: list[str], ended, logs) -> FormRun | None:
+    """Open rl-run/quickstart's run form in Chromium, read it, type a new run's name and one
+    step into its typed fields and the test's overrides into its list, submit it, and follow
+    the flow run the worker runs to its end: screenshots of the form, the running run, the
+    finished run and its artifacts. None where no Chromium is installed (.ci/run installs it)."""
+    from rollflow.testing.browser import (
+        browser,
+        chromium,
+        deployment_id,
+        shoot_flow_run,
+        submit_run_form,
+        wait_for,
+    )
+
+    if chromium() is None:
+        return None
+    ui = api.removesuffix("/api")
+    tiny = [o for o in overrides if not o.startswith("run.num_steps=")]
+    tiny += [f"train.{k}={v}" for k, v in TINY_TRAIN.items()]
+    with browser() as page:
+        run = submit_run_form(
+            page,
+            ui,
+            api,
+            deployment_id(api, "rl-run/quickstart"),
+            {"Name (Optional)": FORM_RUN, "Num Steps (Optional)": "1"},
+            tiny,
+            shots,
+            read=("Num Steps (Optional)", "Lr (Optional)", "Name (Optional)"),
+        )
+        state = lambda: (prefect_api(api, f"/flow_runs/{run.flow_run_id}")["state"] or {}).get(  # noqa: E731
+            "type"
+        )
+        wait_for(
+            lambda: state() != "SCHEDULED" and state() != "PENDING", 120, "the form's run started"
+        )
+        run.shots.append(shots / "running-run.png")
+        shoot_flow_run(page, ui, run.flow_run_id, run.shots[-1])
+        try:
+            wait_for(lambda: ended(run.flow_run_id), RUN_DEADLINE_S, "the form's run ended")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{logs()}") from None
+        run.shots.append(shots / "finished-run.png")
+        shoot_flow_run(page, ui, run.flow_run_id, run.shots[-1])
+        run.shots.append(shots / "finished-run-artifacts.png")
+        run.artifacts_text = shoot_flow_run(
+            page, ui, run.flow_run_id, run.shots[-1], tab="Artifacts"
+        )
+        run.state = state()
+    return run
 
 
 def _heartbeat_sent(api: str, flow_run_id: str) -> bool:

@@ -4,9 +4,12 @@ runs it (`rollflow deploy`, `prefect worker start`, `prefect deployment run ... 
 from __future__ import annotations
 
 import json
+import os
 
 import duckdb
 import pytest
+
+from rollflow.infra.config import resolve_config
 
 pytestmark = pytest.mark.slow
 
@@ -89,12 +92,59 @@ def test_the_run_form_is_the_configs_sections_and_holds_no_secret(deployed_run):
     assert train["max_staleness"]["default"] == 0 and "minimum" in train["max_staleness"]
     assert schema["properties"]["model"]["description"].startswith("[model]")
     params = deployed_run.form_parameters
-    assert params["train"]["lr"] == 3e-4 and params["run"]["num_steps"] == 60  # the quickstart's
+    quickstart = resolve_config("configs/quickstart.toml")
+    assert params["train"]["lr"] == quickstart.train.lr  # the quickstart's values
+    assert params["run"]["num_steps"] == quickstart.run.num_steps
     assert params["envs"][0]["name"] == "sort_letters"
     given = deployed_run.flow_run_parameters
     assert given["train"] == {"train_batch_size": 8, "mini_batch_size": 4}
     words = json.dumps(given).lower()
     assert not any(f'"{key}"' in words for key in SECRET_OPTION_KEYS), given
+
+
+def test_a_run_submitted_from_the_form_in_a_browser_completes_with_its_artifacts(deployed_run):
+    """In Chromium (Debian's package; .ci/run installs it), the deployment's run form shows the
+    config's sections and fields with the quickstart's values; a new run's name and one step
+    typed into its fields, the test's overrides into its list, submitted from the form itself:
+    the worker runs it to completion and the finished run's Artifacts tab shows its summary."""
+    import duckdb
+
+    from deployed_run import FORM_RUN
+
+    run = deployed_run.form_run
+    if run is None:
+        assert not os.environ.get("CI"), "CI installs Chromium (.ci/run): it is missing"
+        pytest.skip("no Chromium here: apt-get install chromium (.ci/run does)")
+    for label in (
+        "Run (Optional)",
+        "Model (Optional)",
+        "Envs (Optional)",
+        "Train (Optional)",
+        "Num Steps (Optional)",
+        "Lr (Optional)",
+        "Max Staleness (Optional)",
+        "Group Size (Optional)",
+        "overrides (Optional)",
+        "config (Optional)",
+    ):
+        assert label in run.labels, (label, run.labels)
+    quickstart = resolve_config("configs/quickstart.toml")
+    assert run.values == {  # the quickstart's, not the sections' defaults
+        "Num Steps (Optional)": str(quickstart.run.num_steps),
+        "Lr (Optional)": str(quickstart.train.lr),  # 0.0003: as Python and the UI print it
+        "Name (Optional)": "quickstart",
+    }
+    assert run.state == "COMPLETED", run
+    # Its Artifacts tab: the summary, and the live curves and per-env table (redrawn at the end).
+    for key in ("summary", "curves", "envs"):
+        assert f"{FORM_RUN}-{key}" in run.artifacts_text, run.artifacts_text[:2000]
+    metrics = deployed_run.storage / FORM_RUN / "metrics"
+    steps = duckdb.sql(
+        f"select step from read_parquet('{metrics}/*.parquet', union_by_name=true) order by step"
+    ).fetchall()
+    assert [s for (s,) in steps] == [0, 1]  # one step, as typed into the form
+    for shot in run.shots:
+        assert shot.stat().st_size > 10_000, shot  # a page, not a blank
 
 
 def test_work_pools_of_prefect_yaml_are_accepted_by_the_server(deployed_run):
