@@ -203,6 +203,9 @@ def test_docker_pool_requests_gpus_as_docker_run_gpus_does():
     assert host["DeviceRequests"] == [
         {"Driver": "nvidia", "Count": 2, "DeviceIDs": [], "Capabilities": [["gpu"]], "Options": {}}
     ]
+    # Placed processes advertise their address to other hosts: the host's own, not a bridge's
+    # 172.17.x that no other host reaches.
+    assert job.network_mode == "host" and not job.networks
 
 
 def test_process_pools_pass_gpus_and_keep_deployment_env():
