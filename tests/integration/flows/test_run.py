@@ -82,6 +82,7 @@ def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_
             threading.Thread(target=restart, daemon=True).start()
         if "answering again" in line:
             outage["said_back"] = time.monotonic()
+            outage["back_at"] = time.time()
         if line.startswith("done:"):  # said once the services are stopped
             outage["done"] = time.time()
 
@@ -129,14 +130,16 @@ def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_
     assert all(None not in m for m in metrics)
     assert sum(m[-1] for m in metrics) > 0, metrics  # the tiny policy's groups often agree
     # The end came from the trainer, with generation still under way (S = 2 runs ahead),
-    # and the teardown (producer, weight group, both services) took well under its 30 s deadline
-    # (to the run's last line: after it, Prefect sends what the API's outage held up).
+    # and the teardown (producer, weight group, both services) took well under its 30 s deadline.
+    # The steps under way at the outage go on with their work (their task runs' states are
+    # events, sent later) and wait only to record their end: training may finish while the API
+    # is away, and the run's end then waits for it.
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["version"] for e in events if e["event"] == "weights_published"] == [2, 4]
     end = events[-1]
     assert end["event"] == "training_finished" and end["source"] == "trainer" and end["step"] == 4
     assert end["groups_in_flight"] + end["groups_ready"] > 0
-    assert outage["done"] - end["time"] < 30
+    assert outage["done"] - max(end["time"], outage["back_at"]) < 30
     assert not processes_marked(str(tmp_path)), "service processes outlived the run"
 
 
