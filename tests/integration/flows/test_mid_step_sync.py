@@ -29,7 +29,8 @@ def test_a_train_task_that_fails_before_the_mid_step_capture_fails_the_step_with
     monkeypatch.setattr(step_module, "train", dead_trainer)
     monkeypatch.setattr(step_module, "sync", must_not_sync)
     cfg = load_config(
-        "configs/quickstart.toml", ["train.mini_batch_size=32", "train.max_staleness=0.25"]
+        "configs/quickstart.toml",
+        ["train.train_batch_size=128", "train.mini_batch_size=32", "train.max_staleness=0.25"],
     )
     ctx = SimpleNamespace(config=cfg)
     batch = SimpleNamespace(group_indices=[0, 1], sample_keys=[], num_loss_tokens=0)

@@ -8,6 +8,9 @@ from rollflow.infra.config import ConfigError, load_config
 from run_support import ROOT
 
 QUICKSTART = "configs/quickstart.toml"
+# The figures below count groups of a 128-group step with one optimizer step, whatever batch
+# the quickstart itself runs.
+STEP_128 = ["train.train_batch_size=128", "train.mini_batch_size=128"]
 
 
 def test_quickstart_config_loads():
@@ -99,12 +102,17 @@ def test_cross_field_errors_say_what_to_do():
     with pytest.raises(
         ConfigError, match=r"train.max_in_flight_groups \(64\) must be between .* \(128\)"
     ):
-        load_config(QUICKSTART, ["train.max_in_flight_groups=64"])
+        load_config(QUICKSTART, [*STEP_128, "train.max_in_flight_groups=64"])
     with pytest.raises(
         ConfigError, match=r"\(300\) must be between .*max_staleness \+ 1\) \(256\)"
     ):
-        load_config(QUICKSTART, ["train.max_in_flight_groups=300", "train.max_staleness=1"])
-    assert load_config(QUICKSTART, ["train.max_staleness=2"]).train.in_flight_groups() == 384
+        load_config(
+            QUICKSTART, [*STEP_128, "train.max_in_flight_groups=300", "train.max_staleness=1"]
+        )
+    assert (
+        load_config(QUICKSTART, [*STEP_128, "train.max_staleness=2"]).train.in_flight_groups()
+        == 384
+    )
     # Between syncs vLLM's weights age: sync_every N needs a staleness bound of N - 1.
     with pytest.raises(ConfigError, match=r"train.sync_every \(2\) needs train.max_staleness >= 1"):
         load_config(QUICKSTART, ["train.sync_every=2"])
@@ -234,7 +242,7 @@ def test_logprobs_mode_is_not_a_users_extra_arg():
 
 
 def test_a_fractional_staleness_counts_optimizer_steps():
-    four = ["train.mini_batch_size=32"]  # 128 groups per step: 4 optimizer steps
+    four = [*STEP_128, "train.mini_batch_size=32"]  # 128 groups per step: 4 optimizer steps
     t = load_config(QUICKSTART, [*four, "train.max_staleness=1.25"]).train
     assert (t.optim_steps_per_step(), t.whole_staleness(), t.sync_lag()) == (4, 1, 1)
     assert t.staleness_bound() == 1.25 and t.in_flight_groups() == 256
@@ -245,7 +253,7 @@ def test_a_fractional_staleness_counts_optimizer_steps():
     with pytest.raises(ConfigError, match=r"max_staleness \(0.3\).*step's 4 .*0.25, 0.5, 0.75"):
         load_config(QUICKSTART, [*four, "train.max_staleness=0.3"])
     with pytest.raises(ConfigError, match=r"max_staleness \(0.5\).*one optimizer step per step"):
-        load_config(QUICKSTART, ["train.max_staleness=0.5"])
+        load_config(QUICKSTART, [*STEP_128, "train.max_staleness=0.5"])
     with pytest.raises(ConfigError, match=r"sends weights mid-step.*sync_every = 1 \(it is 2\)"):
         load_config(QUICKSTART, [*four, "train.max_staleness=1.5", "train.sync_every=2"])
 

@@ -65,7 +65,7 @@ def test_a_section_given_in_part_is_laid_over_the_deployments_own():
     given = {**deployed, "train": {"lr": 1e-5}, "overrides": ["run.num_steps=3"]}
     cfg = config_from_parameters(given, deployed)
     assert cfg.train.lr == 1e-5
-    assert cfg.train.train_batch_size == 128  # the quickstart's, not TrainSection's default
+    assert cfg.train.mini_batch_size == 16  # the quickstart's, not TrainSection's default
     assert cfg.run.num_steps == 3  # overrides last
     nested = {**deployed, "model": {"tiny": {"num_layers": 3}}}
     cfg = config_from_parameters(nested, deployed)

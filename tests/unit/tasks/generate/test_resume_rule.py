@@ -15,6 +15,7 @@ def _ctx(tmp_path, max_staleness: float) -> RunContext:
         [
             f"run.storage={tmp_path}",
             f"train.max_staleness={max_staleness}",
+            "train.train_batch_size=128",
             "train.mini_batch_size=32",  # 4 optimizer steps per step: fractions of 1/4 exist
         ],
     )
