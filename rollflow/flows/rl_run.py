@@ -376,7 +376,7 @@ def watched(cfg: RunConfig, storage: RunStorage) -> Iterator[Outage | None]:
     stops the run (``OutageStop``, as Ctrl-C does). Yields the API's outage (None: no API)."""
     from prefect.settings import get_current_settings
 
-    from rollflow.infra import http
+    from rollflow.infra.prefect_api import api_answers
     from rollflow.infra.storage_access import fail_fast_fs
 
     with contextlib.ExitStack() as stack:
@@ -384,10 +384,7 @@ def watched(cfg: RunConfig, storage: RunStorage) -> Iterator[Outage | None]:
         url = get_current_settings().api.url
         if url:
             api = api_outage(url, cfg.run.api_outage_timeout_s, say, stop_main)
-            health = f"{url.rstrip('/')}/health"
-            stack.enter_context(
-                Watch(api, lambda: http.client().get(health, timeout=2).status_code == 200)
-            )
+            stack.enter_context(Watch(api, lambda: api_answers(url)))
             stack.enter_context(patient_prefect_client(api))
         if not storage.is_local:
             fs, base = fail_fast_fs(storage.uri, storage.options, read_timeout_s=2)

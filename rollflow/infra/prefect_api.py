@@ -84,6 +84,11 @@ PRIVATE_API_CLIENT_SETTINGS = {
 }
 
 
+def api_answers(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the Prefect API at ``url`` answers its ``/health`` with 200 now."""
+    return http.client().get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code == 200
+
+
 def require_prefect_server(timeout_s: float = 5.0) -> str:
     """The configured PREFECT_API_URL once its server answers ``/health``; else a clear error."""
     settings = get_current_settings()
