@@ -11,6 +11,8 @@ import pytest
 from rollflow.infra import outage as outage_mod
 from rollflow.infra.outage import OutageStop, Watch, api_outage, storage_outage
 
+MINIMAL = {"model": {"path": "unused"}, "envs": [{"name": "add"}]}
+
 
 class Clock:
     def __init__(self) -> None:
@@ -138,3 +140,34 @@ def test_silence_counts_from_when_the_unanswered_probe_was_sent_and_runs_while_i
     clock.now += 0.5
     out.failed()
     assert lines == ["storage s3://bucket/runs/r not answering for 10 s; waiting"]
+
+
+def test_the_stop_line_names_the_outage_and_its_setting_and_still_says_how_to_resume(tmp_path):
+    from rollflow.infra.config import validate_config
+    from rollflow.infra.terminal import stopped_line
+
+    cfg = validate_config(
+        {"run": {"name": "r", "storage": str(tmp_path)}, **MINIMAL}  # no step committed
+    )
+    reason = "storage s3://b/r not answering for 600 s (run.storage_outage_timeout_s = 600)"
+    line = stopped_line(OutageStop(reason), cfg, "c.toml", ["run.num_steps=40"])
+    assert line == (
+        f"stopped: {reason}: no step committed yet in {tmp_path}/r; "
+        "resume with: rollflow run c.toml run.num_steps=40"
+    )
+
+
+def test_the_stop_line_does_not_wait_on_a_storage_that_does_not_answer(monkeypatch, tmp_path):
+    from rollflow.infra import terminal
+    from rollflow.infra.config import validate_config
+    from rollflow.infra.storage import RunStorage
+
+    monkeypatch.setattr(terminal, "STOP_READ_DEADLINE_S", 0.2)
+    monkeypatch.setattr(RunStorage, "committed_steps", lambda self, kind: time.sleep(5))
+    cfg = validate_config({"run": {"name": "r", "storage": str(tmp_path)}, **MINIMAL})
+    started = time.monotonic()
+    line = terminal.stopped_line(OutageStop("storage x not answering"), cfg, "c.toml", [])
+    assert time.monotonic() - started < 2
+    assert line == (
+        "stopped: storage x not answering: committed steps unknown; resume with: rollflow run c.toml"
+    )
