@@ -146,7 +146,8 @@ def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_
 def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path, model_cache):
     """trainer.background_sync with no checkpoint or evaluation in steps 1-3: each step's weights
     are captured and the next step trains while they are broadcast; syncs still land in step
-    order and every rollout respects max_staleness = 1.
+    order and every rollout respects max_staleness = 1. Its held-out evaluations (steps 0 and 4)
+    draw 2 samples per prompt (sampling.eval_samples): pass@1 and pass@2 are logged.
 
     The run computes and serves in bf16, as on GPUs (trainer.mixed_precision, inference.dtype):
     every sync carries exactly the model's bytes in bf16, and vLLM's log-probs stay within bf16
@@ -165,9 +166,18 @@ def test_background_sync_releases_the_trainer_and_keeps_syncs_in_order(tmp_path,
         "inference.dtype=bfloat16",
         # Every group trains, so that every step measures the mismatch KL.
         "train.filter_zero_advantage=false",
+        "sampling.eval_samples=2",
     )
     assert "step 4/4" in out
     run_dir = tmp_path / "runs" / "bgsync"
+    evals = duckdb.sql(
+        f'select step, eval_reward, eval_pass_at_1, eval_pass_at_2, "eval_pass_at_2/add" from '
+        f"read_parquet('{run_dir}/metrics/*.parquet', union_by_name=true) "
+        f"where eval_reward is not null order by step"
+    ).fetchall()
+    assert [e[0] for e in evals] == [0, 4] and all(None not in e for e in evals), evals
+    # exact-match rewards: pass@1 is the mean reward; pass@2 of 2 samples is at most twice it
+    assert all(p1 == pytest.approx(r) and p1 <= p2 <= 2 * p1 + 1e-9 for _, r, p1, p2, _ in evals)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["version"] for e in events if e["event"] == "weights_published"] == [1, 2, 3, 4]
     metrics = duckdb.sql(
