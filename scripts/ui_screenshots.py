@@ -32,6 +32,7 @@ from rollflow.testing.browser import (  # noqa: E402
     browser,
     chromium,
     deployment_id,
+    shoot_artifact,
     shoot_flow_run,
     submit_run_form,
     wait_for,
@@ -138,6 +139,10 @@ def main() -> int:
             shoot_flow_run(
                 page, ui, run.flow_run_id, shots / "finished-run-artifacts.png", tab="Artifacts"
             )
+            drawn = shoot_artifact(
+                page, ui, api, "from-the-form-curves", shots / "curves-artifact.png"
+            )
+            print(f"ui_screenshots: the curves artifact shows a {drawn}-pixel-wide plot")
         args.out.mkdir(parents=True, exist_ok=True)
         for shot in sorted(shots.glob("*.png")):
             shutil.copy(shot, args.out / shot.name)

@@ -301,6 +301,7 @@ def _run_from_the_form(api: str, shots: Path, overrides: list[str], ended, logs)
         browser,
         chromium,
         deployment_id,
+        shoot_artifact,
         shoot_flow_run,
         submit_run_form,
         wait_for,
@@ -340,6 +341,8 @@ def _run_from_the_form(api: str, shots: Path, overrides: list[str], ended, logs)
         run.artifacts_text = shoot_flow_run(
             page, ui, run.flow_run_id, run.shots[-1], tab="Artifacts"
         )
+        run.shots.append(shots / "curves-artifact.png")
+        run.plot_width = shoot_artifact(page, ui, api, f"{FORM_RUN}-curves", run.shots[-1])
         run.state = state()
     return run
 

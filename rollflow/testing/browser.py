@@ -49,6 +49,7 @@ class FormRun:
     flow_run_id: str = ""
     state: str = ""  # the flow run's state type at the end
     artifacts_text: str = ""  # the finished run's Artifacts tab
+    plot_width: int = 0  # the width of the curves artifact's plot as the browser drew it
     shots: list[Path] = field(default_factory=list)
 
 
@@ -136,6 +137,31 @@ def shoot_flow_run(page: Any, ui: str, flow_run_id: str, path: Path, tab: str = 
     path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path))
     return page.inner_text("body")
+
+
+def shoot_artifact(page: Any, ui: str, api: str, key: str, path: Path) -> int:
+    """Open the latest version of artifact ``key`` in the UI and screenshot it to ``path``; the
+    width in pixels of the picture it shows (0: none drawn; an inline PNG the UI's sanitizer
+    stripped would show none)."""
+    body = json.dumps(
+        {"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 1}
+    ).encode()
+    request = urllib.request.Request(
+        f"{api}/artifacts/filter", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        (artifact,) = json.load(r)
+    page.goto(f"{ui}/artifacts/artifact/{artifact['id']}", wait_until="networkidle")
+    image = page.locator("img[src^='data:image/png']").first
+    width = 0
+    try:
+        image.wait_for(timeout=PAGE_S * 1000)
+        width = int(image.evaluate("img => img.complete ? img.naturalWidth : 0"))
+    except Exception:  # noqa: BLE001 - no picture: said by the width, 0
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path), full_page=True)
+    return width
 
 
 def wait_for(predicate: Callable[[], Any], deadline_s: float, what: str) -> Any:

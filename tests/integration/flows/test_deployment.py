@@ -138,6 +138,7 @@ def test_a_run_submitted_from_the_form_in_a_browser_completes_with_its_artifacts
     # Its Artifacts tab: the summary, and the live curves and per-env table (redrawn at the end).
     for key in ("summary", "curves", "envs"):
         assert f"{FORM_RUN}-{key}" in run.artifacts_text, run.artifacts_text[:2000]
+    assert run.plot_width > 300  # the curves artifact's plot, drawn by the browser
     metrics = deployed_run.storage / FORM_RUN / "metrics"
     steps = duckdb.sql(
         f"select step from read_parquet('{metrics}/*.parquet', union_by_name=true) order by step"
