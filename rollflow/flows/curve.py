@@ -18,17 +18,21 @@ from rollflow.infra.storage import RunStorage
 BARS = "▁▂▃▄▅▆▇█"
 CURVE_FILE = "curve.png"
 MAX_BARS = 60  # a longer series is averaged into this many bars, so that a line fits a terminal
+MIN_SPAN = 0.05  # the smallest range of rewards drawn from ▁ to █
 
 
-def sparkline(values: list[float], lo: float = 0.0, hi: float = 1.0) -> str:
-    """One bar per value, on a scale from ``lo`` to ``hi`` widened to hold every value (a reward
-    in [0, 1] keeps the fixed scale, so a flat curve looks flat, not like noise blown up)."""
+def sparkline(values: list[float], min_span: float = MIN_SPAN) -> str:
+    """One bar per value, from the lowest (▁) to the highest (█), so that a rise of a few hundredths
+    shows (the numbers beside it say how much). A series spanning less than ``min_span`` is drawn
+    on that span around its middle: noise is not blown up into a curve."""
     if not values:
         return ""
-    lo, hi = min(lo, *values), max(hi, *values)
-    span = hi - lo or 1.0
+    lo, hi = min(values), max(values)
+    if hi - lo < min_span:
+        mid = (hi + lo) / 2
+        lo, hi = mid - min_span / 2, mid + min_span / 2
     top = len(BARS) - 1
-    return "".join(BARS[round((v - lo) / span * top)] for v in values)
+    return "".join(BARS[round((v - lo) / (hi - lo) * top)] for v in values)
 
 
 def curve_line(evals: list[tuple[int, float]], what: str = "held-out reward") -> str:

@@ -9,18 +9,18 @@ from rollflow.infra.storage import RunStorage
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_sparkline_draws_rewards_on_a_fixed_zero_to_one_scale():
+def test_sparkline_draws_the_series_from_its_lowest_to_its_highest():
+    assert sparkline([0.82, 0.84, 0.90, 0.94]) == "▁▂▆█"
     assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
-    # a flat curve stays flat: no blowing up of small differences to the full height
-    assert sparkline([0.50, 0.51, 0.52]) == "▅▅▅"
-    # values outside [0, 1] widen the scale instead of breaking it
-    assert sparkline([-1.0, 2.0]) == "▁█"
+    # a flat curve stays flat: differences below MIN_SPAN are not blown up to the full height
+    assert sparkline([0.50, 0.51, 0.52]) == "▃▅▆"
+    assert sparkline([0.7, 0.7]) == "▅▅"
     assert sparkline([]) == ""
 
 
 def test_curve_line_names_first_last_and_steps():
     line = curve_line([(0, 0.47), (10, 0.71), (20, 0.9)])
-    assert line == "held-out reward ▄▆▇ 0.47 → 0.90 over steps 0–20"
+    assert line == "held-out reward ▁▅█ 0.47 → 0.90 over steps 0–20"
 
 
 def test_a_long_series_is_averaged_to_fit_a_line():
@@ -47,8 +47,8 @@ def test_summarize_ends_with_the_curve_and_writes_the_plot(tmp_path):
     assert plot.read_bytes().startswith(PNG_MAGIC)
     assert lines[-4].startswith("done: held-out reward 0.450 (step 0) -> 0.850 (step 4)")
     assert lines[-3] == f"plot: {plot}"
-    assert lines[-2] == "sampled reward  ▄▅▆▇ 0.40 → 0.80 over steps 1–4"
-    assert lines[-1] == "held-out reward ▄▆▇ 0.45 → 0.85 over steps 0–4"
+    assert lines[-2] == "sampled reward  ▁▄▆█ 0.40 → 0.80 over steps 1–4"
+    assert lines[-1] == "held-out reward ▁▄█ 0.45 → 0.85 over steps 0–4"
 
 
 def test_a_run_without_steps_shows_no_curve(tmp_path):
