@@ -402,8 +402,11 @@ def _flow_runs(api: str, flow_name: str) -> list[dict]:
 
 def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, tmp_path):
     """vLLM on CPU with tensor parallelism 2 (the plan's thread binding): both workers join the
-    group as ranks 1 and 2, and after one sync the server serves the trainer's weights; its stop
-    then leaves none of its processes behind."""
+    group as ranks 1 and 2. A sync whose trainer side is lost mid-way fails on both workers, and
+    the group formed anew afterwards works: every worker answered the failed call (a worker
+    that raised left its peer's answer queued in vLLM's executor, which the rejoin then read as
+    its own, and failed). After a sync the server serves the trainer's weights; its stop then
+    leaves none of its processes behind."""
     from rollflow.infra.placement import make_plan
     from rollflow.infra.weights.group import WeightSender, weight_metadata
     from rollflow.services.vllm_server import InferenceServer
@@ -432,6 +435,7 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
 
     class Source:
         sender = None
+        lost_mid_sync = False  # the next broadcast: the trainer's side of the group ends instead
 
         def metadata(self):
             return WEIGHTS_METADATA.parse(weight_metadata(named))
@@ -446,6 +450,10 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
             self.sender.connect()
 
         def weights_broadcast(self, version=None, timeout_s=None):
+            if self.lost_mid_sync:
+                self.lost_mid_sync = False
+                self.sender.close()  # the workers' receive fails: their peer left the group
+                raise RuntimeError("the trainer was lost mid-sync")
             sent = self.sender.broadcast(named, version)
             return SentReply(version=version, bytes=sent, broadcast_s=0.0)
 
@@ -456,6 +464,12 @@ def test_tensor_parallel_workers_are_ranks_of_the_weight_group(vllm_model_dirs, 
     with server:
         spec = weights.GroupSpec.from_plan(plan, cfg.trainer.weight_bucket_mb)
         joined = weights.join(source, [(server.url, 1)], spec, timeout_s=60)
+        assert sorted(joined["ranks"]) == [1, 2]
+        source.lost_mid_sync = True
+        with pytest.raises(Exception) as failed:
+            weights.publish(source, [server.url], 1, timeout_s=60)
+        print(f"\nthe failed sync: {failed.value!r}")
+        joined = weights.join(source, [(server.url, 1)], spec, timeout_s=60)  # the rejoin
         assert sorted(joined["ranks"]) == [1, 2]
         weights.publish(source, [server.url], 1, timeout_s=60)
         assert greedy(server.url) == expected
