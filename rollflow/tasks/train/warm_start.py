@@ -30,6 +30,11 @@ from rollflow.infra.models.tiny import (
 )
 
 WARM_START_VERSION = 1  # bump when the procedure changes, to invalidate caches
+# The warm start's torch threads. Its matrices are tiny (a batch of 64 short answers): a second
+# thread buys little, and on shared cores its spinning barrier costs far more (25 steps of the
+# quickstart's model at load ~11 on 2 cores: 1 thread 5.4 s wall / 1.5 s CPU, 2 threads 83.5 s
+# wall / 21.9 s CPU; /tmp benchmark, 2026-12-06). The trainer's ranks set their own.
+WARM_START_THREADS = 1
 Pairs = list[tuple[str, str]]
 
 
@@ -63,18 +68,22 @@ def prepare_tiny_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = build_char_tokenizer(spec.alphabet)
     model = build_tiny_llama(spec, vocab_size=len(tokenizer))
-    start = time.perf_counter()
-    steps, acc = warm_start(
-        model,
-        tokenizer,
-        train_pairs,
-        eval_pairs,
-        target=target,
-        max_steps=max_steps,
-        lr=lr,
-        seed=spec.seed,
-        progress=progress,
-    )
+    start, threads = time.perf_counter(), torch.get_num_threads()
+    torch.set_num_threads(WARM_START_THREADS)
+    try:
+        steps, acc = warm_start(
+            model,
+            tokenizer,
+            train_pairs,
+            eval_pairs,
+            target=target,
+            max_steps=max_steps,
+            lr=lr,
+            seed=spec.seed,
+            progress=progress,
+        )
+    finally:
+        torch.set_num_threads(threads)  # the run process's own setting again
     progress(
         f"model: warm start reached held-out accuracy {acc:.2f} after {steps} steps "
         f"({time.perf_counter() - start:.0f}s)"

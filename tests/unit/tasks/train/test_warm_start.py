@@ -55,3 +55,38 @@ def test_greedy_accuracy_decodes_what_hf_generate_decodes_from_left_padded_promp
     assert greedy_accuracy(model, tok, pairs, max_new_tokens=10) == 1.0
     pairs[1] = (prompts[1], answers[1] + "x")
     assert greedy_accuracy(model, tok, pairs, max_new_tokens=10) == 0.75
+
+
+def test_the_warm_start_runs_on_one_thread_and_gives_the_process_its_threads_back(
+    tmp_path, monkeypatch
+):
+    """Two threads on shared cores spun ~15x the CPU for the same steps (WARM_START_THREADS)."""
+    import torch
+
+    from rollflow.tasks.train import warm_start as module
+
+    seen = []
+
+    def record(*_, **__):
+        seen.append(torch.get_num_threads())
+        return 0, 1.0
+
+    monkeypatch.setattr(module, "warm_start", record)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        module.prepare_tiny_model(
+            TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64),
+            train_pairs=[("q=", "a")],
+            eval_pairs=[("q=", "a")],
+            target=0.5,
+            max_steps=1,
+            lr=1e-3,
+            cache_dir=tmp_path,
+            recipe={},
+            progress=lambda _: None,
+        )
+        assert seen == [module.WARM_START_THREADS] == [1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
