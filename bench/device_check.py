@@ -25,7 +25,11 @@ hang costs its row only. Rows:
 - ``log-probs``: the Triton kernel of ``gpu_kernels.logprobs`` against the torch reference at
   16k tokens (max error of log-probs, entropy and gradients; time of each);
 - ``deepspeed z2/z3``: the same trainer step on DeepSpeed ZeRO-2 and ZeRO-3 bf16, and whether
-  its sync's announced bytes match what it captures.
+  its sync's announced bytes match what it captures;
+- ``weight plane``: the receiving side of a sync on the GPU (the model's bf16 tensors from a
+  sender process over gloo in 256 MB buckets, loaded into a served copy: time, rate, peak memory
+  beyond the copy), and the abort path (the sender lost mid-sync: the receiver's time to fail).
+  It names what one GPU cannot run (the NCCL wire, vLLM's loader).
 
 Without CUDA (and without ``--smoke``) it fails at once with one line saying so.
 """
@@ -346,6 +350,116 @@ def _weights(trainer) -> dict:
     }
 
 
+def _weight_shapes(smoke: bool) -> list[tuple[str, list[int]]]:
+    """The model's tensors (names, shapes), from its config on the meta device: what a sync of
+    the check's model sends."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES["smoke" if smoke else "full"], tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return [(name, list(t.shape)) for name, t in model.state_dict().items()]
+
+
+WEIGHT_BUCKET_BYTES = 256 * 2**20  # trainer.weight_bucket_mb's default
+WEIGHT_SECRET = "device-check"
+
+
+def weight_sender(port: int, mode: str, smoke: bool) -> None:
+    """The trainer's side of the weight plane, in a process of its own: random bf16 tensors of
+    the model's shapes, one sync ("sync"), or the header and then this process's end, as a
+    trainer lost mid-sync ("abort")."""
+    import torch
+
+    from rollflow.infra.weights.group import WeightSender
+
+    named = [(n, torch.randn(shape, dtype=torch.bfloat16)) for n, shape in _weight_shapes(smoke)]
+    sender = WeightSender(
+        "127.0.0.1", port, 2, 60, "cpu", WEIGHT_BUCKET_BYTES, secret=WEIGHT_SECRET
+    )
+    sender.connect()
+    if mode == "abort":
+        from rollflow.infra.weights.group import _bucket_size, bucket_layout, weight_metadata
+
+        layout = bucket_layout(weight_metadata(named), WEIGHT_BUCKET_BYTES)
+        total = sum(_bucket_size(b) for b in layout)  # as the sync's own header announces it
+        header = torch.tensor([1, total], dtype=torch.int64)
+        sender._broadcast(header)  # the sync begins ...
+        time.sleep(1.0)
+        os._exit(1)  # ... and its trainer is lost
+    sender.broadcast(named, 1)
+    sender.close()
+
+
+def section_weight_plane(smoke: bool) -> dict:
+    """The receiving side of a weight sync on this device, as one GPU can run it: the trainer's
+    side (another process) sends the model's bf16 tensors over the gloo wire in 256 MB buckets,
+    staged in host memory (the colocated plan's wire), and the receiver loads each into the
+    served copy on the device: time, rate, and peak device memory beyond the served copy. Then
+    the abort path: the trainer's side lost mid-sync, and how long the receiver takes to fail.
+    Not run here: the NCCL wire (a GPU for each side: two GPUs), vLLM's loader (no vLLM)."""
+    import torch
+
+    from rollflow.infra.errors import WeightSyncError
+    from rollflow.infra.processes import free_port
+    from rollflow.infra.weights.group import WeightReceiverGroup, weight_metadata
+
+    device = _device(smoke)
+    shapes = _weight_shapes(smoke)
+    served = {n: torch.empty(shape, dtype=torch.bfloat16, device=device) for n, shape in shapes}
+    metadata = weight_metadata(served.items())
+    model_bytes = sum(t.numel() * t.element_size() for t in served.values())
+
+    def receiver(mode: str) -> tuple[WeightReceiverGroup, subprocess.Popen]:
+        port = free_port()
+        argv = [sys.executable, __file__, "--weight-sender", str(port), mode]
+        sender = subprocess.Popen(argv + (["--smoke"] if smoke else []), cwd=ROOT)
+        group = WeightReceiverGroup(
+            "127.0.0.1", port, 1, 2, 60, "cpu", WEIGHT_BUCKET_BYTES, secret=WEIGHT_SECRET
+        )
+        group.connect()
+        return group, sender
+
+    group, sender = receiver("sync")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    start = time.perf_counter()
+    version, tensors = group.receive(metadata)
+    for name, tensor in tensors:
+        served[name].copy_(tensor)
+    _sync(device)
+    receive_s = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
+    group.close()
+    sender.wait(timeout=60)
+    row = {
+        "wire": "gloo, host-staged buckets (one GPU)",
+        "model_gib": round(model_bytes / 2**30, 3),
+        "buckets": -(-model_bytes // WEIGHT_BUCKET_BYTES),
+        "receive_s": round(receive_s, 2),
+        "gib_s": round(model_bytes / 2**30 / receive_s, 2),
+        "version": version,
+        "peak_beyond_served_gib": round(peak / 2**30, 3) if device.type == "cuda" else None,
+    }
+    group, sender = receiver("abort")
+    start = time.perf_counter()
+    try:
+        _, tensors = group.receive(metadata)
+        for _ in tensors:
+            pass
+        row["abort"] = "the receiver did not fail"
+    except WeightSyncError as exc:
+        row["abort_s"] = round(time.perf_counter() - start, 2)
+        row["abort"] = str(exc)[:120]
+    finally:
+        group.close()
+        sender.wait(timeout=30)
+    row["not_run"] = "NCCL wire (needs 2 GPUs), vLLM's loader (no vLLM in the image)"
+    return row
+
+
 def section_attention(smoke: bool) -> dict:
     """One layer's attention on packed rows: varlen vs dense-mask sdpa vs a padded batch."""
     return {
@@ -489,6 +603,7 @@ SECTIONS = {
     "deepspeed z2": (section_trainer, {"backend": "deepspeed", "zero_stage": 2}, 120),
     "fsdp2 step, sdpa mask": (section_trainer, {"attention": "sdpa"}, 120),
     "deepspeed z3": (section_trainer, {"backend": "deepspeed", "zero_stage": 3}, 120),
+    "weight plane": (section_weight_plane, {}, 90),
 }
 
 
@@ -533,12 +648,16 @@ def main() -> int:
     )
     parser.add_argument("--only", nargs="*", help="run these sections only")
     parser.add_argument("--section", help=argparse.SUPPRESS)
+    parser.add_argument("--weight-sender", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write every row here")
     parser.add_argument("--budget-s", type=float, default=450, help="the whole check's deadline")
     args = parser.parse_args()
     if args.section:
         child(args.section, args.smoke, args.out)
+        return 0
+    if args.weight_sender:
+        weight_sender(int(args.weight_sender[0]), args.weight_sender[1], args.smoke)
         return 0
     import torch
 
