@@ -286,6 +286,12 @@ def _train(cfg, args: argparse.Namespace) -> int:
         return 143 if isinstance(exc, terminal.Stopped) else 130
     except Exception as exc:
         terminal.log_failure(exc, log_path)
+        if pending_reason():  # the outage's stop, then a failed call to that service on the way out
+            line = terminal.stopped_line(KeyboardInterrupt(), cfg, args.config, args.overrides)
+            print(line, file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(OUTAGE_EXIT)
         if args.debug:
             import traceback
 
