@@ -7,8 +7,8 @@ The task: "Say red. (412)" → "red", one of six words, the number a nonce that 
 its own. The model is warm-started as an instruct model would come: five supervised steps on
 prompts of the task's form (nonces the data does not use), which teach the answer's form and a
 little of the task: held-out greedy reward 0.385 (10 of 26 held-out prompts). GRPO at the
-defaults (lr 1e-4, 8 completions a prompt, 40 steps) raises it: 0.615 and 0.462 at step 40 in
-two measured runs. Where it ends varies: within ~10 steps the tiny model answers each prompt
+defaults (lr 1e-4, 8 completions a prompt, 40 steps) raised it in three measured runs: 0.615,
+0.462 and 0.885 at step 40 (one run with train_batch_size = 16 instead fell, to 0.269). Where it ends varies: within ~10 steps the tiny model answers each prompt
 the same way 8 times out of 8, those groups have no advantage and are dropped, and learning
 stalls wherever it got to (the defaults have no entropy bonus, and five keys leave none to set).
 So the bar is modest: above ``THRESHOLD``, at least one more held-out prompt right than the
