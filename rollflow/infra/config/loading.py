@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        run = data.get("run")
+        if run is None or isinstance(run, dict):  # (a wrong type is the validation's to name)
+            stem = re.sub(r"[^A-Za-z0-9_.-]", "-", path.stem)  # a name the run may have
+            data.setdefault("run", {}).setdefault("name", stem)
     for item in overrides:
         apply_override(data, item)
     return validate_config(data, source)

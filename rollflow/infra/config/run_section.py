@@ -13,7 +13,10 @@ class RunSection(Section):
     """Identity of the run and where its data lands."""
 
     name: str = Field(
-        "quickstart", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; storage sub-folder."
+        "quickstart",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Run name; storage sub-folder. Default: the config file's name (my-task.toml: "
+        "my-task), so two configs never share a run by accident; 'quickstart' without a file.",
     )
     resume_changed: bool = Field(
         False,
