@@ -156,7 +156,9 @@ class TrainerLife:
         a placed node 0's stays in its flow run's log)."""
         self.proc.stop(timeout_s=10.0)
         if self.nodes is not None:
-            self.nodes.stop(timeout_s=30.0)
+            # Past Prefect's worker's 30 s between a cancelled flow run's SIGTERM and its
+            # SIGKILL, with its polling for cancellations and the processes' exit on top.
+            self.nodes.stop(timeout_s=NODES_STOP_S)
         self.proc.set_aside_log()
         self.start(policy_dir, checkpoint_step, weight_dtype, first=False)
         self.wait_healthy()
@@ -168,6 +170,9 @@ class TrainerLife:
             self.proc.stop(timeout_s=max(1.0, deadline - time.monotonic()))
         if self.nodes is not None:
             self.nodes.end(grace_s=max(5.0, deadline - time.monotonic()))
+
+
+NODES_STOP_S = 75.0  # the wait for the nodes' cancelled flow runs to end on a restart
 
 
 def trainer_args(

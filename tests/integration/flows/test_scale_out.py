@@ -268,7 +268,13 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             assert not committed(4), f"the run ended before node {lost} could be lost"
 
             wait_until(lambda: ended(run_id), 600, "the two-host run finished", logs)
-            (first0, node0), (first1, node) = node_runs(0), node_runs(1)
+            runs0, runs1 = node_runs(0), node_runs(1)
+            state = prefect_api(api, f"/flow_runs/{run_id}")["state"]
+            assert len(runs0) == len(runs1) == 2, (
+                f"the run ended {state['type']} ({state.get('message')}) with node flow runs "
+                f"{[(r['name'], r['state_type']) for r in runs0 + runs1]}\n{logs()}"
+            )
+            (first0, node0), (first1, node) = runs0, runs1
             lost_node = (first0, first1)[lost]
             for run in (node0, node):
                 wait_until(lambda: ended(run["id"]), 60, f"{run['name']} ended", logs)  # noqa: B023

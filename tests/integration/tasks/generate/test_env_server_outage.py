@@ -131,8 +131,9 @@ def test_an_env_whose_server_is_down_is_quarantined_then_admitted_again(
                 break
         assert quarantined_at is not None, "the judged env was never quarantined"
         errors = [s.error for g in down.get(f"error:{JUDGED}", []) for s in g.result]
-        # Refused, or reset when the judge went down with a request in flight.
-        assert all(re.match(r"reward: (ConnectError|ReadError): ", e) for e in errors), errors[:3]
+        # Refused, or reset or cut short when the judge went down with a request in flight.
+        transport = r"reward: (ConnectError|ReadError|WriteError|RemoteProtocolError): "
+        assert errors and not [e for e in errors if not re.match(transport, e)], errors
         assert metrics["quarantines_total"] == 1 and metrics["envs_quarantined"] == 1
         # While down, the other environment fills the batches; the judged one gets only probes
         # (and the groups admitted before the quarantine), which fail: nothing of it is trained.
