@@ -29,7 +29,9 @@ hang costs its row only. Rows:
 - ``weight plane``: the receiving side of a sync on the GPU (the model's bf16 tensors from a
   sender process over gloo in 256 MB buckets, loaded into a served copy: time, rate, peak memory
   beyond the copy), and the abort path (the sender lost mid-sync: the receiver's time to fail).
-  It names what one GPU cannot run (the NCCL wire, vLLM's loader).
+  It names what one GPU cannot run (the NCCL wire, vLLM's loader);
+- ``fsdp2 step, activation checkpointing``: the ``fsdp2 step`` row with
+  ``trainer.activation_checkpointing`` on: its peak memory and step time against that row's.
 
 Without CUDA (and without ``--smoke``) it fails at once with one line saying so.
 """
@@ -229,7 +231,13 @@ def _batch(smoke: bool, vocab: int):
     return [pack([seqs[i] for i in mb], None) for mb in plan], sum(s.num_tokens for s in seqs)
 
 
-def _trainer(smoke: bool, backend: str, zero_stage: int | None, attention: str | None):
+def _trainer(
+    smoke: bool,
+    backend: str,
+    zero_stage: int | None,
+    attention: str | None,
+    activation_checkpointing: bool = False,
+):
     import torch
 
     from rollflow.infra.config import InferenceSection, TrainerServiceSection, TrainSection
@@ -250,7 +258,11 @@ def _trainer(smoke: bool, backend: str, zero_stage: int | None, attention: str |
     spec = TrainerSpec(
         model_path=str(model),
         train=TrainSection(lr=1e-6),
-        trainer=TrainerServiceSection(backend=backend, zero_stage=zero_stage),
+        trainer=TrainerServiceSection(
+            backend=backend,
+            zero_stage=zero_stage,
+            activation_checkpointing=activation_checkpointing,
+        ),
         # What a run's sync sends: the dtype vLLM serves on this device.
         weight_dtype=InferenceSection().serving_dtype(on_gpu=device.type == "cuda"),
     )
@@ -275,12 +287,13 @@ def section_trainer(
     zero_stage: int | None = None,
     attention: str | None = None,
     weights: bool = False,
+    activation_checkpointing: bool = False,
 ) -> dict:
     import torch
 
     from rollflow.infra.config import LossConfig
 
-    trainer, device = _trainer(smoke, backend, zero_stage, attention)
+    trainer, device = _trainer(smoke, backend, zero_stage, attention, activation_checkpointing)
     hf = trainer.backend.module
     row = {"attention": getattr(trainer.config, "_attn_implementation", "?")}
     micro_batches, tokens = _batch(smoke, trainer.config.vocab_size)
@@ -604,6 +617,12 @@ SECTIONS = {
     "fsdp2 step, sdpa mask": (section_trainer, {"attention": "sdpa"}, 120),
     "deepspeed z3": (section_trainer, {"backend": "deepspeed", "zero_stage": 3}, 120),
     "weight plane": (section_weight_plane, {}, 90),
+    # trainer.activation_checkpointing: peak memory against the "fsdp2 step" row's
+    "fsdp2 step, activation checkpointing": (
+        section_trainer,
+        {"activation_checkpointing": True},
+        150,
+    ),
 }
 
 

@@ -33,6 +33,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 PAGE_S = 60.0  # a page's load and render
+SUBMIT_S = 120.0  # the form's submit: the API validates the parameters, then makes the flow run
 
 
 def chromium() -> str | None:
@@ -107,13 +108,32 @@ def submit_run_form(
     form_shot = shots / "run-form.png"
     page.screenshot(path=str(form_shot))
     before = set(_flow_runs_of(api, deployment))
-    page.get_by_role("button", name="Submit").click()
-    # The UI goes back to the deployment's page; the flow run is the one the API has anew.
-    (flow_run_id,) = wait_for(
-        lambda: set(_flow_runs_of(api, deployment)) - before,
-        PAGE_S,
-        "the flow run the form submitted, in the API",
-    )
+    page.wait_for_load_state("networkidle")
+    submit = page.get_by_role("button", name="Submit")
+    submit.scroll_into_view_if_needed()
+    submit.click()
+    # The UI validates the parameters with the API, creates the flow run and goes back to the
+    # deployment's page; the flow run is the one the API has anew.
+    try:
+        page.wait_for_url(lambda url: not url.rstrip("/").endswith("/run"), timeout=SUBMIT_S * 1000)
+        new = wait_for(
+            lambda: set(_flow_runs_of(api, deployment)) - before,
+            SUBMIT_S,
+            "the flow run the form submitted, in the API",
+        )
+    except Exception as exc:  # noqa: BLE001 - said with what the page shows
+        shot = shots / "run-form-after-submit.png"
+        page.screenshot(path=str(shot), full_page=True)
+        shown = " | ".join(
+            t.strip()
+            for t in page.locator("[role=alert], .p-message, .p-toast").all_inner_texts()
+            if t.strip()
+        )
+        raise AssertionError(
+            f"the run form's Submit made no flow run ({exc}); the page at {page.url} shows: "
+            f"{shown or '(no message)'}; see {shot}"
+        ) from None
+    flow_run_id = sorted(new)[0]
     return FormRun(labels=labels, values=values, flow_run_id=flow_run_id, shots=[form_shot])
 
 
