@@ -180,8 +180,10 @@ def test_a_run_whose_host_was_lost_is_marked_crashed_and_rerun_elsewhere(deploye
     print(f"host lost: {crashed}")  # the recovery's seconds, for the fault table (-rP shows it)
     assert crashed["state"] == "CRASHED", crashed
     assert crashed["message"] == "no heartbeat for 90 s: its host was lost", crashed
-    # 3 heartbeats of 30 s after the last one sent; the automations are evaluated every few s.
-    assert 60 <= crashed["crashed_after_s"] <= 150, crashed
+    # 3 heartbeats of 30 s after the last one sent, which was up to 30 s before the loss (and
+    # the host was frozen a few seconds before it, deployed_run.py): from the loss, 90 s less
+    # that. Seen: 58.8 s. The automations are evaluated every few s.
+    assert 45 <= crashed["crashed_after_s"] <= 150, crashed
     # The server may fire the automation more than once for one crash (seen: twice, its SQLite
     # busy); the heal answers a crash once.
     heals = [h["state"] for h in deployed_run.heal_flow_runs]
