@@ -75,10 +75,17 @@ def browser(viewport: tuple[int, int] = (1400, 1800)) -> Iterator[Any]:
             b.close()
 
 
+def _api(api: str, path: str, body: dict | None = None) -> Any:
+    """The Prefect API's answer at ``api`` + ``path``: a GET, or a POST of ``body`` as JSON."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{api}{path}", data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return json.load(r)
+
+
 def deployment_id(api: str, name: str) -> str:
     """The id of deployment ``flow/deployment`` on the server at ``api``."""
-    with urllib.request.urlopen(f"{api}/deployments/name/{name}", timeout=10) as r:
-        return json.load(r)["id"]
+    return _api(api, f"/deployments/name/{name}")["id"]
 
 
 def submit_run_form(
@@ -154,12 +161,8 @@ def submit_run_form(
 
 
 def _flow_runs_of(api: str, deployment: str) -> list[str]:
-    body = json.dumps({"flow_runs": {"deployment_id": {"any_": [deployment]}}}).encode()
-    request = urllib.request.Request(
-        f"{api}/flow_runs/filter", body, {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=10) as r:
-        return [run["id"] for run in json.load(r)]
+    runs = _api(api, "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment]}}})
+    return [run["id"] for run in runs]
 
 
 def shoot_flow_run(page: Any, ui: str, flow_run_id: str, path: Path, tab: str = "") -> str:
@@ -179,14 +182,11 @@ def shoot_artifact(page: Any, ui: str, api: str, key: str, path: Path) -> int:
     """Open the latest version of artifact ``key`` in the UI and screenshot it to ``path``; the
     width in pixels of the picture it shows (0: none drawn; an inline PNG the UI's sanitizer
     stripped would show none)."""
-    body = json.dumps(
-        {"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 1}
-    ).encode()
-    request = urllib.request.Request(
-        f"{api}/artifacts/filter", body, {"Content-Type": "application/json"}
+    (artifact,) = _api(
+        api,
+        "/artifacts/filter",
+        {"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 1},
     )
-    with urllib.request.urlopen(request, timeout=10) as r:
-        (artifact,) = json.load(r)
     page.goto(f"{ui}/artifacts/artifact/{artifact['id']}", wait_until="networkidle")
     image = page.locator("img[src^='data:image/png']").first
     width = 0
@@ -211,17 +211,20 @@ def wait_for(predicate: Callable[[], Any], deadline_s: float, what: str) -> Any:
     raise TimeoutError(f"{what}: not within {deadline_s:.0f}s")
 
 
+def _label(page: Any, label: str) -> Any:
+    """The form's label whose text is exactly ``label`` ("Num Steps (Optional)")."""
+    exactly = re.compile(rf"^\s*{re.escape(label)}\s*$")
+    return page.locator("form label").filter(has_text=exactly).first
+
+
 def _section(page: Any, label: str) -> Any:
     """The form's block of the field labelled ``label`` (its label, description and input)."""
-    exactly = re.compile(rf"^\s*{re.escape(label)}\s*$")
-    return page.locator("form label").filter(has_text=exactly).first.locator("xpath=../..")
+    return _label(page, label).locator("xpath=../..")
 
 
 def _field(page: Any, label: str) -> Any:
-    """The input of the field labelled ``label`` (exactly: "Num Steps (Optional)")."""
-    exactly = re.compile(rf"^\s*{re.escape(label)}\s*$")
-    label_el = page.locator("form label").filter(has_text=exactly).first
-    for_id = label_el.get_attribute("for")
+    """The input of the field labelled ``label``."""
+    for_id = _label(page, label).get_attribute("for")
     if for_id:
         by_id = page.locator(f"[id='{for_id}']")
         if by_id.count():
