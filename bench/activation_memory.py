@@ -44,13 +44,10 @@ def _peak_mib() -> float:
 
 def measure(model: Path, checkpointing: bool, steps: int) -> dict:
     """One process's figures (called in a child: its peak is its own)."""
-    import random
-
     import device_check
     import torch
 
     from rollflow.infra.config import LossConfig, TrainerServiceSection, TrainSection
-    from rollflow.trainer.packing import Sequence, pack, plan_micro_batches
     from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -63,19 +60,7 @@ def measure(model: Path, checkpointing: bool, steps: int) -> dict:
         weight_dtype="float32",
     )
     trainer = Trainer(spec, device)
-    rng = random.Random(0)
-    seqs = [
-        Sequence(
-            prompt_ids=[rng.randrange(SHAPE["vocab_size"]) for _ in range(BATCH["prompt"])],
-            completion_ids=[rng.randrange(SHAPE["vocab_size"]) for _ in range(BATCH["completion"])],
-            inference_logprobs=[-rng.uniform(0.5, 4) for _ in range(BATCH["completion"])],
-            advantage=rng.uniform(-1, 1),
-            key=(i // 8, i % 8),
-        )
-        for i in range(BATCH["seqs"])
-    ]
-    plan = plan_micro_batches([s.num_tokens for s in seqs], 1, BATCH["micro_tokens"])[0]
-    micro_batches = [pack([seqs[i] for i in mb], None) for mb in plan]
+    micro_batches, _ = device_check._batch(False, SHAPE["vocab_size"], BATCH)
     before = _peak_mib()
     times = []
     for _ in range(steps):

@@ -208,13 +208,14 @@ def _init_dist(device) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
 
 
-def _batch(smoke: bool, vocab: int):
-    """Sequences of one optimizer step, packed into micro-batches as the service does."""
+def _batch(smoke: bool, vocab: int, shape: dict | None = None):
+    """Sequences of one optimizer step (``shape``, default ``BATCH``'s), packed into
+    micro-batches as the service does."""
     import random
 
     from rollflow.trainer.packing import Sequence, pack, plan_micro_batches
 
-    shape = BATCH["smoke" if smoke else "full"]
+    shape = shape or BATCH["smoke" if smoke else "full"]
     rng = random.Random(0)
     seqs = [
         Sequence(
