@@ -28,7 +28,9 @@ hang costs its row only. Rows:
   its sync's announced bytes match what it captures;
 - ``weight plane``: the receiving side of a sync on the GPU (the model's bf16 tensors from a
   sender process over gloo in 256 MB buckets, loaded into a served copy: time, rate, peak memory
-  beyond the copy), and the abort path (the sender lost mid-sync: the receiver's time to fail).
+  beyond the copy), the abort path (the sender lost mid-sync: the receiver's time to fail), and a
+  tensor 4 x the bucket with the bucket on the GPU, received in place and yielded whole: peak
+  GPU memory beyond the served copy (``larger_than_bucket``, issue 42 item 10).
   It names what one GPU cannot run (the NCCL wire, vLLM's loader);
 - ``fsdp2 step, activation checkpointing``: the ``fsdp2 step`` row with
   ``trainer.activation_checkpointing`` on: its peak memory and step time against that row's.
@@ -380,6 +382,12 @@ WEIGHT_BUCKET_BYTES = 256 * 2**20  # trainer.weight_bucket_mb's default
 WEIGHT_SECRET = "device-check"
 
 
+def _big_tensor(smoke: bool) -> tuple[list[int], int]:
+    """A tensor larger than a bucket and its bucket: a 7B model's embedding (Qwen2.5-7B's
+    152064 x 3584, bf16: 1.02 GiB, 4.06 x the default 256 MiB bucket); in smoke, 4 x 1 MiB."""
+    return ([2048, 1024], 2**20) if smoke else ([152064, 3584], WEIGHT_BUCKET_BYTES)
+
+
 def weight_sender(port: int, mode: str, smoke: bool) -> None:
     """The trainer's side of the weight plane, in a process of its own: random bf16 tensors of
     the model's shapes, one sync ("sync"), or the header and then this process's end, as a
@@ -388,6 +396,14 @@ def weight_sender(port: int, mode: str, smoke: bool) -> None:
 
     from rollflow.infra.weights.group import WeightSender
 
+    if mode == "big":  # one tensor 4 x the bucket, twice (received in place, then yielded)
+        shape, bucket = _big_tensor(smoke)
+        sender = WeightSender("127.0.0.1", port, 2, 60, "cpu", bucket, secret=WEIGHT_SECRET)
+        sender.connect()
+        for version in (1, 2):
+            sender.broadcast([("big", torch.full(shape, version, dtype=torch.bfloat16))], version)
+        sender.close()
+        return
     named = [(n, torch.randn(shape, dtype=torch.bfloat16)) for n, shape in _weight_shapes(smoke)]
     sender = WeightSender(
         "127.0.0.1", port, 2, 60, "cpu", WEIGHT_BUCKET_BYTES, secret=WEIGHT_SECRET
@@ -470,7 +486,69 @@ def section_weight_plane(smoke: bool) -> dict:
     finally:
         group.close()
         sender.wait(timeout=30)
+    try:
+        row["larger_than_bucket"] = _weight_plane_big(smoke)
+    except Exception as exc:  # noqa: BLE001 - the rest of the row stands
+        row["larger_than_bucket"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     row["not_run"] = "NCCL wire (needs 2 GPUs), vLLM's loader (no vLLM in the image)"
+    return row
+
+
+def _weight_plane_big(smoke: bool) -> dict:
+    """Issue 42 item 10: a tensor 4 x the bucket received with the bucket on the GPU (as on
+    the NCCL wire; over gloo, which stages CUDA tensors through host memory, since one GPU cannot
+    hold both ends of an NCCL pair), into a served copy on the GPU, twice: received in place
+    (``receive(into=...)``: a plain-copy load) and yielded whole, then copied (vLLM's loader's
+    path: the split tensor assembled in host memory). Peak GPU memory beyond the served copy,
+    the bucket included: about one bucket for both (before the fix the yielded one also held a
+    full-size GPU copy: bucket + tensor)."""
+    import torch
+
+    from rollflow.infra.processes import free_port
+    from rollflow.infra.weights.group import WeightReceiverGroup, weight_metadata
+
+    class GlooReceiver(WeightReceiverGroup):
+        def _make_group(self, store):
+            return self._gloo_group(store)
+
+    device = _device(smoke)
+    shape, bucket = _big_tensor(smoke)
+    served = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    metadata = weight_metadata([("big", served)])
+    port = free_port()
+    argv = [sys.executable, __file__, "--weight-sender", str(port), "big"]
+    sender = subprocess.Popen(argv + (["--smoke"] if smoke else []), cwd=ROOT)
+    group = GlooReceiver("127.0.0.1", port, 1, 2, 60, device, bucket, secret=WEIGHT_SECRET)
+    cuda = device.type == "cuda"
+    row = {
+        "tensor_gib": round(served.numel() * 2 / 2**30, 3),
+        "bucket_gib": round(bucket / 2**30, 3),
+        "wire": "gloo, bucket on the device",
+    }
+    try:
+        group.connect()
+        base = torch.cuda.memory_allocated(device) if cuda else 0
+        for how in ("in_place", "yielded"):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            version, tensors = group.receive(
+                metadata, **({"into": {"big": served}} if how == "in_place" else {})
+            )
+            for _, tensor in tensors:
+                served.copy_(tensor)
+            _sync(device)
+            row[f"{how}_s"] = round(time.perf_counter() - start, 2)
+            if cuda:  # read before the check below allocates its own
+                peak = torch.cuda.max_memory_allocated(device) - base
+                row[f"{how}_peak_beyond_served_gib"] = round(peak / 2**30, 3)
+            row[f"{how}_ok"] = bool((served == version).all())
+    finally:
+        group.close()
+        try:
+            sender.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            sender.kill()
     return row
 
 
@@ -617,7 +695,7 @@ SECTIONS = {
     "deepspeed z2": (section_trainer, {"backend": "deepspeed", "zero_stage": 2}, 120),
     "fsdp2 step, sdpa mask": (section_trainer, {"attention": "sdpa"}, 120),
     "deepspeed z3": (section_trainer, {"backend": "deepspeed", "zero_stage": 3}, 120),
-    "weight plane": (section_weight_plane, {}, 90),
+    "weight plane": (section_weight_plane, {}, 120),
     # trainer.activation_checkpointing: peak memory against the "fsdp2 step" row's
     "fsdp2 step, activation checkpointing": (
         section_trainer,

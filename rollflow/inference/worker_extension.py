@@ -101,7 +101,15 @@ class WeightReceiver:
 
     @_answers_its_failure(RECEIVE_WEIGHTS)
     def receive_weights(self, request: str) -> dict[str, Any]:
-        """Receive one broadcast and load it into the model; answers its policy version."""
+        """Receive one broadcast and load it into the model; answers its policy version.
+
+        Every tensor goes through vLLM's loader whole, none in place (``receive(into=...)``):
+        its loaders narrow a tensor to this worker's TP shard, stack q/k/v and gate/up into one
+        parameter, zero a vocabulary's padding, and its layer-wise reload buffers a layer's
+        tensors, loads them into a fresh copy of the layer and repacks it (on CPU, the linear
+        and LM-head weights). A tensor larger than a bucket reaches it assembled in host memory,
+        as a checkpoint's tensors do, never as a second copy on the GPU (docs/architecture.md).
+        """
         RECEIVE_WEIGHTS.decode(request)
         group = getattr(self, "_rollflow_weight_group", None)
         if group is None:

@@ -13,16 +13,22 @@ Wire format of one sync (no pickling; both sides hold the same JSON metadata and
    fits a bucket travels whole (in the next bucket if the current one is too full); a larger
    one fills the current bucket's rest and goes on in the next buckets, in pieces
    (``Piece(index, start, length, at)``: bytes ``[start, start + length)`` of tensor ``index``
-   at byte ``at`` of its bucket). ``bucket_layout`` computes the pieces; both sides call it, and
-   the receiver assembles a split tensor from its pieces.
+   at byte ``at`` of its bucket; every piece of a split tensor but its last is a multiple of 64
+   bytes, so each piece begins on an element). ``bucket_layout`` computes the pieces; both sides
+   call it.
 
 Extra memory is one bucket of at most ``bucket_bytes`` on each side, whatever the largest tensor
 (an embedding of 152k x 3584 no longer sizes a buffer outside vLLM's memory budget), reused by
 every sync (a fresh CPU bucket per sync paid a page fault per 4 KiB page: bench/weight_sync.py
-measured ~3x the broadcast itself), plus, on the receiving side when a sync spans several
-buckets, a copy of the tensors vLLM has not yet loaded: its layer-wise reload keeps each tensor
-until its layer is complete, so views into a bucket the next broadcast overwrites would be
-wrong. dtypes travel as bytes: nothing is cast.
+measured ~3x the broadcast itself). On the receiving side, a tensor given a destination
+(``receive(into=...)``: a load that is a plain copy) goes from the bucket straight into it, piece
+by piece, cast to its dtype: nothing more. A tensor the loader takes whole (vLLM's
+``load_weights``: its loaders narrow a tensor to a TP shard, stack q/k/v and gate/up, and its
+layer-wise reload keeps each tensor until its layer is complete) costs, when a sync spans several
+buckets, a copy of it until it is loaded (a view into a bucket the next broadcast overwrites
+would be wrong); a split one is assembled in host memory, never on the wire's GPU, as a
+checkpoint's tensors are before vLLM's loader copies them to the device. dtypes travel as bytes:
+only a destination casts.
 
 Backend and device come from the placement plan (``placement.choose_backend``): NCCL with
 buckets in GPU memory when both sides are on GPUs, gloo with buckets in host memory otherwise.
@@ -55,7 +61,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -136,6 +142,12 @@ def bucket_layout(metadata: list[dict[str, Any]], bucket_bytes: int) -> list[lis
                 buckets.append(current)
                 current, at, room = [], 0, bucket_bytes
             length = min(size - start, room)
+            if length < size - start:  # a split: end the piece on a multiple of 64 bytes
+                length -= length % _ALIGN
+                if length == 0:
+                    buckets.append(current)
+                    current, used = [], 0
+                    continue
             current.append(Piece(i, start, length, at))
             used, start = at + length, start + length
             if start >= size:
@@ -293,6 +305,10 @@ class _WeightGroupMember:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             return _nccl_group(store, self.rank, self.world_size, self.timeout)
+        return self._gloo_group(store)
+
+    def _gloo_group(self, store: PrefixStore) -> Any:
+        """gloo, which also takes CUDA tensors (staged through host memory)."""
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         options = ProcessGroupGloo._Options()
@@ -413,14 +429,25 @@ class WeightReceiverGroup(_WeightGroupMember):
 
     @torch.no_grad()
     def receive(
-        self, metadata: list[dict[str, Any]]
+        self, metadata: list[dict[str, Any]], into: Mapping[str, torch.Tensor] | None = None
     ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
         """Receive one sync; returns its version and its ``(name, tensor)`` pairs.
 
         The pairs arrive as the loader asks for them, one bucket at a time: exhaust the iterator
         (``load`` does) before the next ``receive``, or the group falls out of step. With one
-        bucket they are views into it, valid until the next ``receive``; with several, copies.
+        bucket they are views into it, valid until the next ``receive``; with several, copies;
+        a tensor split over buckets is assembled in host memory. A tensor named in ``into`` is
+        received into that tensor instead (contiguous, its shape, cast to its dtype), through
+        the bucket and nothing more, and is not yielded.
         """
+        into = dict(into or {})
+        shapes = {m["name"]: m["shape"] for m in metadata}
+        for name, dest in into.items():
+            if list(dest.shape) != shapes.get(name) or not dest.is_contiguous():
+                raise ValueError(
+                    f"receive into {name!r}: a contiguous tensor of the sync's shape "
+                    f"{shapes.get(name)} is needed, got {tuple(dest.shape)}"
+                )
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._broadcast(header)
         version, total = (int(x) for x in header.tolist())
@@ -431,13 +458,13 @@ class WeightReceiverGroup(_WeightGroupMember):
                 f"sender announced {total} bytes, metadata and trainer.weight_bucket_mb describe "
                 f"{expected}: trainer and inference disagree on the model or the bucket size"
             )
-        return version, self._tensors(metadata, layout)
+        return version, self._tensors(metadata, layout, into)
 
     def _tensors(
-        self, metadata: list[dict[str, Any]], layout: list[list[Piece]]
+        self, metadata: list[dict[str, Any]], layout: list[list[Piece]], into: dict
     ) -> Iterator[tuple[str, torch.Tensor]]:
         copy = len(layout) > 1  # the next bucket overwrites this one's bytes
-        whole: torch.Tensor | None = None  # a split tensor, assembled from its pieces
+        whole: torch.Tensor | None = None  # a split tensor, assembled in host memory
         for bucket in layout:
             buffer = self._bucket(_bucket_size(bucket))
             self._broadcast(buffer)
@@ -445,14 +472,28 @@ class WeightReceiverGroup(_WeightGroupMember):
                 m = metadata[p.index]
                 size = _nbytes(m)
                 piece = buffer[p.at : p.at + p.length]
+                if m["name"] in into:
+                    _copy_piece(into[m["name"]], p.start, piece, _dtype(m["dtype"]))
+                    continue
                 if p.length == size:  # whole in this bucket
                     data = piece.clone() if copy else piece
                 else:
                     if p.start == 0:
-                        whole = torch.empty(size, dtype=torch.uint8, device=self.device)
+                        whole = torch.empty(size, dtype=torch.uint8)
                     assert whole is not None
                     whole[p.start : p.start + p.length].copy_(piece)
                     if p.start + p.length < size:
                         continue
                     data, whole = whole, None
                 yield m["name"], data.view(_dtype(m["dtype"])).view(m["shape"])
+
+
+def _copy_piece(dest: torch.Tensor, start: int, piece: torch.Tensor, dtype: torch.dtype) -> None:
+    """Bytes ``[start, start + len(piece))`` of a ``dtype`` tensor into ``dest`` (contiguous, its
+    dtype); pieces begin on an element (``bucket_layout``)."""
+    if dest.dtype == dtype:
+        dest.view(-1).view(torch.uint8)[start : start + piece.numel()].copy_(piece)
+    else:
+        values = piece.view(dtype)
+        first = start // dtype.itemsize
+        dest.view(-1)[first : first + values.numel()].copy_(values)

@@ -359,3 +359,40 @@ def test_gloo_binds_to_the_interface_that_reaches_the_trainer(monkeypatch):
     sender.close()
     receiver.close()
     assert asked == ["127.0.0.1", "127.0.0.1"]
+
+
+@pytest.mark.parametrize("bucket_bytes", [4096, 1001])  # 1001: odd, splits mid-element
+def test_received_in_place_a_split_tensor_lands_cast_to_its_destination(bucket_bytes):
+    """``receive(into=...)`` (issue 42 item 10): tensors land in their destinations piece by
+    piece, cast to the destination's dtype, are not yielded, and the others still are."""
+    tensors = {
+        "embed": torch.randn(300, 16).to(torch.bfloat16),  # 9600 bytes: split over buckets
+        "norm": torch.randn(16),
+        "head": torch.randn(200, 16),  # 12800 bytes: split, into a tensor of the same dtype
+    }
+    metadata = weight_metadata(tensors.items())
+    layout = bucket_layout(metadata, bucket_bytes)
+    for bucket in layout:  # every piece begins on a 64-byte boundary of its tensor
+        assert all(p.start % 64 == 0 for p in bucket)
+    sender, receiver = _pair()
+    sender.bucket_bytes = receiver.bucket_bytes = bucket_bytes
+    into = {"embed": torch.zeros(300, 16), "head": torch.zeros(200, 16)}  # embed: cast to fp32
+    got = {}
+
+    def receive():
+        version, named = receiver.receive(metadata, into=into)
+        got.update(named)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sender.broadcast(tensors.items(), version=1)
+    thread.join(10)
+    with pytest.raises(ValueError, match="contiguous tensor of the sync's shape"):
+        receiver.receive(metadata, into={"head": torch.zeros(16, 200).t()})
+    sender.close()
+    receiver.close()
+    assert list(got) == ["norm"] and torch.equal(got["norm"], tensors["norm"])
+    assert into["embed"].dtype == torch.float32
+    assert torch.equal(into["embed"], tensors["embed"].float())
+    assert torch.equal(into["head"], tensors["head"])
+    assert len(layout) > 3
