@@ -118,6 +118,19 @@ def main(argv: list[str] | None = None) -> int:
         default=180.0,
         help="seconds the server has to answer /api/health (default: 180)",
     )
+    serve = sub.add_parser(
+        "serve",
+        help="start a vLLM server of the config's model as a run starts its own, for runs to "
+        "sample from (inference.urls); prints the lines that hand its URL and key to a run; "
+        "until Ctrl-C",
+    )
+    serve.add_argument("config", help="TOML config (its model and inference sections)")
+    serve.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="default: 8000")
+    serve.add_argument(
+        "--dry-run", action="store_true", help="print the server's command line, start nothing"
+    )
     prepare = sub.add_parser(
         "prepare",
         help="write a GSM8K- or MATH-style dataset (a hub id or a local file) as the math env "
@@ -158,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Overrides may come before or after flags: take every leftover key=value as an override.
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("run", "plan", "eval"):
+    if args.command in ("run", "plan", "eval", "serve"):
         unknown = [
             e for e in extra if e.startswith("-") or ("=" not in e and not e.startswith("~"))
         ]
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = [*args.overrides, *extra]
-        return {"run": cmd_run, "plan": cmd_plan, "eval": cmd_eval}[args.command](args)
+        commands = {"run": cmd_run, "plan": cmd_plan, "eval": cmd_eval, "serve": cmd_serve}
+        return commands[args.command](args)
     if args.command != "run":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -506,6 +520,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(render_table(result.evaluation))
     print(f"{result.label}: written to {', '.join(result.written)}")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """A vLLM server of the config's model for runs to use (services/started_server.py)."""
+    from rollflow.infra.config import load_config
+    from rollflow.infra.errors import InputError, ServiceError
+
+    try:
+        cfg = load_config(args.config, [*args.overrides, "inference.urls=[]"])
+        from rollflow.flows.rl_run import prepare_policy
+        from rollflow.services.started_server import serve
+
+        return serve(cfg, prepare_policy(cfg), args.host, args.port, args.dry_run)
+    except (InputError, ServiceError) as exc:
+        return fail(exc)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

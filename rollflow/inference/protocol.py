@@ -55,6 +55,7 @@ class Route:
 
 
 HEALTH = Route("GET", "/health")
+MODELS = Route("GET", "/v1/models")  # the served model names (a started server's check)
 COMPLETIONS = Route("POST", "/v1/completions")  # token ids in, token ids and logprobs out
 PAUSE = Route("POST", "/pause", params=("mode", "clear_cache"))  # ?mode=keep|abort|wait
 RESUME = Route("POST", "/resume")

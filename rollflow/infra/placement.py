@@ -165,6 +165,7 @@ class PlannedProcess:
     cpus: tuple[int, ...] = ()  # the cores it is pinned to (inference.cpus, trainer.cpus); ()
     # where nothing pins it
     queue: str | None = None  # started by Prefect: its work queue ("" the deployment's own)
+    url: str | None = None  # a server started before the run (inference.urls): its address
 
     @property
     def first_weight_rank(self) -> int:
@@ -218,7 +219,9 @@ class Plan:
         rows = [("process", "node", "device", "CUDA_VISIBLE_DEVICES", "weight ranks", "started by")]
         for p in self.processes:
             ranks = _ranges(p.weight_ranks) if p.weight_ranks else "-"
-            if p.queue is not None:
+            if p.url is not None:
+                where = p.url
+            elif p.queue is not None:
                 where = f"queue {p.queue or '(pool)'}"
             else:
                 where = "run's host" if elsewhere and p.started_by == "rollflow" else str(p.node)
@@ -271,15 +274,22 @@ class Sites:
 
     servers_placed: bool  # inference.server_deployment: each server a flow run
     node0_placed: bool  # trainer.node_deployment: every trainer node a flow run, node 0 too
+    servers_started: bool = False  # inference.urls: servers started elsewhere, before the run
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Sites:
-        return cls(bool(cfg.inference.server_deployment), bool(cfg.trainer.node_deployment))
+        inf = cfg.inference
+        return cls(bool(inf.server_deployment), bool(cfg.trainer.node_deployment), bool(inf.urls))
+
+    @property
+    def servers_away(self) -> bool:
+        """The servers' devices are their hosts' own, which this machine cannot see."""
+        return self.servers_placed or self.servers_started
 
     @property
     def all_here(self) -> bool:
         """vLLM and trainer node 0 share this machine (and may share its GPUs)."""
-        return not (self.servers_placed or self.node0_placed)
+        return not (self.servers_away or self.node0_placed)
 
     def trainer_node_here(self, node: int) -> bool:
         return node == 0 and not self.node0_placed
@@ -300,7 +310,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
     sites = Sites.of(cfg)
     inf_device = (
         _placed_device(inf.device, machine)
-        if sites.servers_placed
+        if sites.servers_away
         else _device("inference", inf.device, inf.devices, machine)
     )
     tr_device = (
@@ -309,7 +319,7 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         else _device("trainer", tr.device, tr.devices, machine)
     )
     choose_backend(tr_device, inf_device, tr.weight_backend)  # a bad pair fails before the GPUs
-    _check_vllm_build(inf_device, machine, sites.servers_placed)
+    _check_vllm_build(inf_device, machine, sites.servers_away)
     _check_tensor_parallel(cfg, inf.tensor_parallel_size)
     inference_gpus = _inference_gpus(cfg, machine, sites, inf_device)
     trainer_gpus = _trainer_gpus(cfg, machine, sites, tr_device, inference_gpus)
@@ -347,7 +357,7 @@ def _inference_gpus(
     machine's first ones; a placed server's are its own host's first ones."""
     inf = cfg.inference
     tp, n_servers = inf.tensor_parallel_size, inf.fleet_slots()
-    if device != "cuda":
+    if device != "cuda" or sites.servers_started:  # (a started server's GPUs are its own)
         return [() for _ in range(n_servers)]
     wanted = n_servers * tp
     gpus = list(inf.devices) if inf.devices is not None else list(range(wanted))
@@ -412,7 +422,7 @@ def _planned_servers(
     """Each server slot: its devices, its cores (on a CPU machine, pinned apart), its weight
     ranks (after the trainer's rank 0, in slot order) and who starts it."""
     inf, tp = cfg.inference, cfg.inference.tensor_parallel_size
-    placed = sites.servers_placed
+    placed = sites.servers_away
     cores = [] if placed else _pinned_cores(cfg, machine, device, trainer_device)
     servers = []
     for i, gpus in enumerate(inference_gpus):
@@ -431,8 +441,11 @@ def _planned_servers(
                 weight_ranks=tuple(range(1 + i * tp, 1 + (i + 1) * tp)),
                 env=env,
                 cpus=cores[i] if cores else (),
-                started_by="prefect" if placed else "rollflow",
-                queue=(inf.server_queues[i] if inf.server_queues else "") if placed else None,
+                started_by="you" if inf.urls else "prefect" if placed else "rollflow",
+                queue=(inf.server_queues[i] if inf.server_queues else "")
+                if sites.servers_placed
+                else None,
+                url=inf.urls[i] if inf.urls else None,
             )
         )
     return servers

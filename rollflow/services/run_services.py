@@ -30,6 +30,7 @@ from rollflow.services.fleet_keeper import FleetKeeper
 from rollflow.services.placed import publish_key, withdraw_key
 from rollflow.services.run_parts import RunParts
 from rollflow.services.server_maker import ServerMaker
+from rollflow.services.started_server import started_servers_key
 from rollflow.services.trainer_life import TrainerLife
 from rollflow.services.vllm_supervisor import HEALTH_PROBE_TIMEOUT_S, InferenceSupervisor
 from rollflow.services.weight_link import WeightGroupLink
@@ -67,7 +68,9 @@ class RunServices:
         # what vLLM serves under an adapter sync.
         self.base_model = str(base_model or policy_dir)
         self.log_dir, self.progress = Path(log_dir), progress
-        self.token = secrets.token_urlsafe(24)
+        # The run's key: every service of the run (and the weight group's members) knows it.
+        # Servers started before the run were given theirs (inference.urls): it is the run's.
+        self.token = started_servers_key() if cfg.inference.urls else secrets.token_urlsafe(24)
         # Impossible plans fail here, before any process starts.
         self.plan = make_plan(cfg, machine or Machine.here(nodes=cfg.trainer.num_nodes))
         # What every server serves, and so what the trainer sends (one device for all servers).
@@ -141,6 +144,12 @@ class RunServices:
                 f"{nodes}; {time.perf_counter() - start:.0f}s); logs in {self.log_dir}"
             )
             self.weights.join(self.trainer, keeper.servers(), keeper.num_workers())
+            if cfg.inference.urls:  # they serve what they were started with: the policy now
+                self.weights.publish(self.trainer, self.inference_urls, self.checkpoint_step or 0)
+                self.progress(
+                    f"services: the servers started before the run now serve the trainer's "
+                    f"policy (version {self.checkpoint_step or 0})"
+                )
             for sup in keeper.supervisors:
                 sup.open_gate(keeper.weight_link_of_servers())
                 self.fleet.add(sup.index, sup.url)

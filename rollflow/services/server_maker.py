@@ -2,8 +2,9 @@
 
 Owns: what vLLM loads at start (the policy's model; or, under ``train.lora.sync = "adapter"``,
 the base model and the adapter it serves as the policy), and how a slot's server is made: a
-local ``InferenceServer`` with the plan's devices and cores, or a flow run of
-``inference.server_deployment`` (``PlacedServer``) that loads the policy from the run's storage.
+local ``InferenceServer`` with the plan's devices and cores, a flow run of
+``inference.server_deployment`` (``PlacedServer``) that loads the policy from the run's storage,
+or a server started before the run (``inference.urls``: ``StartedServer``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rollflow.infra.events import Event, publish
 from rollflow.services.placed import check_deployment, gpu_request, policy_in_storage
 from rollflow.services.placed_server import PlacedServer
 from rollflow.services.run_parts import RunParts
+from rollflow.services.started_server import StartedServer
 from rollflow.services.vllm_supervisor import InferenceSupervisor, max_model_len
 from rollflow.services.weight_link import WeightGroupLink
 from rollflow.services.zero_adapter import write_zero_adapter
@@ -67,7 +69,7 @@ class ServerMaker:
             self.cfg,
             served,
             self.log_dir,
-            server=self.placed_server(slot) if self.placed else None,
+            server=self.placed_server(slot) if self.placed else self.started_server(slot),
             lora_adapter=adapter,
             index=slot,
             env=planned.env,
@@ -79,6 +81,13 @@ class ServerMaker:
                 self.storage, Event.INFERENCE_RESTARTED, server=slot, **info
             ),
         )
+
+    def started_server(self, slot: int) -> StartedServer | None:
+        """Server ``slot`` when it was started before the run (``inference.urls``), else None."""
+        inf = self.cfg.inference
+        if not inf.urls:
+            return None
+        return StartedServer(inf.urls[slot], self.token, slot, inf.startup_timeout_s)
 
     def placed_server(self, slot: int) -> PlacedServer:
         """Server ``slot`` as a flow run of ``inference.server_deployment``, which loads what

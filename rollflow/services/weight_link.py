@@ -45,6 +45,11 @@ class WeightGroupLink:
         self.formed = True  # (partly) formed from here on: teardown closes it
         weights.join(trainer, servers, self.spec_for(num_workers), self.timeout_s)
 
+    def publish(self, trainer, urls: Sequence[str], version: int) -> None:
+        """Give every server the trainer's weights as ``version`` (servers started before the
+        run serve whatever they were started with until then)."""
+        weights.publish(trainer, urls, version, self.timeout_s)
+
     def rejoin(self, trainer, servers: Servers, num_workers: int) -> int:
         """Form the group anew (a server joined, left or restarted) and give every server the
         trainer's last finished weights; returns their version."""

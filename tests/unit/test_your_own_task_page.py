@@ -1,6 +1,7 @@
 """docs/guides/your-own-task.md: every block on the page is run. Here: its files are written as
 the page gives them, its reward function scores as it says, `rollflow prepare gsm8k ...` runs as
-written (offline, on a GSM8K hub cache made here) and `rollflow run task.toml --dry-run` passes.
+written (offline, on a GSM8K hub cache made here), `rollflow run task.toml --dry-run` passes and
+`rollflow serve` (dry run) would start the server a run starts.
 `rollflow run task.toml` and `rollflow status --config task.toml` are run by
 tests/integration/flows/test_your_own_task.py (a real run, on a tiny model)."""
 
@@ -40,7 +41,7 @@ def test_the_page_is_in_the_site_nav():
 
 
 def test_every_command_is_run_by_a_test():
-    here = {"rollflow run task.toml --dry-run", PREPARE}
+    here = {"rollflow run task.toml --dry-run", PREPARE, SERVE}
     assert set(page_commands()) == here | RUN_BY_THE_INTEGRATION_TEST
 
 
@@ -70,6 +71,28 @@ def test_the_config_passes_the_dry_run(tmp_path, monkeypatch, capsys):
     assert resolved["prompt"]["chat_template"] == "auto"
     assert resolved["envs"][0]["rewards"][0]["fn"] == "rewards.py:accuracy"
     assert "env dataset: loads" in out.err
+
+
+SERVE = "rollflow serve task.toml --port 8000"
+
+
+def test_serve_starts_the_server_a_run_would(tmp_path, monkeypatch, capsys):
+    """The page's `rollflow serve`, with --dry-run: the command line of the server it starts
+    (the same ``InferenceServer`` every run starts; nothing is downloaded or started here)."""
+    write_page_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ROLLFLOW_VLLM_URLS", raising=False)
+    assert main([*shlex.split(SERVE)[1:], "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    command = shlex.split(out.splitlines()[0])[1:]
+    for flag, value in [
+        ("--model", "Qwen/Qwen3-0.6B"),
+        ("--port", "8000"),
+        ("--served-model-name", "policy"),
+        ("--worker-extension-cls", "rollflow.inference.worker_extension.WeightReceiver"),
+    ]:
+        assert command[command.index(flag) + 1] == value, command
+    assert "ROLLFLOW_VLLM_URLS=http://127.0.0.1:8000" in out
 
 
 PREPARE = "rollflow prepare gsm8k openai/gsm8k data/gsm8k-train.jsonl --subset main --split train"

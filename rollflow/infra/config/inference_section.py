@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -54,6 +55,15 @@ class InferenceSection(Section):
         "to its work pool, a worker on the server's host runs it, and a dead one is submitted "
         "again; empty: the servers are processes of the run flow, on its host.",
     )
+    urls: list[str] = Field(
+        [],
+        description="vLLM servers started elsewhere (`rollflow serve`) that the run samples "
+        'from instead of starting its own, e.g. ["http://10.0.0.5:8000"]: each serves the '
+        "run's model architecture, and the run replaces its weights with the trainer's at the "
+        "start; their key is the run's environment's ROLLFLOW_VLLM_KEY. Empty: the run starts its "
+        "servers. The environment's ROLLFLOW_VLLM_URLS (comma-separated) fills it when the config "
+        "does not.",
+    )
     server_queues: list[str] = Field(
         [],
         description="The work queue of each server slot in turn, one per slot (fleet_slots: "
@@ -99,8 +109,25 @@ class InferenceSection(Section):
         """How many servers the placement plan places: every one the fleet may grow to."""
         return self.max_servers or self.num_servers
 
+    @field_validator("urls")
+    @classmethod
+    def _base_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+                raise ValueError(
+                    f"inference.urls: {url!r} is not a server's base URL: give "
+                    "http://HOST:PORT, as `rollflow serve` prints it"
+                )
+        value = [url.rstrip("/") for url in value]
+        if len(set(value)) != len(value):
+            raise ValueError(f"inference.urls names a server twice: {value}")
+        return value
+
     @model_validator(mode="after")
     def _fleet_fits(self) -> InferenceSection:
+        if self.urls:
+            self._external_fleet()
         if self.max_servers is not None and self.max_servers < self.num_servers:
             raise ValueError(
                 f"inference.max_servers = {self.max_servers} is below inference.num_servers = "
@@ -119,6 +146,29 @@ class InferenceSection(Section):
                 "rollflow-inference-server/default)"
             )
         return self
+
+    def _external_fleet(self) -> None:
+        """Servers started elsewhere: the fleet is those servers, none started or placed here."""
+        for key, value, empty in (
+            ("server_deployment", self.server_deployment, ""),
+            ("max_servers", self.max_servers, None),
+            ("colocate", self.colocate, False),
+            ("devices", self.devices, None),
+            ("cpus", self.cpus, None),
+        ):
+            if value != empty:
+                raise ValueError(
+                    f"inference.urls names servers started elsewhere, so inference.{key} (which "
+                    f"places servers the run starts) cannot be set too: remove one of them"
+                )
+        if self.num_servers not in (1, len(self.urls)):
+            raise ValueError(
+                f"inference.num_servers = {self.num_servers} but inference.urls names "
+                f"{len(self.urls)} server(s): the run uses every server it names; remove "
+                "num_servers"
+            )
+        if self.num_servers != len(self.urls):  # (the assignment validates the section again)
+            self.num_servers = len(self.urls)
 
     def serving_dtype(self, on_gpu: bool) -> str:
         """The dtype a server on a GPU (or on CPU) serves: the one owner of that choice."""

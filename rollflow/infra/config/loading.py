@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 import tomllib
 from collections.abc import Sequence
@@ -35,7 +36,20 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             data.setdefault("run", {}).setdefault("name", stem)
     for item in overrides:
         apply_override(data, item)
+    _servers_from_environment(data)
     return validate_config(data, source)
+
+
+URLS_ENV = "ROLLFLOW_VLLM_URLS"  # servers started elsewhere (`rollflow serve`), comma-separated
+
+
+def _servers_from_environment(data: dict[str, Any]) -> None:
+    """``inference.urls`` from ``URLS_ENV`` where the config and its overrides name none: the
+    way a deployment (or a test) hands a run the servers it started."""
+    urls = [u.strip() for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
+    inference = data.setdefault("inference", {}) if urls else None
+    if isinstance(inference, dict) and not inference.get("urls"):
+        inference["urls"] = urls
 
 
 def resolve_config(config: str | Path | dict, overrides: Sequence[str] = ()) -> RunConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
@@ -116,6 +117,20 @@ class RunConfig(Section):
                 "run's storage; train.lora.sync = 'adapter' is not served there yet (the servers "
                 "load adapter files the trainer writes): set train.lora.sync = 'merged', or "
                 f"leave {placing} empty"
+            )
+        if inf.urls and t.lora and t.lora.sync == "adapter":
+            raise ValueError(
+                "inference.urls names servers started elsewhere, which serve the model they were "
+                "started with; train.lora.sync = 'adapter' needs servers started with the run's "
+                "adapter: set train.lora.sync = 'merged', or leave inference.urls empty"
+            )
+        remote = [u for u in inf.urls if not _is_loopback(urlsplit(u).hostname or "")]
+        if remote and _is_loopback(tr.master_addr):
+            raise ValueError(
+                f"inference.urls names servers on other hosts ({', '.join(remote)}), whose "
+                f"workers join the weight group at trainer.master_addr = {tr.master_addr!r}, a "
+                "loopback address: set it to this host's address as theirs reach it, or to "
+                "'auto' (this host's own, found at start)"
             )
         if tr.node_deployment and _is_loopback(tr.master_addr):
             raise ValueError(

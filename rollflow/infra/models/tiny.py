@@ -74,3 +74,20 @@ def save_hf_dir(
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return path
+
+
+# A chat format in the character alphabet (role names and ": ", each turn ended by <eos>), as
+# base models' plain chat formats go ("User: ...\n\nAssistant:"): a tiny character model whose
+# tokenizer has it reads chat-message prompts through its template, as an instruct model does.
+CHAR_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def add_chat_template(model_dir: str | Path, template: str = CHAR_CHAT_TEMPLATE) -> Path:
+    """Give the tokenizer saved in ``model_dir`` a chat template (saved with it)."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(model_dir)
+    return Path(model_dir)
