@@ -513,11 +513,19 @@ def _fmt_env(total: float, by_env: dict[str, float]) -> str:
 
 def progress_line(step: int, num_steps: int, m: dict) -> str:
     """One line per step: reward, what was kept (and how many groups without signal dynamic
-    sampling replaced), loss, staleness, and where the time went."""
+    sampling replaced, how many it over-requested for that), loss, staleness, and where the time
+    went."""
     kept = f"kept {m[Metric.NUM_GROUPS_KEPT]} groups"
-    resampled = m.get(Metric.RESAMPLED, 0)  # absent (or NaN) where the step reused its rollouts
-    if resampled > 0:
-        kept += f" ({int(resampled)} resampled)"
+    did = [
+        f"{int(n)} {what}"
+        for key, what in [
+            (Metric.RESAMPLED, "resampled"),
+            (Metric.OVER_REQUESTED, "over-requested"),
+        ]
+        if (n := m.get(key, 0)) > 0  # absent (or NaN) where the step reused its rollouts
+    ]
+    if did:
+        kept += f" ({', '.join(did)})"
     line = (
         f"step {step}/{num_steps}: reward {m[Metric.REWARD_MEAN]:.3f}, {kept}, "
         f"loss {m.get(Metric.LOSS, math.nan):+.4f}, "

@@ -42,6 +42,7 @@ class Metric:
     TRAINER_RESTARTS = "trainer_restarts"  # the run's restarts of a lost trainer so far
     RESAMPLED = "resampled"
     RESAMPLED_TOTAL = "resampled_total"
+    OVER_REQUESTED = "over_requested"  # groups admitted ahead for the replacements a step needs
     # quarantine of failing environments (tasks/generate/quarantine.py)
     ENVS_QUARANTINED = "envs_quarantined"  # envs whose prompts are set aside now
     ENV_QUARANTINED = "env_quarantined"  # per environment: env_quarantined/<env>, 0 or 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -55,8 +56,10 @@ class RolloutProducer:
     F = ``first_step``, the step the first admitted group goes to; F = v + 1 on a fresh start):
 
     - admission (the rule of ``infra/staleness.py``): a group is admitted only if afterwards
-      ``admitted ≤ ⌊S + v + 2 - F⌋ · B``, so group ``index`` i, which step F + i // B trains on,
-      started from a version ``≥ F + i // B - 1 - S``. S = 0 is synchronous on-policy RL. A resumed run whose next steps
+      ``admitted ≤ ⌊S + v + 2 - F⌋ · B + max(dropped, over_requested)`` (dropped: groups given
+      back below, stale or without signal; over_requested: see dynamic sampling), so without
+      drops group ``index`` i, which step F + i // B trains on, started from a version
+      ``≥ F + i // B - 1 - S``. S = 0 is synchronous on-policy RL. A resumed run whose next steps
       reuse committed rollouts starts with F past them, so those steps count against the bound.
       Versions and S may be fractions of a step: ``v = N - a/n`` are step N's weights ``a`` of
       its ``n`` optimizer steps before its end (sent mid-step), and S = 1/4 with n = 4 admits
@@ -73,13 +76,23 @@ class RolloutProducer:
       alone cannot promise it: a group overtaken by faster ones is emitted at a later step. Such
       a group, too old for the step being served, is dropped, counted in ``stale_dropped`` and
       logged, and its admission slot is given back, so a replacement starts from the current
-      version. S = 0 admits one step at a time, so nothing is ever dropped there.
+      version. When a step takes its groups, those left ready or in flight that no later step may
+      take (at S = 0: all of them) are dropped at once (in flight: cancelled), counted in
+      ``stale_dropped`` too. Without over-request S = 0 admits one step at a time, so nothing is
+      ever dropped there.
     - dynamic sampling (DAPO), when ``has_signal`` is given: a finished group without signal
       (its advantages all zero, e.g. every sample right or every one wrong) is dropped before any
       step takes it and its admission slot is given back, as for a stale group, so a replacement
       starts from the current version and the staleness bound holds. At most ``max_resampled``
       groups per step taken so far (plus one step's worth) are dropped; past that a group is
       kept (the advantage stage filters it as before). Drops are counted in ``resampled``.
+      Over-request (``over_request_steps`` > 0): so that replacements run alongside the batch, not
+      in serial rounds after it, each step's first wave admits ``⌈B·p/(1-p)⌉`` groups more (at
+      most ``max_resampled``; p the share without signal of the groups judged over the last
+      ``over_request_steps`` steps), and up to that many in flight beyond K. Drops consume that
+      credit before they open slots (``max(dropped, over_requested)`` above), so a replacement
+      starts after the group it replaces only when the over-request fell short. Surplus groups
+      with signal stay ready for the next step, within the staleness bound.
     - quarantine (``quarantine.py``): after a run of failed groups of one environment its
       prompts are set aside at admission (not admitted, so nothing above changes) except a probe
       every interval; every environment quarantined for long enough stops the producer with
@@ -102,6 +115,7 @@ class RolloutProducer:
         lag_interval_s: float = 0.1,
         has_signal: Callable[[GroupResult], bool] | None = None,
         max_resampled: int = 0,
+        over_request_steps: int = 0,
         quarantine: EnvQuarantine | None = None,
     ):
         # K within [B, B * (whole steps of S + 1)] is the config's check (RunConfig), not repeated here.
@@ -116,7 +130,8 @@ class RolloutProducer:
         self._ready: deque[FinishedGroup] = deque()
         # (step, n): the first n ready groups are within the bound for that step (already checked).
         self._checked: tuple[int, int] = (-1, 0)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, float] = {}  # in flight: the version each started from
+        self._superseded: set[asyncio.Task] = set()  # cancelled as too old for any later step
         self._service_tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
         self._pending_steps: set[int] = set()
@@ -128,11 +143,19 @@ class RolloutProducer:
         self._has_signal, self.max_resampled = has_signal, max_resampled
         self.num_resampled = 0  # groups without signal dropped and sampled anew (dynamic sampling)
         self._resampled_at_take = 0
+        # Over-request: credit granted so far (cumulative, compared with the drops), and the
+        # (judged, without signal) counts of the last steps' groups that the credit is learned from.
+        self.num_over_requested = self._over_requested_at_take = self._credit_granted = 0
+        self._judged: deque[tuple[int, int]] = deque(maxlen=max(1, over_request_steps))
+        self._judging = [0, 0]
+        self._over_request_steps = over_request_steps
+        self._opened_through = self.first_step - 1  # the newest step whose first wave was granted
         self._blocked_s, self._blocked_since = 0.0, None
         self._exhausted = False
         self._stopped: BaseException | None = None  # TrainingFinished or ProducerFailed
         self.quarantine = quarantine or disabled(clock)
         self._set_aside_in_a_row = 0
+        self._open_steps()
 
     def start(self) -> None:
         """Start admitting (call from the event loop that will run the producer)."""
@@ -153,6 +176,7 @@ class RolloutProducer:
         if staleness.version_went_back(version, self.version):
             raise ValueError(f"policy version went back from {self.version} to {version}")
         self.version = version
+        self._open_steps()
         self._notify()
 
     async def finish(self, timeout_s: float = 30.0) -> None:
@@ -199,6 +223,7 @@ class RolloutProducer:
             "num_failed": sum(g.error is not None for g in groups),
             Metric.RESAMPLED: self.num_resampled - self._resampled_at_take,
             Metric.RESAMPLED_TOTAL: self.num_resampled,
+            Metric.OVER_REQUESTED: self.num_over_requested - self._over_requested_at_take,
             Metric.ENVS_QUARANTINED: len(self.quarantine.quarantined()),
             Metric.QUARANTINES_TOTAL: self.quarantine.num_quarantined,
             Metric.QUARANTINE_SET_ASIDE_TOTAL: self.quarantine.num_set_aside,
@@ -209,6 +234,10 @@ class RolloutProducer:
             },
         }
         self._resampled_at_take = self.num_resampled
+        self._over_requested_at_take = self.num_over_requested
+        self._judged.append((self._judging[0], self._judging[1]))
+        self._judging = [0, 0]
+        self._drop_left_over(step)
         self._taken[step] = groups
         for old in [s for s in self._taken if s < step - self.max_staleness - 2]:
             del self._taken[old]  # only a retry of a recent step can ask again
@@ -242,6 +271,57 @@ class RolloutProducer:
         )
         self._notify()  # the freed slots let admission go on
 
+    def _drop_left_over(self, step: int) -> None:
+        """After ``take(step)``: drop the ready groups no later step may take and cancel those
+        in flight (over-requested groups left over at S = 0, or overtaken ones), so their slots
+        open now and no core keeps sampling them."""
+
+        def ok(version: float) -> bool:
+            return staleness.allowed(version, step + 1, self.max_staleness)
+
+        num_ready = len(self._ready)
+        self._ready = deque(g for g in self._ready if ok(g.version_started))
+        self.num_stale_dropped += num_ready - len(self._ready)
+        old = [t for t, v in self._tasks.items() if not ok(v) and t not in self._superseded]
+        for task in old:
+            self._superseded.add(task)
+            task.cancel()  # counted in stale_dropped by _count_cancelled once it has ended
+        if num_ready > len(self._ready) or old:
+            log.debug(
+                "step %d: %d ready and %d in-flight groups left over, too old for step %d: dropped",
+                step,
+                num_ready - len(self._ready),
+                len(old),
+                step + 1,
+            )
+
+    def _open_steps(self) -> None:
+        """Grant each newly open step's over-request: drops up to it start no new group."""
+        newest = staleness.newest_step(self.version, self.max_staleness)
+        for _ in range(self._opened_through + 1, newest + 1):
+            extra = self._over_request()
+            self._credit_granted = max(self._credit_granted, self._num_dropped()) + extra
+            self.num_over_requested += extra
+        self._opened_through = max(self._opened_through, newest)
+
+    def _over_request(self) -> int:
+        """``⌈B·p/(1-p)⌉`` (at most ``max_resampled``), p the share without signal of the groups
+        judged over the last ``over_request_steps`` steps: what B groups with signal cost."""
+        judged = sum(n for n, _ in self._judged)
+        if not self._over_request_steps or self._has_signal is None or not judged:
+            return 0
+        p = sum(flat for _, flat in self._judged) / judged
+        if p >= 1:
+            return self.max_resampled
+        return min(self.max_resampled, math.ceil(self.train_batch_size * p / (1 - p) - 1e-9))
+
+    def _num_dropped(self) -> int:
+        return self.num_stale_dropped + self.num_resampled
+
+    def _credit(self) -> int:
+        """Over-requested groups not yet matched by a drop: the in-flight room beyond K."""
+        return max(0, self._credit_granted - self._num_dropped())
+
     def step_metrics(self, step: int) -> dict:
         """Numbers of ``take(step)``: version at take, wait, staleness mean/max, failures."""
         return dict(self._step_metrics[step])
@@ -264,6 +344,7 @@ class RolloutProducer:
             "num_cancelled": self.num_cancelled,
             "num_stale_dropped": self.num_stale_dropped,
             "num_resampled": self.num_resampled,
+            "num_over_requested": self.num_over_requested,
             "admission_bound": self._bound(),
             "blocked_by_bound_s": blocked,
             Metric.LOOP_LAG_P50_S: pick(0.50),
@@ -277,15 +358,16 @@ class RolloutProducer:
         # Group i goes to step first_step + i // B, which must be <= the newest step a group
         # starting now may go to: admitted <= (newest_step - first_step + 1) · B.
         steps_open = staleness.newest_step(self.version, self.max_staleness) - self.first_step + 1
-        return (
-            max(0, steps_open) * self.train_batch_size + self.num_stale_dropped + self.num_resampled
+        # A drop opens a slot once the over-request granted so far is used up.
+        return max(0, steps_open) * self.train_batch_size + max(
+            self._num_dropped(), self._credit_granted
         )
 
     async def _admit_loop(self) -> None:
         try:
             while self._stopped is None and not self._exhausted:
                 changed = self._changed
-                has_room = len(self._tasks) < self.max_in_flight
+                has_room = len(self._tasks) < self.max_in_flight + self._credit()
                 if has_room and self.num_admitted < self._bound():
                     self._end_blocked()
                     if self._admit_one():
@@ -330,14 +412,22 @@ class RolloutProducer:
         index, version = self.num_admitted, self.version
         self.num_admitted += 1
         task = asyncio.create_task(self._run_one(index, prompt, version), name=f"group-{index}")
-        self._tasks.add(task)
+        self._tasks[task] = version
         task.add_done_callback(self._cancelled_before_start)
         return True
 
     def _cancelled_before_start(self, task: asyncio.Task) -> None:
         # A task cancelled before its first step never runs _run_one's bookkeeping.
         if task in self._tasks:
-            self._tasks.discard(task)
+            del self._tasks[task]
+            self._count_cancelled(task)
+
+    def _count_cancelled(self, task: asyncio.Task) -> None:
+        if task in self._superseded:  # too old for any later step: a stale drop
+            self._superseded.discard(task)
+            self.num_stale_dropped += 1
+            self._notify()  # its slot lets admission go on
+        else:
             self.num_cancelled += 1
 
     async def _run_one(self, index: int, prompt: Prompt, version: float) -> None:
@@ -345,7 +435,7 @@ class RolloutProducer:
         try:
             result = await self._run_group(prompt, version)
         except asyncio.CancelledError:
-            self.num_cancelled += 1
+            self._count_cancelled(asyncio.current_task())
             raise
         except Exception as exc:  # run_group returns recoverable errors; a raise is fatal
             self.num_cancelled += 1
@@ -358,7 +448,8 @@ class RolloutProducer:
             )
             return
         finally:
-            self._tasks.discard(asyncio.current_task())
+            self._tasks.pop(task := asyncio.current_task(), None)
+            self._superseded.discard(task)  # a run_group that swallowed the cancel
         self.num_failed += isinstance(result, str)
         self.quarantine.record(prompt.env, result)
         if self._resample(result):
@@ -371,8 +462,12 @@ class RolloutProducer:
 
     def _resample(self, result: GroupResult) -> bool:
         """Dynamic sampling: drop a group without signal while the budget allows (see above)."""
-        if self._has_signal is None or isinstance(result, str) or self._has_signal(result):
+        if self._has_signal is None or isinstance(result, str):
             return False
+        self._judging[0] += 1
+        if self._has_signal(result):
+            return False
+        self._judging[1] += 1
         budget = (len(self._step_metrics) + 1) * self.max_resampled
         if self.num_resampled >= budget:
             return False

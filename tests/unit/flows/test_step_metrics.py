@@ -87,7 +87,7 @@ def test_the_producers_quarantine_numbers_reach_the_row():
     assert m.row[Metric.COMPLETION_TOKENS_MEAN] == 3.5 and m.row[Metric.COMPLETION_TOKENS_MAX] == 6
 
 
-def test_the_progress_line_says_how_many_groups_dynamic_sampling_replaced():
+def test_the_progress_line_says_how_many_groups_dynamic_sampling_replaced_and_over_requested():
     from rollflow.flows.rl_run import progress_line
 
     row = {
@@ -104,3 +104,9 @@ def test_the_progress_line_says_how_many_groups_dynamic_sampling_replaced():
     for value in (0, math.nan):
         assert "kept 8 groups, loss" in progress_line(2, 4, {**row, Metric.RESAMPLED: value})
     assert "kept 8 groups, loss" in progress_line(2, 4, row)
+    # Dynamic sampling's over-request (groups admitted in the step's first wave ahead of the
+    # replacements): said beside the replacements, or alone.
+    both = {**row, Metric.RESAMPLED: 3, Metric.OVER_REQUESTED: 4}
+    assert "kept 8 groups (3 resampled, 4 over-requested), loss" in progress_line(2, 4, both)
+    alone = {**row, Metric.OVER_REQUESTED: 4}
+    assert "kept 8 groups (4 over-requested), loss" in progress_line(2, 4, alone)

@@ -591,3 +591,133 @@ def test_every_env_quarantined_fails_the_take_naming_the_env_and_its_last_error(
     assert waited_s < 5
     # While waiting for probes it set prompts aside in bounded batches, not in a busy loop.
     assert len(drawn) < 200, len(drawn)
+
+
+class HalfFlat:
+    """A ``run_group`` whose groups all take ``duration_s``; those of even admission index have no
+    signal (every sample right) while ``flat`` says so. Records, per start, the version and how
+    many groups had finished then: starts of one version at one count are one round."""
+
+    def __init__(self, duration_s: float = 0.01):
+        self.duration_s, self.num_finished = duration_s, 0
+        self.starts: list[tuple[int, float, int]] = []  # (index, version, finished so far)
+        self.flat = lambda index: index % 2 == 0
+
+    async def __call__(self, prompt: Prompt, version: float):
+        index = int(prompt.prompt_id)
+        self.starts.append((index, version, self.num_finished))
+        await asyncio.sleep(self.duration_s)
+        self.num_finished += 1
+        rewards = [1.0, 1.0] if self.flat(index) else [1.0, 0.0]
+        return [Sample([1], [2], [-0.1], "x", "stop", reward=r) for r in rewards]
+
+    def rounds(self, version: float) -> int:
+        """Rounds of the step that trains on ``version + 1`` at S = 0: 1 = no serial round."""
+        return len({n for _, v, n in self.starts if v == version})
+
+
+def dynamic_producer(
+    run_group, B: int, max_staleness: float, over_request_steps: int, max_resampled: int = 0
+):
+    from rollflow.tasks.advantage.advantages import grpo_advantages
+    from rollflow.tasks.generate.rollouts import group_has_signal
+
+    return RolloutProducer(
+        run_group,
+        numbered_prompts(),
+        train_batch_size=B,
+        max_staleness=max_staleness,
+        max_in_flight=B * (int(max_staleness) + 1),
+        has_signal=group_has_signal(grpo_advantages),
+        max_resampled=max_resampled or B,
+        over_request_steps=over_request_steps,
+    )
+
+
+@pytest.mark.parametrize("over_request_steps", [0, 2])
+def test_over_request_admits_the_replacements_in_the_steps_first_wave(over_request_steps):
+    """Half the groups have no signal. Without over-request every step replaces them in serial
+    rounds (4 groups, then the 2 flat ones' replacements, then 1, ...); with it, once step 1 has
+    shown the share, each step's first wave admits B·p/(1-p) = B more and fills the step in one
+    round, and the progress line's numbers say so."""
+    B, steps = 4, 5
+
+    async def main():
+        fake = HalfFlat()
+        p = dynamic_producer(fake, B, 0, over_request_steps)
+        async with p:
+            watcher = asyncio.create_task(watch_accounting(p))
+            batches = await train_loop(p, steps, seed=3)
+            watcher.cancel()
+            assert_accounting(p)
+            return p, fake, batches
+
+    p, fake, batches = asyncio.run(main())
+    for step, groups in batches.items():
+        assert len(groups) == B and not any(int(g.prompt.prompt_id) % 2 == 0 for g in groups)
+        assert {g.version_started for g in groups} == {step - 1}
+    rounds = [fake.rounds(step - 1) for step in range(1, steps + 1)]
+    over = [p.step_metrics(s)["over_requested"] for s in range(1, steps + 1)]
+    if over_request_steps:
+        assert rounds[0] > 1 and rounds[1:] == [1] * (steps - 1)
+        assert over == [0] + [B] * (steps - 1)
+        assert [p.step_metrics(s)["resampled"] for s in range(2, steps + 1)] == [B] * (steps - 1)
+    else:
+        assert all(r >= 3 for r in rounds) and over == [0] * steps
+    assert p.num_stale_dropped == 0  # the over-request was just enough: no surplus
+
+
+def test_over_request_short_of_the_share_falls_back_to_serial_replacement():
+    """The share without signal jumps from 1/2 to 2/3 after step 1: the first wave's over-request
+    (learned from step 1) is short, and the step still fills by replacing serially."""
+    B, steps = 4, 4
+
+    async def main():
+        fake = HalfFlat()
+        fake.flat = lambda i: i % 2 == 0 if i < 8 else i % 3 != 0
+        p = dynamic_producer(fake, B, 0, over_request_steps=1, max_resampled=3 * B)
+        async with p:
+            batches = await train_loop(p, steps, seed=4)
+            assert_accounting(p)
+            return p, fake, batches
+
+    p, fake, batches = asyncio.run(main())
+    assert all(len(g) == B for g in batches.values())
+    assert not any(fake.flat(int(g.prompt.prompt_id)) for gs in batches.values() for g in gs)
+    assert p.step_metrics(2)["over_requested"] == B
+    assert fake.rounds(1) > 1  # step 2: 2B admitted, 3 of them with signal: a serial round
+
+
+def test_over_request_surplus_is_dropped_at_s0_and_kept_for_the_next_step_at_s1():
+    """The share without signal falls from 1/2 to 0 after step 1: step 2's over-requested groups
+    have signal and are surplus. At S = 0 no later step may take them: dropped (ready) or
+    cancelled (in flight) when step 2 takes its groups, counted as stale, and step 3 starts from a
+    fresh wave. At S = 1 the ready groups a step leaves that the next may take are its first."""
+
+    async def run(max_staleness: float, flat):
+        fake = HalfFlat(duration_s=0.005)
+        fake.flat = flat
+        p = dynamic_producer(fake, 4, max_staleness, over_request_steps=1)
+        left: dict[int, list] = {}
+        batches: dict[int, list] = {}
+        async with p:
+            watcher = asyncio.create_task(watch_accounting(p))
+            for step in range(1, 6):
+                batches[step] = await p.take(step, timeout_s=5)
+                left[step] = list(p._ready)
+                await asyncio.sleep(0.002)
+                p.set_version(step)
+            watcher.cancel()
+            assert_accounting(p)
+        return p, batches, left
+
+    p, batches, _ = asyncio.run(run(0, lambda i: i % 2 == 0 if i < 8 else False))
+    assert p.step_metrics(2)["over_requested"] == 4
+    assert p.num_stale_dropped == 4  # the surplus of step 2's wave of 8
+    assert all({g.version_started for g in batches[s]} == {s - 1} for s in batches)
+    p, batches, left = asyncio.run(run(1, lambda i: i % 2 == 0 if i < 12 else i % 5 == 0))
+    assert p.num_over_requested > 0 and any(left.values())
+    for step in range(1, 5):
+        kept = [g.index for g in left[step] if g.version_started >= step - 1]  # allowed at step + 1
+        assert [g.index for g in batches[step + 1]][: len(kept)] == kept[:4]
+    assert all(s - 1 - g.version_started <= 1 for s in batches for g in batches[s])
