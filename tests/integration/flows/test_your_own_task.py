@@ -1,22 +1,26 @@
 """What a TRL user does, end to end (issue 40, docs/guides/your-own-task.md): a JSONL of
 chat-message prompts with an answer column, the page's `rewards.py` (one plain function in TRL's
-form), a chat model of a real architecture (a tiny Qwen3 with Qwen's chat template, built here),
+form), a chat model of a real architecture (a tiny Llama whose tokenizer has a chat template),
 `rollflow run` given five keys, then `rollflow status` as the page shows it.
 
-The task: "Say red. (412)" → "red", one of six words, the number a nonce that makes every prompt
-its own. The model is warm-started as an instruct model would come: five supervised steps on
-prompts of the task's form (nonces the data does not use), which teach the answer's form and a
-little of the task: held-out greedy reward 0.385 (10 of 26 held-out prompts). GRPO at the
-defaults (lr 1e-4, 8 completions a prompt, 40 steps) raised it in three measured runs: 0.615,
-0.462 and 0.885 at step 40 (one run with train_batch_size = 16 instead fell, to 0.269). Where it ends varies: within ~10 steps the tiny model answers each prompt
-the same way 8 times out of 8, those groups have no advantage and are dropped, and learning
-stalls wherever it got to (the defaults have no entropy bonus, and five keys leave none to set).
-So the bar is modest: above ``THRESHOLD``, at least one more held-out prompt right than the
-warm start.
+The run rides on the suite's shared vLLM server (conftest.py's ``vllm_server``), as a TRL user's
+``vllm_mode="server"`` run samples from a `trl vllm-serve` started apart: the environment names
+it (``ROLLFLOW_VLLM_URLS``, ``ROLLFLOW_VLLM_KEY``), and the run replaces the weights it serves
+(the session's first model) with its trainer's before the first sample. So the model is that
+model's architecture and vocabulary: the character Llama, its tokenizer given a chat template in
+its own characters (``role: content<eos>``, then ``assistant: ``). Afterwards the server gets
+the session's weights back.
 
-No external vLLM server: `rollflow run` starts its own (the CPU build), as every run test does;
-it has no setting to use a server started elsewhere, and the suite's shared server
-(conftest.py's ``vllm_server``) serves a character model without a chat template.
+The task: "say red (412)" → "red", one of six words, the number a nonce that makes every prompt
+its own. The model is warm-started as an instruct model would come, knowing half the task: 80
+supervised steps on prompts of the task's form (nonces the data does not use), the first three
+words answered right, the other three right a fifth of the time and else with one of the first
+three. Greedy, it answers 0.58 of the 43 held-out prompts right (the first three words); sampled,
+it is sometimes right on the others, which GRPO at the defaults (lr 1e-4, 8 completions a prompt,
+40 steps) makes its answer: held-out 0.58 → 0.79 by step 20 (measured once, 2026-12-06, on two
+busy cores). The bar, ``THRESHOLD``, is five held-out prompts more than the warm start's; the
+warm start's own figure at step 0 shows that the server sampled the trainer's policy (the
+server's own, random weights answer none right).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -32,8 +37,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from rollflow.infra.models.tiny_chat import save_tiny_chat_model
+from rollflow.infra.models.tiny import add_chat_template
+from rollflow.infra.vllm_fleet import keys
 
+from conftest import restore_weights
 from run_support import env_for
 
 pytestmark = pytest.mark.slow
@@ -41,7 +48,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "guides" / "your-own-task.md"
 WORDS = ("yes", "no", "red", "blue", "cat", "dog")
-THRESHOLD = 0.42  # held-out reward after step 0; the warm start's is 0.385 (10/26)
+THRESHOLD = 0.68  # held-out reward after step 0; the warm start's is 0.58 (25 of 43 prompts)
 # Five keys, as a TRL user gives GRPOTrainer a model, reward_funcs, a dataset and a batch size.
 CONFIG = """\
 [model]
@@ -82,29 +89,34 @@ def rows(seed: int) -> list[dict]:
     nonces = rng.sample(range(100, 1000), 300)
     return [
         {
-            "prompt": [{"role": "user", "content": f"Say {WORDS[i % len(WORDS)]}. ({n})"}],
+            "prompt": [{"role": "user", "content": f"say {WORDS[i % len(WORDS)]} ({n})"}],
             "answer": WORDS[i % len(WORDS)],
         }
         for i, n in enumerate(nonces)
     ]
 
 
-def warm_start_format(model_dir: Path, steps: int = 5) -> None:
-    """A few supervised steps on prompts of the task's form (then EOS), every prompt new (nonces
-    the data does not use): the answer's form and a little of the task."""
+def warm_start_format(model_dir: Path, steps: int = 80, right: float = 0.2) -> None:
+    """Supervised steps on prompts of the task's form (then EOS), every prompt new (nonces the
+    data does not use), labelled as a model that knows half the task would answer: the first
+    three words right, the others right ``right`` of the time, else one of the first three."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     rng = random.Random(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 14 s; on two threads of two busy cores, 59 s
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(steps):
         batch = []
         for _ in range(16):
             word = rng.choice(WORDS)
-            content = f"Say {word}. ({rng.randrange(1000, 10000)})"
+            content = f"say {word} ({rng.randrange(1000, 10000)})"
+            if word in WORDS[3:] and rng.random() >= right:
+                word = rng.choice(WORDS[:3])
             messages = [{"role": "user", "content": content}]
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             prompt = tok(text, add_special_tokens=False)["input_ids"]
@@ -119,31 +131,38 @@ def warm_start_format(model_dir: Path, steps: int = 5) -> None:
         model(input_ids=ids, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
+    torch.set_num_threads(threads)
     model.save_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, vllm_server, vllm_model_dirs):
     """The user's folder after `rollflow run task.toml` and `rollflow status --config task.toml`
-    in it: (folder, run's output, status's output)."""
+    in it, the run on the shared vLLM server: (folder, run's output, status's output)."""
     home = tmp_path_factory.mktemp("own")
     data = rows(seed=1)
     (home / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
     (home / "rewards.py").write_text(page_file("rewards.py"))
     (home / "task.toml").write_text(CONFIG)
-    warm_start_format(save_tiny_chat_model("qwen3", home / "model", seed=0))
+    model = add_chat_template(shutil.copytree(vllm_model_dirs[0], home / "model"))
+    warm_start_format(model)
+    env = env_for(home)
+    env.update(ROLLFLOW_VLLM_URLS=vllm_server.url, ROLLFLOW_VLLM_KEY=keys.key_for(vllm_server.url))
     outs = []
-    for command in (["run", "task.toml"], ["status", "--config", "task.toml"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "rollflow.cli", *command],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env_for(home),
-            cwd=home,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        outs.append(proc.stdout)
+    try:
+        for command in (["run", "task.toml"], ["status", "--config", "task.toml"]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "rollflow.cli", *command],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env=env,
+                cwd=home,
+            )
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            outs.append(proc.stdout)
+    finally:
+        restore_weights(vllm_server, vllm_model_dirs[0])  # the session's policy for the next
     return home, *outs
 
 
@@ -160,7 +179,9 @@ def test_held_out_reward_rises_above_the_threshold(run):
     found = re.search(r"held-out reward ([\d.]+) \(step 0\) -> ([\d.]+) \(step (\d+)\)", out)
     assert found, out[-2000:]
     start, end = float(found.group(1)), float(found.group(2))
-    assert start <= 0.45, f"the warm start already knew the task ({start})"
+    assert start <= 0.65, f"the warm start already knew the task ({start})"
+    # The server's own weights (random) answer none right: it sampled the trainer's policy.
+    assert start >= 0.15, f"step 0's held-out reward {start}: not the warm start's policy"
     [run_dir] = (home / "runs").iterdir()
     metrics = pd.concat(
         pd.read_parquet(p) for p in sorted((run_dir / "metrics").glob("step=*.parquet"))
