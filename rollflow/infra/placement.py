@@ -309,12 +309,12 @@ def make_plan(cfg: RunConfig, machine: Machine) -> Plan:
         )
     sites = Sites.of(cfg)
     inf_device = (
-        _placed_device(inf.device, machine)
+        _placed_device("inference", inf.device, machine, placed=sites.servers_placed)
         if sites.servers_away
         else _device("inference", inf.device, inf.devices, machine)
     )
     tr_device = (
-        _placed_device(tr.device, machine)
+        _placed_device("trainer", tr.device, machine, placed=True)
         if sites.node0_placed
         else _device("trainer", tr.device, tr.devices, machine)
     )
@@ -589,12 +589,28 @@ def _check_vllm_build(device: Device, machine: Machine, placed: bool) -> None:
         )
 
 
-def _placed_device(value: str, machine: Machine) -> Device:
-    """The device of a process placed on a host of its own, whose GPUs only the config can say:
-    ``auto`` is CPU where this machine has no GPUs either, CUDA otherwise."""
-    if value == "auto":
-        return "cpu" if not machine.gpus else "cuda"
-    return value
+PLACING = {"inference": "inference.server_deployment", "trainer": "trainer.node_deployment"}
+WHO = {"inference": "vLLM servers", "trainer": "trainer's nodes"}
+
+
+def _placed_device(section: str, value: str, machine: Machine, placed: bool) -> Device:
+    """The device of a process on a host of its own, whose GPUs only the config can say:
+    ``auto`` is CUDA where this machine has GPUs (a cluster of one kind). Where it has none,
+    ``auto`` cannot say: a GPU pool's hosts would be told CPU (and a pool asked for no GPU), so a
+    ``placed`` process (a flow run Prefect places) needs the device named; a server started
+    before the run keeps what it was started with, and only the trainer's side (CPU here) sets
+    the wire."""
+    if value != "auto":
+        return value  # type: ignore[return-value]
+    if machine.gpus:
+        return "cuda"
+    if placed:
+        raise PlanError(
+            f"{section}.device = 'auto' with {PLACING[section]}: the {WHO[section]} run on "
+            "hosts of their own, whose GPUs this host (which has none) cannot see; set "
+            f"{section}.device = 'cuda' where their hosts have GPUs, or 'cpu'"
+        )
+    return "cpu"
 
 
 def _device(section: str, value: str, devices, machine: Machine) -> Device:

@@ -223,9 +223,11 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
                 "trainer.master_addr=auto",  # node 0's host's own, as a pool's pod learns it
                 f"trainer.master_port={free_port(host0.address)}",
                 "trainer.node_deployment=rollflow-trainer-node/default",
+                "trainer.device=cpu",  # placed from a host without GPUs: named, never auto
                 "trainer.node_queues=['host-1', 'default']",  # node 0 on host 1
                 "inference.num_servers=2",
                 "inference.server_deployment=rollflow-inference-server/default",
+                "inference.device=cpu",
                 "inference.server_queues=['default', 'host-1']",
                 f'run.storage_options={{endpoint_url="{endpoint}"}}',
             ]

@@ -320,6 +320,30 @@ def test_a_placed_process_takes_its_own_hosts_gpus_never_the_run_hosts(visible):
         assert mixed.trainer_nodes[0].env == {"CUDA_VISIBLE_DEVICES": "4,5"}
 
 
+@pytest.mark.parametrize(
+    "placing, section",
+    [
+        (PLACED, "inference"),
+        (
+            ("trainer.node_deployment='rollflow-trainer-node/default'", "trainer.master_addr=auto"),
+            "trainer",
+        ),
+    ],
+)
+def test_placed_auto_on_a_run_host_without_gpus_is_refused_naming_the_device(placing, section):
+    """Issue 42 item 6: ``auto`` on a CPU-only run host planned every placed process as CPU (a
+    GPU pool asked for no GPU; TP=2 then failed with "invalid device ordinal"). The run's host
+    cannot see the others' GPUs: there, the device must be named; on a GPU host ``auto`` is
+    CUDA (a cluster of one kind), and a named device is taken as named."""
+    with pytest.raises(PlanError, match=rf"{section}\.device = 'auto' with .*'cuda' .* or 'cpu'"):
+        make_plan(cfg(*placing), Machine(gpus=0))
+    assert {p.device for p in make_plan(cfg(*placing), Machine(gpus=4)).processes} == {"cuda"}
+    named = make_plan(cfg(*placing, f"{section}.device='cuda'"), Machine(gpus=0))
+    assert {p.device for p in named.processes if p.role == section} == {"cuda"}
+    servers_started = make_plan(cfg('inference.urls=["http://127.0.0.1:8000"]'), Machine(gpus=0))
+    assert servers_started.servers[0].device == "cpu"  # started already: the wire is the trainer's
+
+
 def test_a_placed_process_resolves_its_gpus_against_its_own_hosts_list():
     """Where it runs (its flow run): positions through its host's CUDA_VISIBLE_DEVICES; a host
     that holds fewer fails naming its list."""

@@ -260,6 +260,7 @@ def test_the_runs_services_hand_the_storage_secrets_name_to_its_placed_servers(
         f"run.storage='{tmp_path}'",
         "run.storage_secret='creds'",
         "inference.server_deployment='rollflow-inference-server/default'",
+        "inference.device='cpu'",  # (auto: refused, the run's host has no GPU to go by)
         "trainer.master_addr='192.0.2.1'",
     )
     run = RunServices(cfg, "/m", None, tmp_path / "logs", lambda _: None, Machine(gpus=0))
