@@ -184,6 +184,14 @@ class RunStorage:
             _parquet_bytes(pa.Table.from_pylist([row])),
         )
 
+    def read_step_metrics(self, step: int) -> dict[str, Any] | None:
+        """One step's metrics row (None where the step wrote none)."""
+        try:
+            rows = self._read_parquet(self.path("metrics", f"step={step}.parquet")).to_pylist()
+        except FileNotFoundError:
+            return None
+        return rows[0] if rows else None
+
     def read_metrics(self) -> list[dict[str, Any]]:
         try:
             files = self.fs.glob(self.path("metrics", "step=*.parquet"))

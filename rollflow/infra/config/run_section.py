@@ -65,6 +65,11 @@ class RunSection(Section):
         description="Keep the last N committed checkpoints, removing older ones after each new "
         "one commits (never the latest nor the one the run resumed from); None: keep all.",
     )
+    keep_best_checkpoint: bool = Field(
+        True,
+        description="With keep_checkpoints: keep also the checkpoint of the step with the best "
+        "held-out reward so far (evaluated at that step), whatever its age.",
+    )
     max_reruns: int = Field(
         2,
         ge=0,

@@ -24,6 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.infra.config import TrainSection
 from rollflow.infra.context import RunContext
+from rollflow.infra.metric_names import Metric
 from rollflow.infra.moments import PerEnvMoments
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.trainer.protocol import ForwardBackwardReply, OptimStepReply, SavedReply
@@ -201,9 +202,25 @@ def train(
 def checkpoint(ctx: RunContext, step: int) -> SavedReply:
     """Save model, optimizer, schedule, RNG and step to ``checkpoints/step=N``: the step's commit
     point. Then, with run.keep_checkpoints, remove older checkpoints (only now that this one's
-    ``_SUCCESS`` exists), never the one the trainer resumed from."""
+    ``_SUCCESS`` exists), never the one the trainer resumed from, nor (run.keep_best_checkpoint)
+    the best by held-out reward among those evaluated."""
     saved = trainer_client(ctx).save_checkpoint(step)
-    keep = ctx.config.run.keep_checkpoints
-    if keep is not None:
-        ctx.storage.keep_last("checkpoints", keep, protect=(ctx.resumed_from,))
+    run = ctx.config.run
+    if run.keep_checkpoints is not None:
+        protect = (ctx.resumed_from,)
+        if run.keep_best_checkpoint:
+            protect += best_evaluated(ctx.storage)
+        ctx.storage.keep_last("checkpoints", run.keep_checkpoints, protect=protect)
     return saved
+
+
+def best_evaluated(storage) -> tuple[int, ...]:
+    """The committed checkpoint whose step's held-out reward is the best so far (the first of
+    equals), or none where no checkpointed step was evaluated. Reads the metrics of the kept
+    checkpoints' steps only (a few files, however long the run)."""
+    evaluated = []
+    for step in storage.committed_steps("checkpoints"):
+        reward = (storage.read_step_metrics(step) or {}).get(Metric.EVAL_REWARD)
+        if isinstance(reward, int | float) and math.isfinite(reward):
+            evaluated.append((reward, -step))
+    return (-max(evaluated)[1],) if evaluated else ()

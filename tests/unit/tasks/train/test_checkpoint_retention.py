@@ -26,16 +26,20 @@ class SavingTrainer:
         return {"step": step}
 
 
-def _run(tmp_path, monkeypatch, keep, resumed_from, steps):
+def _run(tmp_path, monkeypatch, keep, resumed_from, steps, evals=None, best=True):
+    """Checkpoint ``steps`` in turn; ``evals``: held-out reward by step, each step's metrics
+    written after its checkpoint as the run does (None: no evaluation)."""
     storage = RunStorage(str(tmp_path), "run")
     monkeypatch.setattr(train_task, "trainer_client", lambda ctx: SavingTrainer(storage))
     ctx = SimpleNamespace(
-        config=SimpleNamespace(run=RunSection(keep_checkpoints=keep)),
+        config=SimpleNamespace(run=RunSection(keep_checkpoints=keep, keep_best_checkpoint=best)),
         storage=storage,
         resumed_from=resumed_from,
     )
     for step in steps:
         train_task.checkpoint.fn(ctx, step)
+        reward = (evals or {}).get(step)
+        storage.write_metrics(step, {} if reward is None else {"eval_reward": reward})
     return storage
 
 
@@ -71,3 +75,15 @@ def test_a_removal_cut_short_leaves_nothing_that_counts(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "checkpoints" / "step=1" / SUCCESS).exists()
     assert (tmp_path / "run" / "checkpoints" / "step=1" / "model.safetensors").exists()
     assert storage.committed_steps("checkpoints") == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("best", "kept"),
+    [(True, [4, 8, 10]), (False, [8, 10])],
+)
+def test_the_best_by_held_out_reward_is_kept_too(tmp_path, monkeypatch, best, kept):
+    """run.keep_best_checkpoint: step 4's held-out reward is the best (0.9; step 8's 0.7, a tie
+    of step 6's 0.9 is the later one, not kept), so its checkpoint stays beside the last two."""
+    evals = {2: 0.5, 4: 0.9, 6: 0.9, 8: 0.7, 10: float("nan")}
+    storage = _run(tmp_path, monkeypatch, 2, 0, [2, 4, 6, 8, 10], evals, best=best)
+    assert storage.committed_steps("checkpoints") == kept
