@@ -46,7 +46,7 @@ def test_the_environment_names_the_servers_where_the_config_names_none(monkeypat
         ([f'inference.urls=["{URL}"]', "inference.max_servers=2"], "inference.max_servers"),
         ([f'inference.urls=["{URL}"]', "inference.num_servers=3"], "inference.num_servers = 3"),
         ([f'inference.urls=["{URL}"]', 'inference.server_deployment="a/b"'], "server_deployment"),
-        (['inference.urls=["http://10.1.2.3:8000"]'], "trainer.master_addr = '127.0.0.1'"),
+        (['inference.urls=["http://192.0.2.3:8000"]'], "trainer.master_addr = '127.0.0.1'"),
         (
             [f'inference.urls=["{URL}"]', "train.lora.rank=8", 'train.lora.sync="adapter"'],
             "train.lora.sync = 'adapter'",
@@ -59,15 +59,15 @@ def test_a_config_that_cannot_use_the_servers_names_the_keys(overrides, named):
 
 
 def test_the_plan_starts_no_server_and_says_where_each_serves():
-    cfg = config('inference.urls=["http://10.1.2.3:8000"]', 'trainer.master_addr="10.1.2.9"')
+    cfg = config('inference.urls=["http://192.0.2.3:8000"]', 'trainer.master_addr="192.0.2.9"')
     on_gpus = Machine(gpus=2, cpus=16, cores=tuple(range(16)), driver_gpus=2)
     plan = make_plan(cfg, on_gpus)
     [server] = plan.servers
-    assert server.started_by == "you" and server.url == "http://10.1.2.3:8000"
+    assert server.started_by == "you" and server.url == "http://192.0.2.3:8000"
     assert server.gpus == () and server.env == {}  # its GPUs are its own host's
     assert server.device == "cuda" and plan.wire.backend == "nccl"
-    assert plan.group_host == "10.1.2.9"  # its workers join the weight group there
-    assert "http://10.1.2.3:8000" in plan.render()
+    assert plan.group_host == "192.0.2.9"  # its workers join the weight group there
+    assert "http://192.0.2.3:8000" in plan.render()
     [node] = plan.trainer_nodes
     assert node.gpus == (0,)  # the machine's GPUs are the trainer's alone
 
