@@ -130,7 +130,9 @@ WORKLOADS = {
         3,
     ),
     # Tasks written for issue 28 and tuned on by nobody: rollflow's defaults were chosen before
-    # they existed. The thresholds sit between the warm start (~0.5) and the plateau.
+    # they existed. The thresholds sat between the warm start (~0.5) and the plateau; since the
+    # quickstart's warm start of 2026-12-06 it begins at 0.80-0.87 on (r) and 0.82-0.87 on (s),
+    # so (s)'s threshold is 0.93 (was 0.8, met at the start; both sides reached 0.93 on seeds 0-4).
     "r": tiny(
         "unseen string transformation: quickstart model (~0.4M), reverse 3-5 letters, ≤ 8 tokens",
         ["envs=[{name='reverse_letters', args={letters='abcdefgh', min_len=3, max_len=5}}]"],
@@ -144,7 +146,7 @@ WORKLOADS = {
             "envs=[{name='shift_letters', args={letters='abcdefgh', min_len=3, max_len=5, "
             "max_shift=3}}]"
         ],
-        0.8,
+        0.93,
         3000,
         5,
     ),
