@@ -230,16 +230,23 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         step_1 = storage / "quickstart" / "checkpoints" / "step=1" / "_SUCCESS"
         wait_until(lambda: step_1.exists() or finished(), RUN_DEADLINE_S, "step 1's checkpoint")
 
-        def frozen_after_step_1() -> bool:
-            tree = _host_processes(worker)
-            _signal_all(tree, signal.SIGSTOP)
-            if _step_completed(api, flow_run_id, "quickstart-step-1") or finished():
-                return True
-            _signal_all(tree, signal.SIGCONT)
-            time.sleep(0.2)
-            return False
+        def freeze_after_step_1(deadline_s: float = 120) -> None:
+            """Frozen, read the API; not yet: run on for 20 ms and again. Step 2 commits ~0.4 s of
+            the host's time after step 1's flow run completes (seen with dynamic sampling's
+            over-request: its rollouts were ready), so the host must never run for long
+            between two looks (wait_until's 0.5 s naps let step 2 commit first)."""
+            end = time.monotonic() + deadline_s
+            while True:
+                tree = _host_processes(worker)
+                _signal_all(tree, signal.SIGSTOP)
+                if _step_completed(api, flow_run_id, "quickstart-step-1") or finished():
+                    return
+                _signal_all(tree, signal.SIGCONT)
+                if time.monotonic() > end:
+                    raise TimeoutError(f"step 1's flow run completed not within {deadline_s}s")
+                time.sleep(0.02)
 
-        wait_until(frozen_after_step_1, 120, "step 1's flow run completed", logs)
+        freeze_after_step_1()
         assert _heartbeat_sent(api, flow_run_id), "the run sent no heartbeat: nothing to miss"
         assert not ended(flow_run_id), f"the run ended before its host could be lost\n{logs()}"
         assert not (step_1.parent.parent / "step=2" / "_SUCCESS").exists()

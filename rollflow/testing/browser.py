@@ -10,6 +10,7 @@ says what it waited for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -123,14 +124,18 @@ def submit_run_form(
     # failed shows "Something went wrong" and leaves the form as it was: submitted again, as a
     # user would, while the API holds no new flow run (at most SUBMIT_TRIES times).
     new: set[str] = set()
+    failed = lambda: page.get_by_text("Something went wrong").count()  # noqa: E731
     try:
         for _ in range(SUBMIT_TRIES):
             submit.scroll_into_view_if_needed()
-            submit.click()
+            if failed():  # a toast left over lies over the button: its click goes to the button
+                submit.dispatch_event("click")
+            else:
+                submit.click()
             end = time.monotonic() + SUBMIT_S
             while not new and time.monotonic() < end:
                 new = set(_flow_runs_of(api, deployment)) - before
-                if new or page.get_by_text("Something went wrong").count():
+                if new or failed():
                     break
                 time.sleep(1.0)
             if new:
@@ -139,9 +144,12 @@ def submit_run_form(
             new = set(_flow_runs_of(api, deployment)) - before
             if new:
                 break
-            close = page.get_by_role("button", name="Close")
-            if close.count():
-                close.first.click()
+            # The toast's countdown ring lies over its close button and takes the pointer (a
+            # click timed out on it): the click event goes to the button itself.
+            for close in page.get_by_role("button", name="Close").all():
+                close.dispatch_event("click")
+            with contextlib.suppress(TimeoutError):
+                wait_for(lambda: not failed(), 10, "the error toast closed")
         if not new:
             raise TimeoutError(f"no new flow run after {SUBMIT_TRIES} submits")
     except Exception as exc:  # noqa: BLE001 - said with what the page shows
