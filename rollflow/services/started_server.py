@@ -24,6 +24,7 @@ import httpx
 
 from rollflow.inference import protocol
 from rollflow.infra import http
+from rollflow.infra.config.loading import URLS_ENV
 from rollflow.infra.errors import ConfigError, InferenceError
 from rollflow.infra.vllm_fleet import keys
 
@@ -155,13 +156,13 @@ def serve(cfg, policy, host: str, port: int, dry_run: bool = False, out=print) -
         api_key=given or None,
     )
     hand_over = [
-        f"  export ROLLFLOW_VLLM_URLS={server.url}",
+        f"  export {URLS_ENV}={server.url}",
         f"  export {protocol.KEY_ENV}="
         + (f"<the {protocol.KEY_ENV} of this shell>" if given else server.api_key),
     ]
     if dry_run:
         out(f"{protocol.KEY_ENV}=... {shlex.join(server.command())}")
-        out(f"a run uses it with ROLLFLOW_VLLM_URLS={server.url} and its {protocol.KEY_ENV}")
+        out(f"a run uses it with {URLS_ENV}={server.url} and its {protocol.KEY_ENV}")
         return 0
     out(f"starting vLLM for {policy} at {server.url} (log: {server.log_path})")
     server.start()
