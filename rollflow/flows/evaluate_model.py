@@ -86,9 +86,7 @@ def _serve_and_evaluate(cfg: RunConfig, model_dir: Path, k: int, log: Path) -> E
     import torch
 
     inf = cfg.inference
-    args = ["--dtype", inf.serving_dtype(on_gpu=torch.cuda.is_available())]
-    if inf.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(inf.tensor_parallel_size)]
+    args = inf.standalone_vllm_args(on_gpu=torch.cuda.is_available())
     server = InferenceServer(
         model_dir,
         max_model_len=max_model_len(model_dir),

@@ -145,10 +145,11 @@ class RunServices:
             )
             self.weights.join(self.trainer, keeper.servers(), keeper.num_workers())
             if cfg.inference.urls:  # they serve what they were started with: the policy now
-                self.weights.publish(self.trainer, self.inference_urls, self.checkpoint_step or 0)
+                version = self.checkpoint_step or 0
+                self.weights.publish(self.trainer, self.inference_urls, version)
                 self.progress(
-                    f"services: the servers started before the run now serve the trainer's "
-                    f"policy (version {self.checkpoint_step or 0})"
+                    "services: the servers started before the run now serve the trainer's "
+                    f"policy (version {version})"
                 )
             for sup in keeper.supervisors:
                 sup.open_gate(keeper.weight_link_of_servers())

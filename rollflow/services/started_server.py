@@ -138,9 +138,7 @@ def serve(cfg, policy, host: str, port: int, dry_run: bool = False, out=print) -
 
     inf = cfg.inference
     on_gpu = inf.device == "cuda" or (inf.device == "auto" and Machine.here().gpus > 0)
-    args = ["--dtype", inf.serving_dtype(on_gpu=on_gpu)]
-    if inf.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(inf.tensor_parallel_size)]
+    args = inf.standalone_vllm_args(on_gpu=on_gpu)
     if inf.gpu_memory_utilization is not None and on_gpu:
         args += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
     given = os.environ.get(protocol.KEY_ENV, "")

@@ -65,7 +65,7 @@ class WeightGroupLink:
         with contextlib.suppress(WeightSyncError):
             weights.leave(trainer, urls, timeout_s=self.timeout_s)
         weights.join(trainer, servers, self.spec_for(num_workers), self.timeout_s)
-        weights.publish(trainer, urls, version, self.timeout_s)
+        self.publish(trainer, urls, version)
 
     def close(self, trainer, urls: Sequence[str], said: Callable[[str], None]) -> None:
         """Close the group on every side where it was formed; a dead peer is said, not raised."""

@@ -170,6 +170,14 @@ class InferenceSection(Section):
         if self.num_servers != len(self.urls):  # (the assignment validates the section again)
             self.num_servers = len(self.urls)
 
+    def standalone_vllm_args(self, on_gpu: bool) -> list[str]:
+        """The `vllm serve` flags of a server started outside a run's plan (`rollflow eval`'s,
+        `rollflow serve`'s): the serving dtype and tensor parallelism."""
+        args = ["--dtype", self.serving_dtype(on_gpu=on_gpu)]
+        if self.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        return args
+
     def serving_dtype(self, on_gpu: bool) -> str:
         """The dtype a server on a GPU (or on CPU) serves: the one owner of that choice."""
         if self.dtype != "auto":
