@@ -83,7 +83,17 @@ def main() -> int:
         )
 
     try:
-        start("server", [str(bin_dir / "prefect"), "server", "start", "--port", str(port)])
+        start(
+            "server",
+            [
+                str(bin_dir / "rollflow"),
+                "ui",
+                "--port",
+                str(port),
+                "--home",
+                str(tmp / "prefect-home"),
+            ],
+        )
         wait_for(lambda: _answers(f"{api}/health"), 180, f"prefect server at {api}")
         subprocess.run(
             [str(bin_dir / "rollflow"), "deploy", "configs/quickstart.toml"],

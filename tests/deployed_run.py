@@ -34,6 +34,8 @@ import psutil
 import yaml
 
 from rollflow.infra import http
+from rollflow.infra.prefect_server import server_command
+from rollflow.infra.prefect_ui import server_env
 from rollflow.infra.processes import free_port
 from rollflow.testing.browser import FormRun
 
@@ -170,9 +172,9 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
     try:
         server = Service(
             "prefect server",
-            [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],  # its UI
+            server_command("127.0.0.1", port, log_level="warning"),  # rollflow ui's, its UI on
             tmp / "server.log",
-            env,
+            {**env, **server_env("127.0.0.1", port)},
         )
         services.append(server)
         wait_until(

@@ -11,7 +11,6 @@ nobody can open its UI, and it ends with the run.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,10 +25,11 @@ from prefect.settings import (
 
 from rollflow.infra import http
 from rollflow.infra.errors import ServiceError
+from rollflow.infra.prefect_server import server_command
 from rollflow.infra.processes import ManagedProcess, free_port
 
 START_SERVER_HINT = (
-    "start one with `prefect server start` (in another terminal), then "
+    "start one with `rollflow ui` (in another terminal), then "
     "`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`"
 )
 
@@ -155,25 +155,7 @@ def local_prefect_api(timeout_s: float = 120.0) -> Iterator[str | None]:
 
 def private_api_command(port: int) -> list[str]:
     """The private API's server process: Prefect's app as ``prefect_server.create_app`` makes it."""
-    return [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--app-dir",
-        str(Path(__file__).resolve().parents[2]),
-        "--factory",
-        "rollflow.infra.prefect_server:create_app",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "error",
-        "--lifespan",
-        "on",
-        "--ws-per-message-deflate",
-        "false",
-    ]
+    return server_command("127.0.0.1", port)
 
 
 def private_api_env(settings) -> dict[str, str]:

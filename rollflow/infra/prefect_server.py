@@ -1,4 +1,5 @@
-"""The app of the private Prefect API that ``rollflow run`` starts when none is configured.
+"""The app of the Prefect server rollflow starts: the private API of ``rollflow run`` (when none
+is configured) and ``rollflow ui``'s server, its UI and services on.
 
 It is Prefect's own server app with these changes:
 
@@ -25,21 +26,54 @@ use PostgreSQL there, as Prefect recommends.
 
 from __future__ import annotations
 
+import sys
 from contextlib import asynccontextmanager
 from datetime import timedelta
-
-from prefect.server.api.server import create_app as prefect_create_app
-from prefect.server.database.configurations import AioSqliteConfiguration
-
-_deferred_begin = AioSqliteConfiguration.begin_transaction
+from pathlib import Path
 
 DOCKET_POLL_S = 2.0
 
 
-@asynccontextmanager
-async def _immediate_begin(self, session, with_for_update: bool = False):
-    async with _deferred_begin(self, session, with_for_update=True) as transaction:
-        yield transaction
+def server_command(host: str, port: int, log_level: str = "error") -> list[str]:
+    """The command that serves ``create_app`` on ``host:port``: the private API's and
+    ``rollflow ui``'s (prefect_ui.py) server alike. The environment says which parts it runs
+    (UI, services): Prefect's ``create_app`` reads ``PREFECT__SERVER_*`` and ``PREFECT_UI_*``."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(Path(__file__).resolve().parents[2]),
+        "--factory",
+        "rollflow.infra.prefect_server:create_app",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-level",
+        log_level,
+        "--lifespan",
+        "on",
+        "--ws-per-message-deflate",
+        "false",
+    ]
+
+
+def _serialised_sqlite_writers() -> None:
+    """Every SQLite write transaction begins IMMEDIATE (module docstring)."""
+    from prefect.server.database.configurations import AioSqliteConfiguration
+
+    deferred_begin = AioSqliteConfiguration.begin_transaction
+    if getattr(deferred_begin, "_rollflow", False):
+        return
+
+    @asynccontextmanager
+    async def immediate_begin(self, session, with_for_update: bool = False):
+        async with deferred_begin(self, session, with_for_update=True) as transaction:
+            yield transaction
+
+    immediate_begin._rollflow = True
+    AioSqliteConfiguration.begin_transaction = immediate_begin
 
 
 def _slower_docket_polls() -> None:
@@ -82,7 +116,9 @@ def _lighter_api_middleware(app) -> None:
 
 def create_app():
     """Prefect's API app, its SQLite writers serialised, lighter per request (module docstring)."""
-    AioSqliteConfiguration.begin_transaction = _immediate_begin
+    from prefect.server.api.server import create_app as prefect_create_app
+
+    _serialised_sqlite_writers()
     _slower_docket_polls()
     app = prefect_create_app()
     _lighter_api_middleware(app)

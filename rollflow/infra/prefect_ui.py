@@ -3,7 +3,10 @@
     rollflow ui                       # http://127.0.0.1:4200 (or a free port), until Ctrl-C
     PREFECT_API_URL=http://127.0.0.1:4200/api rollflow run configs/quickstart.toml
 
-It is Prefect's own ``prefect server start`` (UI and API), run as a managed process
+It is Prefect's own server (UI, API and services), as ``prefect server start`` runs it, but with
+the app of infra/prefect_server.py: SQLite writers serialised, so concurrent runs, workers and the
+UI's run form do not fail with "database is locked" (the stock server answered a browser's run
+form with that toast under one run's writes). It runs as a managed process
 (infra/processes.py: its own process group, a log file, a bounded stop), with a persistent
 database under ``~/.rollflow/prefect`` (``PREFECT_HOME``; ``--home`` moves it), so runs stay in
 the UI from one start to the next. A run given ``PREFECT_API_URL`` reports to it instead of
@@ -19,12 +22,12 @@ from __future__ import annotations
 
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from rollflow.infra import http
+from rollflow.infra.prefect_server import server_command
 from rollflow.infra.processes import ManagedProcess, free_port
 
 DEFAULT_HOME = Path("~/.rollflow/prefect")
@@ -45,19 +48,25 @@ def pick_port(host: str, port: int | None) -> int:
             return free_port(host)
 
 
-def server_process(home: Path, host: str, port: int) -> ManagedProcess:
-    """``prefect server start`` with its UI, its database and log under ``home``."""
-    env = {
-        "PREFECT_HOME": str(home),
+def server_env(host: str, port: int, ui: bool = True) -> dict[str, str]:
+    """The environment of a lasting Prefect server on ``host:port``: services on (schedules,
+    late runs, automations, cancellation), its UI when ``ui``. Tests that need a server for
+    deployments start the same (tests/deployed_run.py)."""
+    return {
+        "PREFECT__SERVER_FINAL": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "true",
+        "PREFECT_UI_ENABLED": "true" if ui else "false",
         "PREFECT_UI_API_URL": f"http://{host}:{port}/api",
     }
+
+
+def server_process(home: Path, host: str, port: int) -> ManagedProcess:
+    """The server with its UI, its database and log under ``home``."""
     server = ManagedProcess(
         "prefect server",
-        [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
+        server_command(host, port, log_level="warning"),
         home / "server.log",
-        env=env,
+        env={"PREFECT_HOME": str(home), **server_env(host, port)},
     )
     server.env.pop("PREFECT_API_URL", None)  # the server is the API: never a client of another
     return server

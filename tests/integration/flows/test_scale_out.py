@@ -22,6 +22,8 @@ import pytest
 
 from rollflow.infra.config import LossConfig, load_config
 from rollflow.infra.placement import Machine
+from rollflow.infra.prefect_server import server_command
+from rollflow.infra.prefect_ui import server_env
 from rollflow.infra.processes import free_port
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.vllm_fleet.client import InferenceClient
@@ -201,9 +203,10 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
         services: list[Service] = []
         logs = lambda: "\n".join(s.tail() for s in services)  # noqa: E731
         try:
-            server = [*PREFECT, "server", "start", "--host", host0.address, "--port", str(port)]
+            server = server_command(host0.address, port, log_level="warning")
+            env_of_server = {**env, **server_env(host0.address, port, ui=False)}
             services.append(
-                Service("prefect server", [*server, "--no-ui"], tmp_path / "server.log", env)
+                Service("prefect server", server, tmp_path / "server.log", env_of_server)
             )
             wait_until(lambda: _healthy(api), 180, "prefect server healthy", logs)
             rollflow_deploy(env, config)

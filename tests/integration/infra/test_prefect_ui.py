@@ -1,7 +1,10 @@
-"""``rollflow ui``: a real ``prefect server`` with its UI, started, asked, and stopped."""
+"""``rollflow ui``: a real Prefect server with its UI, started, asked, written to by concurrent
+writers, and stopped."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import os
 import signal
 import subprocess
@@ -47,6 +50,10 @@ def test_rollflow_ui_serves_the_ui_and_api_prints_the_run_line_and_stops_on_sigt
         assert httpx.get(f"{url}/api/health", timeout=5).json() is True
         assert "<html" in httpx.get(url, timeout=5).text.lower()  # the UI itself
         assert (tmp_path / "prefect.db").is_file()  # the database persists under --home
+        answers = asyncio.run(_concurrent_flow_runs(f"{url}/api", writers=8, runs_each=10))
+        # Prefect's stock server answered 1352 of 1727 such writes with 503 "database is locked"
+        # (and dropped 270 connections) in 15 s of 16 writers; rollflow ui's serialises them.
+        assert answers == {"2xx": 8 * 10 * 3}, answers
         server_pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert server_pids
 
@@ -63,6 +70,43 @@ def test_rollflow_ui_serves_the_ui_and_api_prints_the_run_line_and_stops_on_sigt
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+async def _concurrent_flow_runs(api: str, writers: int, runs_each: int) -> dict[str, int]:
+    """``writers`` concurrent clients each create ``runs_each`` flow runs and move each to Running,
+    then Completed (3 writes per run, each a read then a write in SQLite); the answers, counted
+    by class (HTTP 2xx, the status otherwise, or the transport error's name)."""
+    answers: collections.Counter[str] = collections.Counter()
+
+    async def write(client: httpx.AsyncClient, path: str, body: dict) -> dict | None:
+        try:
+            response = await client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            answers[type(exc).__name__] += 1
+            return None
+        ok = response.is_success
+        answers["2xx" if ok else str(response.status_code)] += 1
+        return response.json() if ok else None
+
+    async with httpx.AsyncClient(base_url=api, timeout=60) as client:
+        flow = (await client.post("/flows/", json={"name": "concurrent-writers"})).json()["id"]
+
+        async def writer() -> None:
+            for _ in range(runs_each):
+                run = await write(
+                    client, "/flow_runs/", {"flow_id": flow, "state": _state("PENDING")}
+                )
+                for state in ("RUNNING", "COMPLETED") if run else ():
+                    await write(
+                        client, f"/flow_runs/{run['id']}/set_state", {"state": _state(state)}
+                    )
+
+        await asyncio.gather(*(writer() for _ in range(writers)))
+    return dict(answers)
+
+
+def _state(kind: str) -> dict:
+    return {"type": kind}
 
 
 def _alive(pid: int) -> bool:
