@@ -6,7 +6,8 @@ step 1 is committed its host is lost: the worker and every process under it SIGK
 so nobody reports anything. The silent-run automation marks the flow run Crashed after 3 missed
 heartbeats (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` = 30 s, Prefect's least), the heal automation
 reruns it (``rollflow-heal/crashed-run``), and a second worker (another host of the pool) runs
-the rerun, which resumes after step 1 and completes. The record is of the rerun, with the step
+the rerun, which resumes after step 1 and completes. While the server waits out the missed
+heartbeats, a user runs one step from the deployment's run form in Chromium, on the second worker. The record is of the rerun, with the step
 flow runs of both. (A process lost without its host, e.g. OOM-killed, is reported Crashed by its
 worker at once, Prefect's own doing; the heal chain after it is the same.)
 
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from uuid import UUID
 
@@ -254,19 +256,23 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         assert not (step_1.parent.parent / "step=2" / "_SUCCESS").exists()
         lost.append(worker)
         _kill_host(worker)
-        lost_at = time.monotonic()
+        lost_at = time.time()
         start_worker("test-worker-2")  # another host of the pool
+        # A user's run from the run form in a real browser, on the same server and the new
+        # worker, while the server waits out the lost run's missed heartbeats (the silence lasts
+        # 3 heartbeats whatever else runs: it was 90 s of the fixture's idle time).
+        form_run = _run_from_the_form(api, tmp / "shots", overrides, ended, logs)
         silent_s = 3 * HEARTBEAT_S
         wait_until(lambda: ended(flow_run_id), silent_s + 90, "the lost run marked Crashed", logs)
-        crashed_after_s = time.monotonic() - lost_at
+        crashed_after_s = _seconds_since(lost_at, ended(flow_run_id)["timestamp"])
         rerun_tag = f"rollflow-rerun-of:{flow_run_id}"
         wait_until(lambda: _tagged(api, rerun_tag), 120, "the heal automation's rerun", logs)
-        rerun_after_s = time.monotonic() - lost_at
         rerun_id = _tagged(api, rerun_tag)[0]["id"]
+        rerun_after_s = _seconds_since(
+            lost_at, prefect_api(api, f"/flow_runs/{rerun_id}")["created"]
+        )
         wait_until(lambda: ended(rerun_id), RUN_DEADLINE_S, "the rerun finished", logs)
         wait_until(lambda: ended(scale_run_id), 120, "the fleet action's flow run finished", logs)
-        # A user's run from the run form in a real browser, on the same server and worker.
-        form_run = _run_from_the_form(api, tmp / "shots", overrides, ended, logs)
         record = _read_back(api, rerun_id, storage, deploy_output, earlier=[flow_run_id])
         record.form_run = form_run
         assert record.flow_run["state"] == "COMPLETED", f"{record.flow_run}\n{logs()}"
@@ -299,6 +305,11 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
 
 
 FORM_RUN = "from-the-form"  # its run.name, typed into the form
+
+
+def _seconds_since(wall_s: float, timestamp: str) -> float:
+    """Seconds from ``wall_s`` (``time.time()``) to an API timestamp (ISO 8601, with its zone)."""
+    return datetime.fromisoformat(timestamp).timestamp() - wall_s
 
 
 def _run_from_the_form(api: str, shots: Path, overrides: list[str], ended, logs) -> FormRun | None:
