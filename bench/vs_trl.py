@@ -73,6 +73,7 @@ their first evaluation, which measured nothing. ``--threshold 0.8`` gives the ol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.machinery
 import json
 import os
@@ -484,6 +485,18 @@ def rollflow_side(spec: dict, tmp: Path) -> dict:
 # ------------------------------------------------------------------------------ main
 
 
+@contextlib.contextmanager
+def seed_folder(keep: Path | None, seed: int):
+    """A seed's folder: ``keep/seed-N`` (made, kept), or a temporary one."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="rollflow-bench-trl-") as tmp:
+            yield tmp
+        return
+    folder = keep / f"seed-{seed}"
+    folder.mkdir(parents=True, exist_ok=False)
+    yield str(folder)
+
+
 def common_steps(runs: list[dict]) -> dict[int, int]:
     """Per seed: the last evaluation every run of the seed reached (runs without one left out)."""
     ends: dict[int, int] = {}
@@ -641,6 +654,14 @@ def main() -> None:
     )
     parser.add_argument("--threshold", type=float)
     parser.add_argument(
+        "--eval-every",
+        type=int,
+        help="optimizer steps between evaluations (a multiple of --minibatches; default the "
+        "workload's, (a) 10 → 8). Evaluations far apart give the steps' cost without them: "
+        "rollflow generates the next batch while it evaluates (the training seconds leave the "
+        "evaluation out, and with it that generation)",
+    )
+    parser.add_argument(
         "--seeds",
         type=int,
         help="runs per side, run.seed = 0..N-1, and the medians' ratio; " + per_workload("seeds"),
@@ -680,6 +701,13 @@ def main() -> None:
         metavar="FILE",
         help="no runs: the wall-time summary (per side and rollflow / TRL) of --json-out files, "
         "their seeds merged",
+    )
+    parser.add_argument(
+        "--keep-runs",
+        type=Path,
+        metavar="DIR",
+        help="keep each seed's folder under DIR/seed-N (rollflow's run: metrics per step with "
+        "their phases, log, events), to see where a step's time goes",
     )
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both sides")
@@ -725,7 +753,8 @@ def main() -> None:
         "threshold": args.threshold or w["threshold"],
         # Both sides evaluate after the same optimizer steps: a multiple of K, where rollflow's
         # outer steps end (more evaluations are more chances for a noisy crossing).
-        "eval_every": args.minibatches * max(1, w["eval_every"] // args.minibatches),
+        "eval_every": args.minibatches
+        * max(1, (args.eval_every or w["eval_every"]) // args.minibatches),
         "max_steps": args.max_steps or w["max_steps"],
         "max_s": args.max_s,
         "staleness": args.staleness,
@@ -746,7 +775,7 @@ def main() -> None:
             **spec,
             "extra": [*args.overrides, f"run.seed={seed}"],
         }  # prompt order and sampling, both sides
-        with tempfile.TemporaryDirectory(prefix="rollflow-bench-trl-") as tmp:
+        with seed_folder(args.keep_runs, seed) as tmp:
             if args.only != "rollflow":
                 child = subprocess.run(
                     [sys.executable, __file__, "--trl-child", json.dumps({**run, "out": tmp})],

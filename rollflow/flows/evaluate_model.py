@@ -91,7 +91,7 @@ def _serve_and_evaluate(cfg: RunConfig, model_dir: Path, k: int, log: Path) -> E
         model_dir,
         max_model_len=max_model_len(model_dir),
         startup_timeout_s=inf.startup_timeout_s,
-        extra_args=[*args, *cfg.model.vllm_args(), *inf.extra_args],
+        extra_args=[*args, *cfg.vllm_args()],
         log_path=log,
     )
 

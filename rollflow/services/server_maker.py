@@ -108,8 +108,7 @@ class ServerMaker:
                 "startup_timeout_s": inf.startup_timeout_s,
                 "extra_args": [
                     *self.plan.server_args(slot),
-                    *cfg.model.vllm_args(),
-                    *inf.extra_args,
+                    *cfg.vllm_args(),
                 ],
                 "env": dict(planned.env),
                 "gpus": list(planned.gpus),  # its host's first ones, which its flow run names

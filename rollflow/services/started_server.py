@@ -149,7 +149,7 @@ def serve(cfg, policy, host: str, port: int, dry_run: bool = False, out=print) -
         served_model_name=SERVED_NAME,
         max_model_len=max_model_len(policy),
         startup_timeout_s=inf.startup_timeout_s,
-        extra_args=[*args, *cfg.model.vllm_args(), *inf.extra_args],
+        extra_args=[*args, *cfg.vllm_args()],
         log_path=Path(f"vllm-serve-{port or 'port'}.log").resolve(),
         api_key=given or None,
     )

@@ -97,7 +97,7 @@ class InferenceSupervisor:
             port=port,
             max_model_len=max_model_len(policy_dir),
             startup_timeout_s=cfg.inference.startup_timeout_s,
-            extra_args=[*server_args, *cfg.model.vllm_args(), *cfg.inference.extra_args],
+            extra_args=[*server_args, *cfg.vllm_args()],
             extra_env=env,
             log_path=log_dir / ("vllm.log" if index == 0 else f"vllm-{index}.log"),
             api_key=api_key,

@@ -10,6 +10,12 @@ from pydantic import Field, field_validator, model_validator
 from rollflow.infra.config.base import CpuIndex, GpuIndex, Section
 
 
+# The range of the --max-num-seqs a run gives its servers: at least what vLLM gives most GPUs (an
+# evaluation's requests and another run's share the server), at most its largest default (H100
+# and up): the sampler's buffers are sized for it at start, (max_num_seqs x vocabulary) logits.
+MAX_NUM_SEQS = (256, 1024)
+
+
 def vllm_flag(args: list[str], *names: str) -> str | None:
     """The value ``args`` (a `vllm serve` command line) give the flag ``names``; None if absent,
     "" if given without one. Both spellings: ``--flag value`` and ``--flag=value``."""
@@ -177,6 +183,17 @@ class InferenceSection(Section):
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         return args
+
+    def batch_args(self, group_size: int) -> list[str]:
+        """``--max-num-seqs`` that holds every sequence the run keeps in flight on one server
+        (``max_concurrency`` requests of up to ``group_size`` completions each) within
+        ``MAX_NUM_SEQS``, unless ``extra_args`` sets it. vLLM's own default is sized for chat serving, 128 sequences on a
+        CPU (256 on most GPUs): the quickstart's 64 requests x 8 were decoded in 4 waves, each
+        group waiting ~0.6 s for 8 tokens (docs/performance.md, "Where a step's time goes")."""
+        if vllm_flag(self.extra_args, "--max-num-seqs") is not None:
+            return []
+        in_flight = self.max_concurrency * group_size
+        return ["--max-num-seqs", str(min(MAX_NUM_SEQS[1], max(MAX_NUM_SEQS[0], in_flight)))]
 
     def serving_dtype(self, on_gpu: bool) -> str:
         """The dtype a server on a GPU (or on CPU) serves: the one owner of that choice."""

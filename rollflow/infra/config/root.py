@@ -55,6 +55,14 @@ class RunConfig(Section):
         description="[metrics]: where each step's metrics row goes besides storage.",
     )
 
+    def vllm_args(self) -> list[str]:
+        """The `vllm serve` flags the config gives every server of the run: the model's
+        (``revision``, ``trust_remote_code``), the batch that holds what the run keeps in flight
+        (``InferenceSection.batch_args``), then ``inference.extra_args``, which win."""
+        inf = self.inference
+        batch = inf.batch_args(max(self.sampling.group_size, self.sampling.eval_samples))
+        return [*self.model.vllm_args(), *batch, *inf.extra_args]
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         t = self.train
