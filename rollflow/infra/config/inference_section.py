@@ -9,7 +9,6 @@ from pydantic import Field, field_validator, model_validator
 
 from rollflow.infra.config.base import CpuIndex, GpuIndex, Section
 
-
 # The range of the --max-num-seqs a run gives its servers: at least what vLLM gives most GPUs (an
 # evaluation's requests and another run's share the server), at most its largest default (H100
 # and up): the sampler's buffers are sized for it at start, (max_num_seqs x vocabulary) logits.
@@ -44,7 +43,12 @@ class InferenceSection(Section):
         ge=0,
         description="Restarts of a dead vLLM server per run (0: a dead server fails the run).",
     )
-    extra_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments.")
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra `vllm serve` arguments, after rollflow's own (a flag given twice: "
+        "vLLM takes the last). rollflow sets --max-num-seqs to max_concurrency x group_size "
+        "(within 256-1024) unless these set it.",
+    )
     num_servers: int = Field(
         1, ge=1, description="vLLM servers (replicas); a group's completions stay on one server."
     )
