@@ -239,7 +239,7 @@ def test_deploy_without_a_server_says_how_to_start_one(capsys):
         assert main(["deploy", "--prefect-file", str(PREFECT_YAML)]) == 2
     err = capsys.readouterr().err
     assert f"no Prefect server answers at PREFECT_API_URL={url}" in err
-    assert "prefect server start" in err and "Connection refused" in err
+    assert "rollflow ui" in err and "Connection refused" in err
 
 
 def test_deploy_without_an_api_url_says_how_to_set_one(capsys):
