@@ -191,9 +191,10 @@ class InferenceSection(Section):
     def batch_args(self, group_size: int) -> list[str]:
         """``--max-num-seqs`` that holds every sequence the run keeps in flight on one server
         (``max_concurrency`` requests of up to ``group_size`` completions each) within
-        ``MAX_NUM_SEQS``, unless ``extra_args`` sets it. vLLM's own default is sized for chat serving, 128 sequences on a
-        CPU (256 on most GPUs): the quickstart's 64 requests x 8 were decoded in 4 waves, each
-        group waiting ~0.6 s for 8 tokens (docs/performance.md, "Where a step's time goes")."""
+        ``MAX_NUM_SEQS``, unless ``extra_args`` sets it. vLLM's own default is sized for chat
+        serving, 128 sequences on a CPU (256 on most GPUs): the quickstart's 64 requests x 8
+        were decoded in 4 waves, each group waiting ~0.6 s for 8 tokens (docs/performance.md,
+        "Where a step's time goes")."""
         if vllm_flag(self.extra_args, "--max-num-seqs") is not None:
             return []
         in_flight = self.max_concurrency * group_size
