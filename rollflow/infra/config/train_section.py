@@ -79,8 +79,7 @@ class TrainSection(Section):
         ge=0,
         description="Dynamic sampling's over-request: each step's first wave admits "
         "ceil(train_batch_size * p / (1 - p)) groups more (at most max_resampled_groups), p the "
-        "share of groups without signal over the last this many steps (the first step, with none "
-        "seen: max_resampled_groups), so that replacements run "
+        "share of groups without signal over the last this many steps, so that replacements run "
         "alongside the batch instead of in rounds after it; a step still short replaces serially; "
         "surplus groups stay ready for the next step within max_staleness (at 0 they are "
         "dropped). 0 = off: a replacement starts only once the group it replaces has finished.",

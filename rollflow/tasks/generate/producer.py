@@ -89,8 +89,7 @@ class RolloutProducer:
       Over-request (``over_request_steps`` > 0): so that replacements run alongside the batch, not
       in serial rounds after it, each step's first wave admits ``⌈B·p/(1-p)⌉`` groups more (at
       most ``max_resampled``; p the share without signal of the groups judged over the last
-      ``over_request_steps`` steps; ``max_resampled`` before any is judged), and up to that many
-      in flight beyond K. Drops consume that
+      ``over_request_steps`` steps), and up to that many in flight beyond K. Drops consume that
       credit before they open slots (``max(dropped, over_requested)`` above), so a replacement
       starts after the group it replaces only when the over-request fell short. Surplus groups
       with signal stay ready for the next step, within the staleness bound.
@@ -307,14 +306,10 @@ class RolloutProducer:
 
     def _over_request(self) -> int:
         """``⌈B·p/(1-p)⌉`` (at most ``max_resampled``), p the share without signal of the groups
-        judged over the last ``over_request_steps`` steps: what B groups with signal cost. Before
-        any group is judged, ``max_resampled``: the first step's wave would otherwise replace its
-        groups without signal in serial rounds (0.8-1.6 s of the quickstart's first step)."""
+        judged over the last ``over_request_steps`` steps: what B groups with signal cost."""
         judged = sum(n for n, _ in self._judged)
-        if not self._over_request_steps or self._has_signal is None:
+        if not self._over_request_steps or self._has_signal is None or not judged:
             return 0
-        if not judged:  # the first step: no share seen yet; over-request the budget, as DAPO's
-            return self.max_resampled  # implementations sample a multiple of the batch up front
         p = sum(flat for _, flat in self._judged) / judged
         if p >= 1:
             return self.max_resampled
