@@ -165,6 +165,17 @@ class InferenceServer:
         if self.lora_root is not None:
             env[protocol.LORA_ROOT_ENV] = str(self.lora_root)
         env.update(self.extra_env)
+        if _on_cpu() and not _tensor_parallel(self.extra_args):
+            # One rank runs inside the engine core ("uni"), where vLLM 0.32 binds no OpenMP
+            # threads: VLLM_CPU_OMP_THREADS_BIND is read by its multiprocessing executor only,
+            # and its own cut of torch's threads to 1 "for serving" is swallowed by the CPU
+            # worker's guard on torch.set_num_threads. Torch kept one thread per core of the
+            # host, unbound; on 2 cores the second spun at every barrier, ~0.5 of a core that the
+            # trainer and the run needed (docs/performance.md, "Where a step's time goes"). As
+            # many threads as the server's cores, as vLLM gives each rank it binds.
+            threads = omp_threads(env.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+            if threads is not None:
+                env.setdefault("OMP_NUM_THREADS", str(threads))
         return env
 
     def start(self) -> InferenceServer:
@@ -255,6 +266,20 @@ def answers_health(url: str, timeout_s: float) -> bool:
     except httpx.HTTPError:
         return False
     return response.status_code == 200
+
+
+def omp_threads(bind: str) -> int | None:
+    """The cores a ``VLLM_CPU_OMP_THREADS_BIND`` list names for one rank ("0", "2,3", "0-3,8"),
+    or None where it names none ("auto", "nobind", several ranks' lists, empty)."""
+    if not bind or "|" in bind or bind in ("auto", "nobind"):
+        return None
+    count = 0
+    for part in bind.split(","):
+        first, _, last = part.partition("-")
+        if not first.strip().isdigit() or (last and not last.strip().isdigit()):
+            return None
+        count += int(last) - int(first) + 1 if last else 1
+    return count if count > 0 else None
 
 
 def _on_cpu() -> bool:

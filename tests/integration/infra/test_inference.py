@@ -22,7 +22,7 @@ from rollflow.infra.processes import free_port
 from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.infra.vllm_fleet.keys import auth_headers
 from rollflow.infra.vllm_fleet.workers import WeightWorkers
-from rollflow.services.vllm_server import InferenceServer
+from rollflow.services.vllm_server import InferenceServer, omp_threads
 
 from conftest import PROMPT_IDS, VLLM_MAX_LEN
 
@@ -232,6 +232,37 @@ def test_the_engine_core_is_forked_from_the_api_server_not_spawned(server):
     (engine,) = api.children()  # one rank: the engine core, its worker inside it
     auxv = [Path(f"/proc/{p.pid}/auxv").read_bytes() for p in (api, engine)]
     assert auxv[0] == auxv[1], "the engine core was exec'd (spawned), not forked"
+
+
+@pytest.mark.slow
+def test_the_engine_computes_on_as_many_threads_as_its_cores(server):
+    """A one-rank server's model runs on as many OpenMP threads as the cores it was given
+    (``VLLM_CPU_OMP_THREADS_BIND``), no more. vLLM 0.32 binds none in its engine core and its cut
+    to one thread is swallowed, so torch kept one per core of the host: on 2 cores the second spun
+    at every barrier, ~0.5 of a core while the server generated. While it generates here, the
+    threads busy for more than a third of the busiest one's CPU time are counted."""
+    api = _api_server(server)
+    (engine,) = api.children()  # forked: the API server's environment (setproctitle moved its own)
+    cores = omp_threads(api.environ().get("VLLM_CPU_OMP_THREADS_BIND", ""))
+    assert cores is not None, "the server was given no cores"
+
+    async def burst(client):
+        for _ in range(3):
+            await asyncio.gather(
+                *(client.complete(PROMPT_IDS, n=8, max_tokens=16, temperature=1.0) for _ in range(32))
+            )
+
+    before = {t.id: t.user_time + t.system_time for t in engine.threads()}
+    run(burst, server)
+    used = sorted(
+        (t.user_time + t.system_time - before.get(t.id, 0.0) for t in engine.threads()),
+        reverse=True,
+    )
+    assert used[0] > 0.2, f"the burst kept the engine busy for {used[0]:.2f} s only"
+    busy = [round(s, 2) for s in used if s > used[0] / 3]
+    assert len(busy) <= cores, (
+        f"{len(busy)} threads of the engine core computed ({busy} s of CPU) on {cores} core(s)"
+    )
 
 
 @pytest.mark.slow

@@ -44,6 +44,24 @@ def test_tensor_parallel_ranks_keep_their_worker_processes(tiny_model_dir, monke
     assert _backend(one) == ("uni", "0", "1")
 
 
+@pytest.mark.parametrize(
+    ("bind", "threads"),
+    [("0", "1"), ("2,3", "2"), ("0-3,8", "5"), ("auto", None), ("0|1", None), ("0,x", None)],
+)
+def test_one_rank_computes_on_one_thread_per_core_it_was_given(
+    tiny_model_dir, monkeypatch, bind, threads
+):
+    # vLLM 0.32 binds no OpenMP threads for a rank inside the engine core (the real server's
+    # threads are counted in test_inference.py): OMP_NUM_THREADS is the one bound that holds.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    placed = InferenceServer(tiny_model_dir, extra_env={"VLLM_CPU_OMP_THREADS_BIND": bind})
+    assert placed.environment().get("OMP_NUM_THREADS") == threads
+    tp = InferenceServer(tiny_model_dir, extra_args=["-tp", "2"], extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    assert "OMP_NUM_THREADS" not in tp.environment()  # vLLM's own executor binds each rank's
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's choice stands
+    assert placed.environment()["OMP_NUM_THREADS"] == "4"
+
+
 def test_a_flag_is_found_in_both_spellings_and_only_as_a_flag():
     assert vllm_flag(["--dtype", "bfloat16"], "--dtype") == "bfloat16"
     assert vllm_flag(["--dtype=half", "--x"], "--dtype") == "half"
