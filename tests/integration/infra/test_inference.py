@@ -249,7 +249,10 @@ def test_the_engine_computes_on_as_many_threads_as_its_cores(server):
     async def burst(client):
         for _ in range(3):
             await asyncio.gather(
-                *(client.complete(PROMPT_IDS, n=8, max_tokens=16, temperature=1.0) for _ in range(32))
+                *(
+                    client.complete(PROMPT_IDS, n=8, max_tokens=16, temperature=1.0)
+                    for _ in range(32)
+                )
             )
 
     before = {t.id: t.user_time + t.system_time for t in engine.threads()}

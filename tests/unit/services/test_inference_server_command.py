@@ -56,7 +56,9 @@ def test_one_rank_computes_on_one_thread_per_core_it_was_given(
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     placed = InferenceServer(tiny_model_dir, extra_env={"VLLM_CPU_OMP_THREADS_BIND": bind})
     assert placed.environment().get("OMP_NUM_THREADS") == threads
-    tp = InferenceServer(tiny_model_dir, extra_args=["-tp", "2"], extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    tp = InferenceServer(
+        tiny_model_dir, extra_args=["-tp", "2"], extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    )
     assert "OMP_NUM_THREADS" not in tp.environment()  # vLLM's own executor binds each rank's
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's choice stands
     assert placed.environment()["OMP_NUM_THREADS"] == "4"
