@@ -228,29 +228,24 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         # The run's host lost once step 1's flow run completed (its checkpoint is committed
         # before the flow run ends: a kill in between left it unfinished) and before step 2
         # commits: its worker and every process under it (the run flow's, its services)
-        # SIGKILLed at once, so nobody reports anything. Between step 1's checkpoint and the
-        # kill the host is frozen (SIGSTOP) while the API is read: step 2 cannot commit in the
-        # seconds the reads take (seen: it did, its flow run then never completed).
+        # SIGKILLed at once, so nobody reports anything. Step 2 overlaps step 1's tail (it
+        # trains once step 1 has) and, with vLLM on one thread, committed before step 1's flow
+        # run completed (seen, though the host ran in 20 ms slices between two looks). So at
+        # step 1's checkpoint vLLM is stopped (SIGSTOP): step 1 needs it no more (its sync came
+        # before its checkpoint), and step 2 cannot commit before its own sync. Once step 1's
+        # flow run completed, the whole host is frozen, then killed.
         step_1 = storage / "quickstart" / "checkpoints" / "step=1" / "_SUCCESS"
-        wait_until(lambda: step_1.exists() or finished(), RUN_DEADLINE_S, "step 1's checkpoint")
-
-        def freeze_after_step_1(deadline_s: float = 120) -> None:
-            """Frozen, read the API; not yet: run on for 20 ms and again. Step 2 commits ~0.4 s of
-            the host's time after step 1's flow run completes (seen with dynamic sampling's
-            over-request: its rollouts were ready), so the host must never run for long
-            between two looks (wait_until's 0.5 s naps let step 2 commit first)."""
-            end = time.monotonic() + deadline_s
-            while True:
-                tree = _host_processes(worker)
-                _signal_all(tree, signal.SIGSTOP)
-                if _step_completed(api, flow_run_id, "quickstart-step-1") or finished():
-                    return
-                _signal_all(tree, signal.SIGCONT)
-                if time.monotonic() > end:
-                    raise TimeoutError(f"step 1's flow run completed not within {deadline_s}s")
-                time.sleep(0.02)
-
-        freeze_after_step_1()
+        _wait_for_file(step_1, RUN_DEADLINE_S, "step 1's checkpoint", finished)
+        held = _inference_processes(worker)
+        _signal_all(held, signal.SIGSTOP)
+        wait_until(
+            lambda: _step_completed(api, flow_run_id, "quickstart-step-1") or finished(),
+            120,
+            "step 1's flow run completed",
+            logs,
+        )
+        _signal_all(_host_processes(worker), signal.SIGSTOP)
+        assert held, "no vLLM server under the run's host to hold"
         assert _heartbeat_sent(api, flow_run_id), "the run sent no heartbeat: nothing to miss"
         assert not ended(flow_run_id), f"the run ended before its host could be lost\n{logs()}"
         assert not (step_1.parent.parent / "step=2" / "_SUCCESS").exists()
@@ -387,6 +382,31 @@ def _host_processes(worker: Service) -> list[psutil.Process]:
     """The worker and every process under it (the run's flow run, its services)."""
     root = psutil.Process(worker.proc.pid)
     return [root, *root.children(recursive=True)]
+
+
+def _inference_processes(worker: Service) -> list[psutil.Process]:
+    """The vLLM servers under the worker (their API servers) and every process under them."""
+    held = []
+    for proc in _host_processes(worker):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if "vllm.entrypoints.openai.api_server" in proc.cmdline():
+                held += [proc, *proc.children(recursive=True)]
+    return held
+
+
+def _wait_for_file(path: Path, deadline_s: float, what: str, finished) -> None:
+    """Until ``path`` exists, looking every 10 ms (``wait_until``'s 0.5 s naps are long beside a
+    step), and at the run's state every 0.5 s: a run that ended without it fails here."""
+    end = time.monotonic() + deadline_s
+    next_look = 0.0
+    while not path.exists():
+        now = time.monotonic()
+        if now > end:
+            raise TimeoutError(f"{what} not within {deadline_s:.0f}s")
+        if now > next_look:
+            assert not finished(), f"the run ended before {what}"
+            next_look = now + 0.5
+        time.sleep(0.01)
 
 
 def _signal_all(procs: list[psutil.Process], sig: int) -> None:
