@@ -85,6 +85,16 @@ class TrainerAPI:
         self.weights_version: int | None = weights_version
         self.finished = threading.Event()
         self.finished_at: dict[str, Any] = {}
+        if num_steps is not None and weights_version >= num_steps:
+            # Restarted from the run's last checkpoint (a node lost after the last step
+            # committed): no step is left to end, so the end is said at once. Left unsaid, the
+            # run waited for it until its deadline and failed (seen in the two-host run).
+            self.finished_at = {
+                "step": weights_version,
+                "optim_step": trainer.step,
+                "time": time.time(),
+            }
+            self.finished.set()
         # Taken around reading or changing the step state and queueing the command that goes
         # with it, so that a broadcast's version tag and an optimizer step are queued in the
         # order they were read.

@@ -24,7 +24,7 @@ class Queue:
         return command
 
 
-def api(weights_version):
+def api(weights_version, num_steps=None):
     return TrainerAPI(
         SimpleNamespace(),
         SimpleNamespace(step=0),
@@ -32,8 +32,20 @@ def api(weights_version):
         [],
         backend="fsdp2",
         timeout_s=5,
+        num_steps=num_steps,
         weights_version=weights_version,
     )
+
+
+def test_a_trainer_restarted_from_the_last_steps_checkpoint_has_finished():
+    """A node lost after the run's last step committed: the restarted trainer resumes from that
+    step's checkpoint, where no /end_step will come; it says at once that training finished (the
+    run waited for it and failed at its deadline)."""
+    started = time.monotonic()
+    done = api(weights_version=4, num_steps=4).training_finished(wait_s=5)
+    assert done["finished"] and done["step"] == 4 and time.monotonic() - started < 1
+    assert not api(weights_version=3, num_steps=4).training_finished()["finished"]
+    assert not api(weights_version=0).training_finished()["finished"]  # no last step named
 
 
 def test_a_broadcast_during_a_step_waits_for_its_end_and_goes_before_the_next():
