@@ -8,8 +8,9 @@ heartbeats (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` = 30 s, Prefect's least), the 
 reruns it (``rollflow-heal/crashed-run``), and a second worker (another host of the pool) runs
 the rerun, which resumes after step 1 and completes. While the server waits out the missed
 heartbeats, a user runs one step from the deployment's run form in Chromium, on the second
-worker. The record is of the rerun, with the step flow runs of both. (A process lost without its host, e.g. OOM-killed, is reported Crashed by its
-worker at once, Prefect's own doing; the heal chain after it is the same.)
+worker. The record is of the rerun, with the step flow runs of both. (A process lost without
+its host, e.g. OOM-killed, is reported Crashed by its worker at once, Prefect's own doing; the
+heal chain after it is the same.)
 
 ``make_deployed_run`` does all of it once per test session (tests/conftest.py, ``deployed_run``),
 records what the tests check (the flow run, its artifacts read back through the client, the
