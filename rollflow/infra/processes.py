@@ -31,14 +31,22 @@ from rollflow.infra.errors import ServiceError
 
 _PR_SET_PDEATHSIG = 1
 # The guard: a bash between the owner and the service, the leader of the service's process
-# group. When its owner dies (SIGUSR1, its parent-death signal), it stops the whole group:
-# SIGTERM, then SIGKILL 5 s later. A SIGTERM to the group (``stop``) does not end the guard: it
-# waits on for the service, so an owner killed while it stops the service (Prefect's worker
-# kills a cancelled flow run 30 s after its SIGTERM) still takes a slow service with it. (A guard
-# that died of that SIGTERM left torchrun holding a trainer node's rendezvous port.) ``:`` and
-# not ``""``: an ignored signal would stay ignored in the service.
+# group. When its owner dies (SIGUSR1, its parent-death signal), it stops the whole group and
+# every descendant, as they are at that moment: SIGTERM, then SIGKILL 5 s later. Descendants
+# by name too, not only the group: torchrun starts each rank in a session of its own, and a rank
+# that does not end on SIGTERM (hung in a collective; held at a fault point) outlived the group's
+# kill, re-parented away, holding node 0's rendezvous port against the restarted trainer. (The
+# kernel lists a process's children in /proc/PID/task/TID/children.) A SIGTERM to the group
+# (``stop``) does not end the guard: it waits on for the service, so an owner killed while it
+# stops the service (Prefect's worker kills a cancelled flow run 30 s after its SIGTERM) still
+# takes a slow service with it. (A guard that died of that SIGTERM left torchrun holding a trainer
+# node's rendezvous port.) ``:`` and not ``""``: an ignored signal would stay ignored in the
+# service. The group comes last in the SIGKILL: the guard leads it, and dies with it.
 _GUARD = (
-    "trap 'trap \"\" TERM; kill -TERM -- -$$; sleep 5; kill -KILL -- -$$' USR1; "
+    "tree() { local c; for c in $(cat /proc/$1/task/*/children 2>/dev/null); do "
+    "echo $c; tree $c; done; }; "
+    "trap 'trap \"\" TERM; all=$(tree $$); kill -TERM -- $all -$$ 2>/dev/null; sleep 5; "
+    "kill -KILL -- $all $(tree $$) -$$ 2>/dev/null' USR1; "
     "trap ':' TERM; "
     '"$@" & child=$!; '
     "while :; do wait $child; code=$?; kill -0 $child 2>/dev/null || exit $code; done"

@@ -35,13 +35,20 @@ import uvicorn
 
 from rollflow.infra import network
 from rollflow.infra.errors import InputError, ServiceError, WeightSyncError
+from rollflow.infra.faults import fault_point
 from rollflow.infra.storage import RunStorage
 from rollflow.trainer.api import TrainerAPI, build_app
 from rollflow.trainer.checkpoints import LOCAL_CHECKPOINTS
 from rollflow.trainer.control import ControlGroup, PeerWatch, rank_identity
 from rollflow.trainer.dispatch import Dispatcher
 from rollflow.trainer.ops import HEARTBEAT, RankOps
-from rollflow.trainer.protocol import SHUTDOWN, THREADS_ENV, TOKEN_ENV, ServiceArgs
+from rollflow.trainer.protocol import (
+    SAVE_CHECKPOINT,
+    SHUTDOWN,
+    THREADS_ENV,
+    TOKEN_ENV,
+    ServiceArgs,
+)
 from rollflow.trainer.rank_trainer import Trainer, TrainerSpec
 
 log = logging.getLogger("rollflow.trainer")
@@ -59,6 +66,7 @@ CPU_ROW_TOKENS = 64
 def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
     """Run commands until ``shutdown``: rank 0 takes them from the dispatcher, the others from rank 0."""
     rank = ops.rank
+    saved = None  # the step whose checkpoint this rank's last command saved
     while True:
         pending = None
         if rank == 0:
@@ -83,6 +91,9 @@ def serve(ops: RankOps, dispatcher: Dispatcher | None) -> None:
             if pending:
                 pending.resolve({"ok": True})
             return
+        if saved is not None:
+            fault_point("after_checkpoint", step=saved)
+        saved = cmd["args"]["step"] if cmd["op"] == SAVE_CHECKPOINT.op else None
         try:
             result, error = ops.run(cmd["op"], cmd["args"]), None
         except (InputError, WeightSyncError) as err:  # the ranks are in step: go on

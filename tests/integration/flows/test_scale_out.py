@@ -16,11 +16,13 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from rollflow.infra.config import LossConfig, load_config
+from rollflow.infra.faults import FAULT_ENV
 from rollflow.infra.placement import Machine
 from rollflow.infra.prefect_server import server_command
 from rollflow.infra.prefect_ui import server_env
@@ -30,7 +32,7 @@ from rollflow.infra.vllm_fleet.client import InferenceClient
 from rollflow.infra.vllm_fleet.fleet import ask_for_servers
 from rollflow.services.run_services import RunServices
 from rollflow.tasks.sync import weights
-from rollflow.trainer.protocol import WEIGHTS_METADATA, SentReply
+from rollflow.trainer.protocol import RANK_MAIN_MODULE, WEIGHTS_METADATA, SentReply
 
 from chaos_support import SEED
 from conftest import PROMPT_IDS, greedy_reference
@@ -210,14 +212,29 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             )
             wait_until(lambda: _healthy(api), 180, "prefect server healthy", logs)
             rollflow_deploy(env, config)
+            # A node lost mid-run, a fault of the chaos campaign (its seed picks which node, when
+            # and what): once step 1 or 2 is committed, its rank or its flow run's process
+            # SIGKILLed. A tiny step commits in a third of a second, faster than a look from
+            # outside, so the lost node's rank hangs itself (a fault point, infra/faults.py) at
+            # its first command after that step's checkpoint, and the kill lands there.
+            chaos = random.Random(SEED)
+            after, victim = chaos.choice((1, 2)), chaos.choice(("rank", "flow run process"))
+            lost = chaos.choice((0, 1))
+            print(f"chaos seed {SEED}: node {lost}'s {victim} SIGKILLed after step {after}")
+            hang = {FAULT_ENV: f"after_checkpoint@{after}:stop"}
             for host, queue in ((host0, "default"), (host1, "host-1")):
                 worker = ["worker", "start", "--pool", "rollflow-cpu", "--work-queue", queue]
+                runs_lost = host.index == 1 - lost  # node 0 on host 1's queue, node 1 on host 0's
                 services.append(
                     Service(
                         f"worker on host {host.index}",
                         host.wrap([*PREFECT, *worker, "--name", f"host-{host.index}"]),
                         host.root / "worker.log",
-                        {**env, "PREFECT_HOME": str(host.home / ".prefect")},
+                        {
+                            **env,
+                            "PREFECT_HOME": str(host.home / ".prefect"),
+                            **(hang if runs_lost else {}),
+                        },
                     )
                 )
             overrides = [
@@ -243,13 +260,6 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
                 terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
                 return state["type"] if state and state["type"] in terminal else None
 
-            # A node lost mid-run, a fault of the chaos campaign (its seed picks which node, when
-            # and what): once step 1 or 2 is committed, its rank or its flow run's process
-            # SIGKILLed.
-            chaos = random.Random(SEED)
-            after, victim = chaos.choice((1, 2)), chaos.choice(("rank", "flow run process"))
-            lost = chaos.choice((0, 1))
-            print(f"chaos seed {SEED}: node {lost}'s {victim} SIGKILLed after step {after}")
             fs = fsspec.filesystem(
                 "s3", endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False
             )
@@ -268,9 +278,16 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
             [lost_node] = node_runs(lost)
             rank = _a_rank_of(lost_node["id"])
             target = rank if victim == "rank" else _flow_run_root(rank)
-            wait_until(lambda: committed(after) or ended(run_id), 600, f"step {after}", logs)
+            wait_until(
+                lambda: rank.status() == psutil.STATUS_STOPPED or ended(run_id),
+                600,
+                f"node {lost}'s rank at its first command after step {after}'s checkpoint",
+                logs,
+            )
+            assert committed(after) and not committed(after + 1), [
+                step for step in range(1, 5) if committed(step)
+            ]
             target.send_signal(signal.SIGKILL)
-            assert not committed(4), f"the run ended before node {lost} could be lost"
 
             wait_until(lambda: ended(run_id), 600, "the two-host run finished", logs)
             runs0, runs1 = node_runs(0), node_runs(1)
@@ -396,15 +413,23 @@ def _a_rank_of(flow_run_id: str) -> psutil.Process:
     while time.monotonic() < deadline:
         for proc in psutil.process_iter():
             if of_run(proc) and not of_run(proc.parent()):
-                ranks = [
-                    p
-                    for p in proc.children(recursive=True)
-                    if "rollflow.trainer.rank_main" in " ".join(p.cmdline())
-                ]
+                # The rank itself (python [-u] -m <module>): its launcher and guard name the
+                # module among their arguments.
+                ranks = [p for p in proc.children(recursive=True) if _runs(p, RANK_MAIN_MODULE)]
                 if ranks:
                     return ranks[-1]
         time.sleep(0.5)
     raise AssertionError(f"no trainer rank under flow run {flow_run_id} within 300 s")
+
+
+def _runs(proc: psutil.Process, module: str) -> bool:
+    """Whether ``proc`` is a Python interpreter running ``module`` (``python ... -m module``)."""
+    try:
+        argv = proc.cmdline()
+    except psutil.Error:
+        return False
+    python = bool(argv) and Path(argv[0]).name.startswith("python")  # not the guard's bash
+    return python and "-m" in argv and argv[argv.index("-m") + 1 :][:1] == [module]
 
 
 def _flow_runs(api: str, flow_name: str) -> list[dict]:

@@ -135,3 +135,43 @@ def test_a_service_whose_owner_is_killed_while_stopping_it_is_killed_with_it(tmp
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
+
+
+# A launcher as torchrun is: it starts its rank in a session of its own and ends on SIGTERM; the
+# rank does not (hung in a collective on a GPU; held at a fault point in the chaos tests).
+LAUNCHER = """
+import signal, subprocess, sys
+rank = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+child = subprocess.Popen([sys.executable, "-c", rank], start_new_session=True)
+print("ready", child.pid, flush=True)
+signal.sigwait({signal.SIGTERM})
+"""
+
+
+def test_a_rank_in_a_session_of_its_own_dies_with_its_owner(tmp_path):
+    """The guard's kill reaches every descendant, not only its group: a rank that outlived its
+    trainer node's flow run, re-parented away, held node 0's rendezvous port against the
+    restarted trainer (the two-host run's lost node 0)."""
+    import subprocess
+
+    import psutil
+
+    log = tmp_path / "launcher.log"
+    keeps = OWNER.replace("proc.stop(timeout_s=120)", "time.sleep(120)")  # a flow run at work
+    owner = subprocess.Popen(
+        [sys.executable, "-c", keeps, str(log), LAUNCHER], stdout=subprocess.PIPE, text=True
+    )
+    rank = None
+    try:
+        owner.stdout.readline()  # the service is ready
+        rank = psutil.Process(int(log.read_text().split()[1]))
+        assert os.getsid(rank.pid) == rank.pid  # out of the guard's group
+        owner.kill()
+        owner.wait(timeout=10)
+        gone, alive = psutil.wait_procs([rank], timeout=20)
+        assert not alive, f"the rank outlived its owner: {alive}"
+    finally:
+        owner.kill()
+        if rank is not None:
+            with contextlib.suppress(psutil.Error):
+                rank.kill()
