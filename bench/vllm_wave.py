@@ -9,9 +9,12 @@ seconds of vLLM's engine core and of its API server (``psutil``), and the engine
 one process, the same wave took 0.27-0.29 s in 9 iterations (2026-12-06): what a server costs
 over that is the serving path (docs/performance.md, "Where a step's time goes").
 
-    .venv/bin/python bench/vllm_wave.py [--waves 30] [VLLM_FLAG ...]
+    .venv/bin/python bench/vllm_wave.py [--waves 30] [--batch 0,64] [VLLM_FLAG ...]
 
-Extra arguments are ``vllm serve`` flags, e.g. ``--max-num-batched-tokens 8192``.
+Extra arguments are ``vllm serve`` flags, e.g. ``--max-num-batched-tokens 8192``. ``--batch``
+sends the wave's prompts as lists of K per request (vLLM's batched ``/v1/completions``); several
+sizes are compared wave by wave on the one server: two server starts differ by up to 0.1 s per
+wave (a list of 64 looked 22% faster across two runs, and was within 2% on one server).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ async def main(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
         headers = {"Authorization": f"Bearer {server.api_key}"}
         async with aiohttp.ClientSession(headers=headers) as http:
 
-            async def one(ids: list[int]) -> int:
+            async def one(ids: list[int] | list[list[int]]) -> int:
                 body = {
                     "model": server.served_model_name,
                     "prompt": ids,
@@ -98,23 +101,38 @@ async def main(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
                     float(x.split()[-1]) for x in text.splitlines() if x.startswith(ITERATIONS)
                 )
 
+            def requests(k: int) -> list:
+                return [prompts[i : i + k] for i in range(0, len(prompts), k)] if k else prompts
+
             for _ in range(3):  # warm-up
-                await asyncio.gather(*(one(p) for p in prompts))
-            it0, e0, a0 = await iterations(), cpu_s(engine), cpu_s([api])
-            walls, tokens = [], 0
+                await asyncio.gather(*(one(p) for p in requests(args.batch[0])))
+            # Each batch size in turn, wave by wave, on the one server: the server's start and
+            # the host's load vary more between runs than the sizes do.
+            walls = {k: [] for k in args.batch}
+            cpu = {k: [0.0, 0.0, 0.0] for k in args.batch}  # iterations, engine, API server
+            tokens = 0
             for _ in range(args.waves):
-                start = time.perf_counter()
-                tokens += sum(await asyncio.gather(*(one(p) for p in prompts)))
-                walls.append(time.perf_counter() - start)
-            it1, e1, a1 = await iterations(), cpu_s(engine), cpu_s([api])
+                for k in args.batch:
+                    it0, e0, a0 = await iterations(), cpu_s(engine), cpu_s([api])
+                    start = time.perf_counter()
+                    tokens += sum(await asyncio.gather(*(one(p) for p in requests(k))))
+                    walls[k].append(time.perf_counter() - start)
+                    it1, e1, a1 = await iterations(), cpu_s(engine), cpu_s([api])
+                    for i, d in enumerate((it1 - it0, e1 - e0, a1 - a0)):
+                        cpu[k][i] += d
         return {
             "vllm_flags": vllm_flags,
-            "wave_s_median": round(statistics.median(walls), 3),
-            "wave_s_min": round(min(walls), 3),
-            "engine_cpu_s_per_wave": round((e1 - e0) / args.waves, 3),
-            "api_server_cpu_s_per_wave": round((a1 - a0) / args.waves, 3),
-            "iterations_per_wave": round((it1 - it0) / args.waves, 1),
-            "tokens_per_wave": round(tokens / args.waves, 1),
+            "tokens_per_wave": round(tokens / args.waves / len(args.batch), 1),
+            "by_prompts_per_request": {
+                k or 1: {
+                    "wave_s_median": round(statistics.median(walls[k]), 3),
+                    "wave_s_min": round(min(walls[k]), 3),
+                    "engine_cpu_s_per_wave": round(cpu[k][1] / args.waves, 3),
+                    "api_server_cpu_s_per_wave": round(cpu[k][2] / args.waves, 3),
+                    "iterations_per_wave": round(cpu[k][0] / args.waves, 1),
+                }
+                for k in args.batch
+            },
         }
     finally:
         server.stop()
@@ -126,6 +144,13 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=64, help="requests per wave")
     parser.add_argument("--n", type=int, default=8, help="completions per request")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--batch",
+        type=lambda v: [int(k) for k in v.split(",")],
+        default=[0],
+        help="prompts per request, comma-separated to compare on one server, wave by wave "
+        "(a list of prompts per request; 0: one each)",
+    )
     known, flags = parser.parse_known_args()
     machine = Machine()
     print(json.dumps(asyncio.run(main(known, flags))))
