@@ -45,7 +45,7 @@ _PR_SET_PDEATHSIG = 1
 _GUARD = (
     "tree() { local c; for c in $(cat /proc/$1/task/*/children 2>/dev/null); do "
     "echo $c; tree $c; done; }; "
-    "trap 'trap \"\" TERM; all=$(tree $$); kill -TERM -- $all -$$ 2>/dev/null; sleep 5; "
+    'trap \'trap "" TERM; all=$(tree $$); kill -TERM -- $all -$$ 2>/dev/null; sleep 5; '
     "kill -KILL -- $all $(tree $$) -$$ 2>/dev/null' USR1; "
     "trap ':' TERM; "
     '"$@" & child=$!; '
