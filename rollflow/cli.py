@@ -106,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         "PREFECT_API_URL=... rollflow run line that runs against it",
     )
     ui.add_argument("--port", type=int, help="default: 4200 when free, else a free port (printed)")
-    ui.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default: 127.0.0.1); 0.0.0.0 serves every interface, and the UI's "
+        "pages then call the API at the address the browser opened them at",
+    )
     ui.add_argument(
         "--home",
         help="PREFECT_HOME of the server: its database (runs stay from one start to the next) "

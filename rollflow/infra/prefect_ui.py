@@ -48,6 +48,24 @@ def pick_port(host: str, port: int | None) -> int:
             return free_port(host)
 
 
+# Bound to every interface: no address a browser can use (Chromium refuses 0.0.0.0 outright).
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def local_url(host: str, port: int) -> str:
+    """Where this machine reaches a server bound to ``host``: loopback for a wildcard bind."""
+    if host in WILDCARDS:
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def ui_api_url(host: str, port: int) -> str:
+    """The API address the UI's pages call: the server's own; for a wildcard bind ``/api``,
+    relative to wherever the browser opened the UI (Prefect would tell the browser
+    ``http://0.0.0.0:4200/api``, which no browser on another machine reaches)."""
+    return "/api" if host in WILDCARDS else f"{local_url(host, port)}/api"
+
+
 def server_env(host: str, port: int, ui: bool = True) -> dict[str, str]:
     """The environment of a lasting Prefect server on ``host:port``: services on (schedules,
     late runs, automations, cancellation), its UI when ``ui``. Tests that need a server for
@@ -56,7 +74,7 @@ def server_env(host: str, port: int, ui: bool = True) -> dict[str, str]:
         "PREFECT__SERVER_FINAL": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_ENABLED": "true" if ui else "false",
-        "PREFECT_UI_API_URL": f"http://{host}:{port}/api",
+        "PREFECT_UI_API_URL": ui_api_url(host, port),
     }
 
 
@@ -86,7 +104,7 @@ def serve(
     home = Path(home or DEFAULT_HOME).expanduser()
     home.mkdir(parents=True, exist_ok=True)
     port = pick_port(host, port)
-    url = f"http://{host}:{port}"
+    url = local_url(host, port)
     server = server_process(home, host, port)
     stop = stop or threading.Event()
     previous = _stop_on(signal.SIGTERM, stop)
@@ -98,6 +116,10 @@ def serve(
             timeout_s,
         )
         out(f"Prefect UI: {url}")
+        if host in WILDCARDS:
+            out(
+                f"  from other machines: http://{socket.gethostname()}:{port} (or this host's address)"
+            )
         out("run against it (another terminal):")
         out(f"  PREFECT_API_URL={url}/api rollflow run configs/quickstart.toml")
         out("Ctrl-C stops the server (its runs stay in the database for the next start)")

@@ -14,18 +14,24 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from rollflow.infra.processes import free_port
+from rollflow.testing.browser import chromium
+
+from host_support import two_hosts
 
 ROOT = Path(__file__).resolve().parents[3]
 START_DEADLINE_S = 180  # the first start migrates a fresh database (20-60 s on busy cores)
 
 
 def test_rollflow_ui_serves_the_ui_and_api_prints_the_run_line_and_stops_on_sigterm(tmp_path):
+    """On every interface (``--host 0.0.0.0``): reached on loopback, and said so."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    argv = ["ui", "--host", "0.0.0.0", "--port", str(port), "--home", str(tmp_path)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollflow.cli", "ui", "--port", str(port), "--home", str(tmp_path)],
+        [sys.executable, "-m", "rollflow.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -54,6 +60,7 @@ def test_rollflow_ui_serves_the_ui_and_api_prints_the_run_line_and_stops_on_sigt
         # Prefect's stock server answered 1352 of 1727 such writes with 503 "database is locked"
         # (and dropped 270 connections) in 15 s of 16 writers; rollflow ui's serialises them.
         assert answers == {"2xx": 8 * 10 * 3}, answers
+        assert any(line.startswith("  from other machines: http://") for line in lines), lines
         server_pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert server_pids
 
@@ -114,3 +121,65 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# The browser, on the other host: the UI's flows page, and what it shows.
+BROWSE = """
+import sys
+from rollflow.testing.browser import browser, wait_for
+with browser() as page:
+    page.goto(sys.argv[1] + "/flows")
+    marks = ("browsed-from-host-1", "Can't connect to Server API")
+    seen = wait_for(
+        lambda: [m for m in marks if page.get_by_text(m).count()], 90, "the UI's flows page"
+    )
+    print("seen:", *seen, flush=True)
+"""
+
+
+@pytest.mark.skipif(chromium() is None, reason="no Chromium (.ci/run installs the distribution's)")
+def test_a_ui_on_every_interface_works_from_another_host(tmp_path):
+    """``rollflow ui --host 0.0.0.0`` on host 0 (as on a GPU node), the UI opened in Chromium on
+    host 1 (a laptop) at host 0's address: its pages reach the API there. Prefect's default sent
+    them to ``http://0.0.0.0:PORT/api``, host 1 itself: "Can't connect to Server API"."""
+    with two_hosts() as (host0, host1):
+        port = free_port(host0.address)
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        argv = ["ui", "--host", "0.0.0.0", "--port", str(port), "--home", str(tmp_path)]
+        proc = subprocess.Popen(
+            host0.wrap([sys.executable, "-m", "rollflow.cli", *argv]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        try:
+            url = f"http://{host0.address}:{port}"
+            deadline = time.monotonic() + START_DEADLINE_S
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, f"no answer at {url} in {START_DEADLINE_S}s"
+                try:
+                    if httpx.get(f"{url}/api/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            httpx.post(f"{url}/api/flows/", json={"name": "browsed-from-host-1"}, timeout=10)
+            browse = subprocess.run(
+                host1.wrap([sys.executable, "-c", BROWSE, url]),
+                capture_output=True,
+                text=True,
+                timeout=180,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
+            assert browse.returncode == 0, browse.stdout + browse.stderr
+            assert "seen: browsed-from-host-1" in browse.stdout, browse.stdout
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
