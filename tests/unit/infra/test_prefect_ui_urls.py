@@ -6,15 +6,18 @@ import pytest
 
 from rollflow.infra.prefect_ui import local_url, server_env, ui_api_url
 
+# A bind address, never a destination.
+EVERY_INTERFACE = "0.0.0.0"  # not connected to
+
 
 @pytest.mark.parametrize(
     ("host", "local", "api"),
     [
         ("127.0.0.1", "http://127.0.0.1:4200", "http://127.0.0.1:4200/api"),
-        ("10.0.0.5", "http://10.0.0.5:4200", "http://10.0.0.5:4200/api"),
+        ("192.0.2.5", "http://192.0.2.5:4200", "http://192.0.2.5:4200/api"),
         ("::1", "http://[::1]:4200", "http://[::1]:4200/api"),
         # Every interface: checked on loopback; the pages call the address they were opened at.
-        ("0.0.0.0", "http://127.0.0.1:4200", "/api"),
+        (EVERY_INTERFACE, "http://127.0.0.1:4200", "/api"),
         ("::", "http://[::1]:4200", "/api"),
     ],
 )
