@@ -48,7 +48,7 @@ def pick_port(host: str, port: int | None) -> int:
             return free_port(host)
 
 
-# Bound to every interface: no address a browser can use (Chromium refuses 0.0.0.0 outright).
+# Bound to every interface: no address a browser on another machine can use.
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
