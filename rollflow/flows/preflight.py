@@ -4,8 +4,8 @@ Owns the checks a user's mistake would otherwise meet half a minute into a run, 
 traceback from a service: the model (a folder with a config and weights, or a hub id that is
 cached or reachable), the storage (reachable, credentials present, writable: a probe object is
 written and removed), the environments (they load, their datasets included), the metric sinks
-(their packages are installed), LoRA's target modules (each names a linear layer of the model)
-and the free disk for checkpoints.
+(their packages are installed), LoRA's target modules (each names a linear layer of the model),
+the free disk for checkpoints, and the placement plan on this host.
 
 Invariant: every check runs under a deadline (``PROBE_DEADLINE_S`` for anything that touches the
 network), every failure is one line naming the key, its value and what to do, and all failures
@@ -64,6 +64,7 @@ class Preflight:
             self.lora,
             self.sinks,
             self.disk,
+            self.placement,
         ):
             check()
         if self.problems:
@@ -316,6 +317,26 @@ class Preflight:
             self.note(
                 f"warning: run.storage = {run.storage!r} has {_gib(free)} free; "
                 f"{kept} checkpoints need ~{_gib(one * kept)} (raise run.checkpoint_every)"
+            )
+
+    # ------------------------------------------------------------------ placement
+
+    def placement(self) -> None:
+        """The plan the run's services will be placed by, on this host (``rollflow plan``'s):
+        a run that cannot be placed (a device this host lacks, more GPUs or cores than it has)
+        fails here, not once its Prefect API is up; a dry run notes it."""
+        from rollflow.infra.placement import Machine, PlanError, make_plan
+
+        try:
+            make_plan(self.cfg, Machine.here(nodes=self.cfg.trainer.num_nodes))
+        except PlanError as exc:
+            if not self.dry_run:
+                self.problems.append(f"placement: {exc}")
+                return
+            # A dry run validates a config for where it will run: a GPU config on a laptop.
+            self.note(
+                f"warning: placement on this host: {exc} (a run started here would stop there; "
+                "`rollflow plan` plans for another machine)"
             )
 
 

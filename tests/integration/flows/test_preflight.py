@@ -271,7 +271,11 @@ def test_processes_placed_on_other_hosts_with_a_folder_for_storage_are_warned(lo
     """Placed trainer nodes or servers get the policy, checkpoints and key from run.storage: a
     folder of this host is there only if every host mounts it (a warning, not a failure)."""
     notes: list[str] = []
-    placed = ["trainer.master_addr=auto", "trainer.node_deployment=rollflow-trainer-node/default"]
+    placed = [
+        "trainer.master_addr=auto",
+        "trainer.node_deployment=rollflow-trainer-node/default",
+        "trainer.device=cpu",  # placed from a host without GPUs: named (the plan's rule)
+    ]
     assert problems([*local_storage, *placed], notes=notes) == []
     [note] = [n for n in notes if "place processes on other hosts" in n]
     assert note.startswith("warning: run.storage = ") and "trainer.node_deployment" in note
@@ -279,3 +283,18 @@ def test_processes_placed_on_other_hosts_with_a_folder_for_storage_are_warned(lo
     notes.clear()
     assert problems(local_storage, notes=notes) == []
     assert not [n for n in notes if "other hosts" in n]  # nothing placed: nothing to warn of
+
+
+def test_a_run_this_host_cannot_place_fails_in_preflight(local_storage):
+    """The placement plan runs in preflight, on this host: a run that cannot be placed fails in
+    ~2 s, before its folder, Prefect API or model exist (it failed ~15 s in, after the Prefect
+    API started). Cores beyond any machine's; a tensor parallelism that does not divide the
+    model's heads. A dry run, which validates a config for wherever it will run (a GPU config
+    on a laptop), notes it instead."""
+    [cores] = problems([*local_storage, "inference.cpus=[4095]"])
+    assert cores.startswith("placement: inference.cpus names core(s) [4095]"), cores
+    [heads] = problems([*local_storage, "inference.tensor_parallel_size=3"])
+    assert heads.startswith("placement: inference.tensor_parallel_size = 3 does not divide"), heads
+    notes: list[str] = []
+    assert problems([*local_storage, "inference.cpus=[4095]"], dry_run=True, notes=notes) == []
+    assert [n for n in notes if n.startswith("warning: placement on this host: inference.cpus")]
