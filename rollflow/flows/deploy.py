@@ -169,6 +169,7 @@ def ensure_heal_automations(client: Any, heal_deployment_id: Any) -> list[str]:
     done. The silent-run one waits ``heal.SILENT_HEARTBEATS`` × the heartbeat interval this
     process's Prefect settings give (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, which the workers'
     flow runs must share)."""
+    from prefect.exceptions import PrefectHTTPStatusError
     from prefect.settings import get_current_settings
 
     from rollflow.flows.heal import heal_automations
@@ -177,7 +178,13 @@ def ensure_heal_automations(client: Any, heal_deployment_id: Any) -> list[str]:
     lines = []
     for automation in heal_automations(heal_deployment_id, heartbeat_s):
         for old in client.read_automations_by_name(automation.name):
-            client.delete_automation(old.id)
+            try:
+                client.delete_automation(old.id)
+            except PrefectHTTPStatusError as err:
+                # Gone already: the client's retry of a delete the server had done (a busy
+                # SQLite writer answers late), or another deploy's. What was asked is done.
+                if err.response.status_code != 404:
+                    raise
         client.create_automation(automation)
         lines.append(f"automation {automation.name!r} registered")
     return lines

@@ -161,3 +161,40 @@ def test_a_crashed_run_is_rerun_with_its_parameters_and_the_next_count(monkeypat
     assert deployment_id == run.deployment_id and kw["parameters"] == run.parameters
     assert kw["tags"] == ["rollflow", "rollflow-rerun:2", f"rollflow-rerun-of:{run.id}"]
     assert kw["idempotency_key"] == f"rollflow-rerun-of:{run.id}" and kw["timeout"] == 0
+
+
+def test_a_heal_automation_already_deleted_is_replaced_all_the_same():
+    """``rollflow deploy`` replaces the heal automations of the same name. A delete answered 404
+    (gone between the read and the delete: the client's retry of a delete the busy server had
+    done) failed the redeploy (a CI run's deployed-run fixture); any other error still fails."""
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from rollflow.flows.deploy import ensure_heal_automations
+
+    def answer(status):
+        request = httpx.Request("DELETE", "http://api/automations/1")
+        response = httpx.Response(status, request=request)
+        try:
+            response.raise_for_status()
+        except httpx.HTTPStatusError as exc:
+            raise PrefectHTTPStatusError.from_httpx_error(exc) from None
+
+    class Automations:
+        def __init__(self, status):
+            self.status, self.created = status, []
+
+        def read_automations_by_name(self, name):
+            return [SimpleNamespace(id=uuid4())]
+
+        def delete_automation(self, automation_id):
+            answer(self.status)
+
+        def create_automation(self, automation):
+            self.created.append(automation.name)
+
+    gone = Automations(404)
+    lines = ensure_heal_automations(gone, uuid4())
+    assert gone.created and len(lines) == len(gone.created)
+    with pytest.raises(PrefectHTTPStatusError):
+        ensure_heal_automations(Automations(500), uuid4())
