@@ -89,12 +89,7 @@ class TrainerAPI:
             # Restarted from the run's last checkpoint (a node lost after the last step
             # committed): no step is left to end, so the end is said at once. Left unsaid, the
             # run waited for it until its deadline and failed (seen in the two-host run).
-            self.finished_at = {
-                "step": weights_version,
-                "optim_step": trainer.step,
-                "time": time.time(),
-            }
-            self.finished.set()
+            self._finish(weights_version)
         # Taken around reading or changing the step state and queueing the command that goes
         # with it, so that a broadcast's version tag and an optimizer step are queued in the
         # order they were read.
@@ -188,11 +183,14 @@ class TrainerAPI:
         with self.order:  # queued after the step's optimizer steps (the train task calls in order)
             self.weights_version = req.step
         if req.step == self.num_steps and not self.finished.is_set():
-            step = self.trainer.step
-            self.finished_at = {"step": req.step, "optim_step": step, "time": time.time()}
-            self.finished.set()
-            log.info("training finished: step %s, optimizer step %s", req.step, step)
+            self._finish(req.step)
+            log.info("training finished: step %s, optimizer step %s", req.step, self.trainer.step)
         return {"finished": self.finished.is_set()}
+
+    def _finish(self, step: int) -> None:
+        """Say the end of training, after ``step``: ``training_finished`` answers it."""
+        self.finished_at = {"step": step, "optim_step": self.trainer.step, "time": time.time()}
+        self.finished.set()
 
     @serves(p.TRAINING_FINISHED)
     def training_finished(self, wait_s: float = 0.0) -> dict:
