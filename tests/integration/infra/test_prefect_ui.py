@@ -19,6 +19,7 @@ import pytest
 from rollflow.infra.processes import free_port
 from rollflow.testing.browser import chromium
 
+from deployed_run import _healthy, wait_until
 from host_support import two_hosts
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -159,16 +160,14 @@ def test_a_ui_on_every_interface_works_from_another_host(tmp_path):
         )
         try:
             url = f"http://{host0.address}:{port}"
-            deadline = time.monotonic() + START_DEADLINE_S
-            while True:
+
+            def up() -> bool:
                 assert proc.poll() is None, proc.stdout.read()
-                assert time.monotonic() < deadline, f"no answer at {url} in {START_DEADLINE_S}s"
-                try:
-                    if httpx.get(f"{url}/api/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.5)
-            httpx.post(f"{url}/api/flows/", json={"name": "browsed-from-host-1"}, timeout=10)
+                return _healthy(f"{url}/api")
+
+            wait_until(up, START_DEADLINE_S, f"rollflow ui answering at {url}")
+            made = httpx.post(f"{url}/api/flows/", json={"name": "browsed-from-host-1"}, timeout=10)
+            made.raise_for_status()
             browse = subprocess.run(
                 host1.wrap([sys.executable, "-c", BROWSE, url]),
                 capture_output=True,
