@@ -16,6 +16,7 @@ import base64
 import hashlib
 import json
 import os
+import platform
 import re
 import sys
 from collections.abc import Sequence
@@ -35,13 +36,33 @@ from rollflow.trainer.protocol import (
     ServiceArgs,
 )
 
-# DeepSpeed's JIT-compiled ops (on CPU: its shared-memory all-reduce, ~2-6 min to build). One
-# folder per Python environment: torch rebuilds an op whose build flags changed, and the flags
-# hold the environment's paths, so two checkouts sharing one folder rebuilt it on every switch.
-TORCH_EXTENSIONS_DIR = (
-    Path("~/.cache/rollflow/torch_extensions").expanduser()
-    / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
-)
+
+def torch_extensions_dir() -> Path:
+    """The folder of DeepSpeed's JIT-compiled ops (on CPU: its shared-memory all-reduce, ~55 s
+    of both cores to build), one per machine and versions: Python, torch, DeepSpeed, and this
+    CPU's flags (DeepSpeed's CPU ops build with ``-march=native``). Not per environment: a rank
+    loads a library built there by any checkout (``trainer/deepspeed_op.py``), so a new clone
+    (each CI run's) no longer builds it again."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = [sys.version, platform.machine(), _cpu_flags()]
+    for package in ("torch", "deepspeed"):
+        try:
+            parts.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            parts.append(f"{package} absent")
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+    return Path("~/.cache/rollflow/torch_extensions").expanduser() / key
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
 # How long node 0 waits for its rendezvous port to be let go before it starts its launcher: the
 # previous trainer's node 0 on this host (a restart) may still be exiting.
 RENDEZVOUS_FREE_TIMEOUT_S = 60.0
@@ -168,7 +189,7 @@ def launcher_env(
         TOKEN_ENV: token,
         THREADS_ENV: threads,
         "OMP_NUM_THREADS": threads,
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR)),
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir())),
         "LOCAL_SIZE": str(num_ranks),
         "PYTHONUNBUFFERED": "1",
     }

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rollflow.infra.errors import ConfigError
+from rollflow.trainer.deepspeed_op import load_built_op
 from rollflow.trainer.policy import PackedPolicy, hf_name
 
 
@@ -243,6 +244,8 @@ class DeepSpeedBackend:
     ):
         import deepspeed
 
+        if device.type == "cpu":
+            load_built_op()  # (DeepSpeed's all-reduce op, built before on this machine)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         if device.type == "cpu":
             _release_shared_workspace()

@@ -36,8 +36,9 @@ from rollflow.infra.http import Endpoint
 from rollflow.infra.processes import ManagedProcess, free_port
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightReceiverGroup
-from rollflow.services.trainer_process import TORCH_EXTENSIONS_DIR, TrainerProcess
+from rollflow.services.trainer_process import TrainerProcess, torch_extensions_dir
 from rollflow.tasks.train.client import TrainerClient
+from rollflow.trainer.deepspeed_op import OP
 from rollflow.trainer.protocol import HEALTH, ServiceArgs, TensorMeta
 
 from host_support import object_storage, two_hosts
@@ -141,6 +142,9 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
         others.append(_node_on_its_host(host, n, own, root / f"trainer-node-{n}.log"))
     if hosts:
         proc.process.argv = hosts[0].wrap(proc.process.argv)
+    # DeepSpeed's CPU all-reduce op, if a start before this one (of any checkout) built it: the
+    # ranks load it as built, and no start after the first on a machine compiles it (~55 s).
+    built = backend == "deepspeed" and _built_op(proc).is_file()
     start = time.monotonic()
     try:
         proc.start()
@@ -148,6 +152,9 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
             other.start()
         proc.wait_healthy()
         print(f"\n{name}: 2 ranks healthy after {time.monotonic() - start:.0f}s")
+        if built:
+            loaded = f"DeepSpeed's {OP} op loaded as built before: {_built_op(proc)}"
+            assert loaded in (root / "logs" / "trainer.log").read_text(), loaded
         # DeepSpeed's CPU all-reduce workspaces (66 MB of RAM each, in /dev/shm) lose their names
         # once every rank has mapped them: none outlives the ranks, killed or not.
         ports = {psutil.Process(p).environ().get("MASTER_PORT") for p in proc.process.pids()}
@@ -174,6 +181,10 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
     ]
 
 
+def _built_op(proc: TrainerProcess) -> Path:
+    return Path(proc.process.env["TORCH_EXTENSIONS_DIR"], OP, f"{OP}.so")
+
+
 # What a placed node's flow run does on its host (flows/trainer_node.py), without Prefect.
 NODE_ON_ITS_HOST = """
 import os, sys
@@ -190,7 +201,7 @@ def _node_on_its_host(host, node: int, args: ServiceArgs, log_path: Path) -> Man
     on, which shows where it was resolved). Nothing of node 0's folder is there."""
     argv = host.wrap([sys.executable, "-c", NODE_ON_ITS_HOST, args.model_dump_json(), str(node)])
     # DeepSpeed's compiled op: the image's build cache (else each host builds it, minutes)
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
     return ManagedProcess(
         f"trainer-node-{node}", argv, log_path, env={"TORCH_EXTENSIONS_DIR": cache}
     )
