@@ -11,6 +11,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# S3 credentials a test gives a run, then looks for in everything the run stores.
+PLANTED_KEY = "AKIAPLANTEDKEY000001"
+PLANTED_SECRET = "planted-secret-value-7f3a9c"
 SMALL = """
 [run]
 name = "{name}"

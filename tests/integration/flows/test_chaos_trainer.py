@@ -19,6 +19,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +66,11 @@ def test_trainer_killed_at_a_fault_point_fails_the_run_then_nothing_half_done_co
     print(f"fault {point}@{nth}: exit {code}; {errors[-1] if errors else 'no error line'}")
     assert code == 1, c.output()[-3000:]
     assert len(errors) == 1 and "Traceback" not in c.output(), c.output()[-3000:]
+    # The traceback is in the run's log, which the line after the error names.
+    lines = c.output().splitlines()
+    hint = lines[lines.index(errors[0]) + 1]
+    log = re.fullmatch(r"  \(traceback in (\S+); --debug prints it here\)", hint)
+    assert log and "Traceback" in Path(log[1]).read_text(), hint
     assert re.search(r"trainer.*(died|dead|exited)", errors[0]), errors[0]
     assert "not restarted: 0 of trainer.max_restarts = 0 used" in errors[0], errors[0]
     c.assert_no_orphans()

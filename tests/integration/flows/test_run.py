@@ -14,6 +14,8 @@ import pytest
 
 from deployed_run import processes_marked
 from run_support import (
+    PLANTED_KEY,
+    PLANTED_SECRET,
     ROOT,
     RestartableApi,
     assert_every_step_once,
@@ -50,6 +52,30 @@ def assert_api_record_whole(api: RestartableApi, run: str, steps: int) -> None:
     artifacts = api.post("/artifacts/filter")
     with_metrics = {a["flow_run_id"] for a in artifacts if a.get("type") == "table"}
     assert set(step_runs) <= with_metrics, (step_runs, artifacts)
+
+
+def assert_no_planted_secret(
+    name: str, storage: str, s3_endpoint: str, terminal: str, run_log: Path
+) -> None:
+    """A run given S3 credentials in run.storage_options said it kept them out of what it
+    stores, and they are in none of its flow runs' parameters, its config.json on the storage,
+    its run.log or its terminal (the same run read and wrote S3 with them)."""
+    import fsspec
+
+    from deployed_run import prefect_api
+    from run_support import session_prefect_api
+
+    assert "note: run.storage_options key, secret kept out of the stored config" in terminal
+    runs = prefect_api(
+        session_prefect_api(), "/flow_runs/filter", {"flow_runs": {"name": {"any_": [name]}}}
+    )
+    parameters = json.dumps([r["parameters"] for r in runs])
+    assert runs and name in parameters and s3_endpoint in parameters, runs
+    fs = fsspec.filesystem("s3", endpoint_url=s3_endpoint, skip_instance_cache=True)
+    stored = fs.cat_file(f"{storage.removeprefix('s3://')}/{name}/config.json").decode()
+    assert s3_endpoint in stored
+    for text in (parameters, stored, terminal, run_log.read_text()):
+        assert PLANTED_SECRET not in text and PLANTED_KEY not in text
 
 
 def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_path, model_cache):
@@ -296,7 +322,11 @@ def test_a_lora_run_on_s3_checkpoints_resumes_and_exports_its_adapter(
     s3_endpoint = pausable_s3.url
     name = f"lora-{uuid.uuid4().hex[:8]}"  # its logs are local, under ~/.cache/rollflow/logs
     storage = f"s3://rollflow/{tmp_path.name}"
-    options = f'run.storage_options={{endpoint_url="{s3_endpoint}"}}'
+    # With credentials, which the run keeps out of everything it stores (issue: secrets).
+    options = (
+        f'run.storage_options={{endpoint_url="{s3_endpoint}", key="{PLANTED_KEY}", '
+        f'secret="{PLANTED_SECRET}"}}'
+    )
     config = write_config(tmp_path, model_cache, name=name, steps=1, storage=storage)
     # The tiny policy's rewards may all be zero in two steps; zero-advantage groups are kept and an
     # entropy bonus gives them a gradient, so every step trains the adapter whatever the rewards.
@@ -328,6 +358,7 @@ def test_a_lora_run_on_s3_checkpoints_resumes_and_exports_its_adapter(
         print(
             f"storage paused {STORAGE_PAUSE_S} s: said back {paused['back'] - paused['at']:.1f} s"
         )
+        assert_no_planted_secret(name, storage, s3_endpoint, out + err, logs / "run.log")
         # Past the deadline: the run stops cleanly, with its resume line.
         paused.clear()
         deadline = ["run.num_steps=2", "run.storage_outage_timeout_s=12"]
