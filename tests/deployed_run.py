@@ -42,6 +42,8 @@ from rollflow.infra.prefect_ui import server_env
 from rollflow.infra.processes import free_port
 from rollflow.testing.browser import FormRun
 
+from run_support import seeded_prefect_home
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
 RUN_DEADLINE_S = 420
@@ -159,7 +161,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
     api = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
-        "PREFECT_HOME": str(tmp / "prefect-home"),
+        "PREFECT_HOME": str(seeded_prefect_home(tmp / "prefect-home")),
         "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",

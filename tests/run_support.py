@@ -79,7 +79,8 @@ def session_prefect_api() -> str:
     global _api, _api_url
     if _api_url is None:
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        env["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rollflow-tests-prefect-")
+        home = seeded_prefect_home(Path(tempfile.mkdtemp(prefix="rollflow-tests-prefect-")))
+        env["PREFECT_HOME"] = str(home)
         _api = subprocess.Popen(
             [sys.executable, "-c", _API_HOLDER],
             stdin=subprocess.PIPE,
@@ -95,6 +96,35 @@ def session_prefect_api() -> str:
     return _api_url
 
 
+def seeded_prefect_home(home: Path) -> Path:
+    """``home``, holding a copy of a Prefect database that a Prefect API has started on once (its
+    migrations and first-start registrations done), for a server the test starts there: it is
+    healthy in ~5 s instead of ~11 s (quiet; ~7 s of CPU saved, each of the suite's ~8 servers).
+    The copy is made once per checkout and Prefect version, under a lock the workers share."""
+    import fcntl
+    import shutil
+
+    import prefect
+
+    template = ROOT / ".prefect" / f"template-{prefect.__version__}"
+    template.mkdir(parents=True, exist_ok=True)
+    with open(template / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (template / "ready").exists():
+            api = RestartableApi(template / "home")
+            api.start()
+            api.stop()
+            for name in ("prefect.db", "prefect.db-wal"):  # (the WAL, if any, goes with it)
+                if (template / "home" / name).exists():
+                    shutil.copy(template / "home" / name, template / name)
+            (template / "ready").touch()
+    home.mkdir(parents=True, exist_ok=True)
+    for name in ("prefect.db", "prefect.db-wal"):
+        if (template / name).exists() and not (home / name).exists():
+            shutil.copy(template / name, home / name)
+    return home
+
+
 def stop_session_api() -> None:
     if _api is not None and _api.poll() is None:
         _api.stdin.close()  # the holder leaves local_prefect_api's block: the API stops
@@ -107,10 +137,12 @@ def stop_session_api() -> None:
 def env_for(tmp_path: Path, api: bool = True) -> dict[str, str]:
     """A run's environment: its own PREFECT_HOME, and the session's Prefect API unless ``api`` is
     false (then the run starts its own private one, as without a configured server)."""
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    home = tmp_path / "prefect"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     if api:
         env["PREFECT_API_URL"] = session_prefect_api()
-    else:
+    else:  # (its database migrated already: seeded_prefect_home)
+        env["PREFECT_HOME"] = str(seeded_prefect_home(home))
         env.pop("PREFECT_API_URL", None)
     return env
 

@@ -22,6 +22,7 @@ from run_support import (
     env_for,
     run_cli,
     run_cli_watched,
+    seeded_prefect_home,
     write_config,
 )
 
@@ -91,7 +92,7 @@ def test_async_steps_overlap_within_the_bound_and_end_on_the_trainers_event(tmp_
     the API is whole afterwards (every flow run and task run Completed, each step's artifact)."""
     import duckdb
 
-    api = RestartableApi(tmp_path / "api")
+    api = RestartableApi(seeded_prefect_home(tmp_path / "api"))
     api.start()
     outage: dict[str, float] = {}
 

@@ -21,6 +21,7 @@ from rollflow.testing.browser import chromium
 
 from deployed_run import _healthy, wait_until
 from host_support import two_hosts
+from run_support import seeded_prefect_home
 
 ROOT = Path(__file__).resolve().parents[3]
 START_DEADLINE_S = 180  # the first start migrates a fresh database (20-60 s on busy cores)
@@ -32,7 +33,15 @@ def test_rollflow_ui_serves_the_ui_and_api_prints_the_run_line_and_stops_on_sigt
     """On every interface (``--host EVERY_INTERFACE``): reached on loopback, and said so."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    argv = ["ui", "--host", EVERY_INTERFACE, "--port", str(port), "--home", str(tmp_path)]
+    argv = [
+        "ui",
+        "--host",
+        EVERY_INTERFACE,
+        "--port",
+        str(port),
+        "--home",
+        str(seeded_prefect_home(tmp_path)),
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollflow.cli", *argv],
         stdout=subprocess.PIPE,
@@ -149,7 +158,15 @@ def test_a_ui_on_every_interface_works_from_another_host(tmp_path):
     with two_hosts() as (host0, host1):
         port = free_port(host0.address)
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        argv = ["ui", "--host", EVERY_INTERFACE, "--port", str(port), "--home", str(tmp_path)]
+        argv = [
+            "ui",
+            "--host",
+            EVERY_INTERFACE,
+            "--port",
+            str(port),
+            "--home",
+            str(seeded_prefect_home(tmp_path)),
+        ]
         proc = subprocess.Popen(
             host0.wrap([sys.executable, "-m", "rollflow.cli", *argv]),
             stdout=subprocess.PIPE,
