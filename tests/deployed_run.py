@@ -42,8 +42,6 @@ from rollflow.infra.prefect_ui import server_env
 from rollflow.infra.processes import free_port
 from rollflow.testing.browser import FormRun
 
-from run_support import seeded_prefect_home
-
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
 RUN_DEADLINE_S = 420
@@ -157,6 +155,8 @@ def wait_until(predicate, deadline_s: float, what: str, logs=lambda: "") -> None
 
 
 def make_deployed_run(tmp: Path) -> DeployedRun:
+    from run_support import seeded_prefect_home  # (not at import: conftest imports this file)
+
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {

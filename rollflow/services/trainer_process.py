@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import sys
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,14 @@ from rollflow.trainer.protocol import (
 
 def torch_extensions_dir() -> Path:
     """The folder of DeepSpeed's JIT-compiled ops (on CPU: its shared-memory all-reduce, ~55 s
-    of both cores to build), one per machine and versions: Python, torch, DeepSpeed, and this
-    CPU's flags (DeepSpeed's CPU ops build with ``-march=native``). Not per environment: a rank
+    of both cores to build), one per machine and versions: Python's ABI, torch, DeepSpeed, and
+    this CPU's flags (DeepSpeed's CPU ops build with ``-march=native``). Not per environment: a rank
     loads a library built there by any checkout (``trainer/deepspeed_op.py``), so a new clone
     (each CI run's) no longer builds it again."""
     from importlib.metadata import PackageNotFoundError, version
 
-    parts = [sys.version, platform.machine(), _cpu_flags()]
+    # (the ABI, not the version: CI's clone ran Python 3.11.2 and a developer's tree 3.11.7)
+    parts = [sysconfig.get_config_var("SOABI") or sys.version, platform.machine(), _cpu_flags()]
     for package in ("torch", "deepspeed"):
         try:
             parts.append(f"{package} {version(package)}")
