@@ -146,8 +146,13 @@ def test_after_a_sync_with_requests_in_flight_no_request_reads_kv_of_the_old_wei
             await client.complete(FIRST, max_tokens=1, temperature=0.0)
             tasks = [asyncio.create_task(consume(http, lines)) for lines in streams]
             await asyncio.wait_for(started.wait(), 30)
+            sync_started = time.monotonic()
             stats = await asyncio.to_thread(publish, source, [url], 1, 30)
-            synced_at = time.monotonic()
+            # The server was paused from sync_started + pause_s (a few ms later: the thread's
+            # start) until after the broadcast: a stream that ended after this was kept across
+            # the pause. (Not "after publish returned": kept streams near their end finished in
+            # the ms between the resume and the return, and a CI run failed so.)
+            synced_at = sync_started + stats["pause_s"] + stats["broadcast_s"]
             (after,) = await client.complete(SECOND, max_tokens=8, temperature=1.0, seed=0)
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
             return stats, synced_at, after
