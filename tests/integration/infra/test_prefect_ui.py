@@ -29,19 +29,17 @@ START_DEADLINE_S = 180  # the first start migrates a fresh database (20-60 s on 
 EVERY_INTERFACE = "0.0.0.0"  # not connected to
 
 
+def ui_argv(port: int, home: Path) -> list[str]:
+    """``rollflow ui`` on every interface, its database in ``home`` (migrated already)."""
+    home = seeded_prefect_home(home)
+    return ["ui", "--host", EVERY_INTERFACE, "--port", str(port), "--home", str(home)]
+
+
 def test_rollflow_ui_serves_the_ui_and_api_prints_the_run_line_and_stops_on_sigterm(tmp_path):
     """On every interface (``--host EVERY_INTERFACE``): reached on loopback, and said so."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    argv = [
-        "ui",
-        "--host",
-        EVERY_INTERFACE,
-        "--port",
-        str(port),
-        "--home",
-        str(seeded_prefect_home(tmp_path)),
-    ]
+    argv = ui_argv(port, tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollflow.cli", *argv],
         stdout=subprocess.PIPE,
@@ -158,15 +156,7 @@ def test_a_ui_on_every_interface_works_from_another_host(tmp_path):
     with two_hosts() as (host0, host1):
         port = free_port(host0.address)
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        argv = [
-            "ui",
-            "--host",
-            EVERY_INTERFACE,
-            "--port",
-            str(port),
-            "--home",
-            str(seeded_prefect_home(tmp_path)),
-        ]
+        argv = ui_argv(port, tmp_path)
         proc = subprocess.Popen(
             host0.wrap([sys.executable, "-m", "rollflow.cli", *argv]),
             stdout=subprocess.PIPE,
