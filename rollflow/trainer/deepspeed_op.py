@@ -5,8 +5,8 @@ On CPU, DeepSpeed's communication init asks for its shared-memory all-reduce op
 ~55 s of both cores (two C++ files against torch's headers). torch decides whether to rebuild
 from the build's commands, and those name the Python environment's paths, so every new checkout
 (each CI clone) compiled it again, and two checkouts sharing one folder rebuilt it at every
-switch. The library itself depends on the versions of Python, torch and DeepSpeed and on this
-CPU (``-march=native``), not on where the environment lives: the folder is keyed by those
+switch. The library itself depends on Python's ABI, the versions of torch and DeepSpeed and
+this CPU (``-march=native``), not on where the environment lives: the folder is keyed by those
 (``services/trainer_process.py``, ``torch_extensions_dir``), and a rank that finds the library
 there loads it and hands it to DeepSpeed's op cache before DeepSpeed asks, so torch's JIT never
 runs again. The first rank on a machine builds it the usual way (torch's lock keeps it to one).

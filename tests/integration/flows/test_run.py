@@ -23,6 +23,7 @@ from run_support import (
     run_cli,
     run_cli_watched,
     seeded_prefect_home,
+    session_prefect_api,
     write_config,
 )
 
@@ -64,7 +65,6 @@ def assert_no_planted_secret(
     import fsspec
 
     from deployed_run import prefect_api
-    from run_support import session_prefect_api
 
     assert "note: run.storage_options key, secret kept out of the stored config" in terminal
     runs = prefect_api(
@@ -323,7 +323,7 @@ def test_a_lora_run_on_s3_checkpoints_resumes_and_exports_its_adapter(
     s3_endpoint = pausable_s3.url
     name = f"lora-{uuid.uuid4().hex[:8]}"  # its logs are local, under ~/.cache/rollflow/logs
     storage = f"s3://rollflow/{tmp_path.name}"
-    # With credentials, which the run keeps out of everything it stores (issue: secrets).
+    # With credentials, which the runs use and keep out of everything they store.
     options = (
         f'run.storage_options={{endpoint_url="{s3_endpoint}", key="{PLANTED_KEY}", '
         f'secret="{PLANTED_SECRET}"}}'
