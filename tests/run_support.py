@@ -141,8 +141,8 @@ def env_for(tmp_path: Path, api: bool = True) -> dict[str, str]:
     env = {**os.environ, "PREFECT_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     if api:
         env["PREFECT_API_URL"] = session_prefect_api()
-    else:  # (its database migrated already: seeded_prefect_home)
-        env["PREFECT_HOME"] = str(seeded_prefect_home(home))
+    else:
+        seeded_prefect_home(home)  # (its own API's database, migrated already)
         env.pop("PREFECT_API_URL", None)
     return env
 

@@ -27,11 +27,12 @@ log = logging.getLogger(__name__)
 OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME (its JIT module's name)
 
 
-def built_op_path() -> Path:
-    """Where torch's JIT puts the op's library (its ``<TORCH_EXTENSIONS_DIR>/<name>/<name>.so``)."""
+def built_op_path(root: str | None = None) -> Path:
+    """Where torch's JIT puts the op's library (``<root>/<name>/<name>.so``); ``root``: this
+    process's ``TORCH_EXTENSIONS_DIR``, or torch's default."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / OP / f"{OP}.so"
 
 

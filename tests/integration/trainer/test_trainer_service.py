@@ -36,9 +36,9 @@ from rollflow.infra.http import Endpoint
 from rollflow.infra.processes import ManagedProcess, free_port
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.weights.group import WeightReceiverGroup
-from rollflow.services.trainer_process import TrainerProcess, torch_extensions_dir
+from rollflow.services.trainer_process import TrainerProcess
 from rollflow.tasks.train.client import TrainerClient
-from rollflow.trainer.deepspeed_op import OP
+from rollflow.trainer.deepspeed_op import OP, built_op_path
 from rollflow.trainer.protocol import HEALTH, ServiceArgs, TensorMeta
 
 from host_support import object_storage, two_hosts
@@ -134,17 +134,18 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
     )
     token = secrets.token_hex(8)
     proc = TrainerProcess(args, token=token, log_dir=root / "logs")
+    extensions = proc.process.env["TORCH_EXTENSIONS_DIR"]  # (DeepSpeed's op, built once)
     # The other node on its own host, with its own copy of the model (tests/host_support.py).
     others = []
     for n, host in enumerate(hosts[1:], start=1):
         own_model = shutil.copytree(model_dir, host.root / "model")
         own = args.model_copy(update={"model_path": str(own_model)})
-        others.append(_node_on_its_host(host, n, own, root / f"trainer-node-{n}.log"))
+        others.append(_node_on_its_host(host, n, own, root / f"trainer-node-{n}.log", extensions))
     if hosts:
         proc.process.argv = hosts[0].wrap(proc.process.argv)
     # DeepSpeed's CPU all-reduce op, if a start before this one (of any checkout) built it: the
     # ranks load it as built, and no start after the first on a machine compiles it (~55 s).
-    built = backend == "deepspeed" and _built_op(proc).is_file()
+    built = backend == "deepspeed" and built_op_path(extensions).is_file()
     start = time.monotonic()
     try:
         proc.start()
@@ -153,7 +154,7 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
         proc.wait_healthy()
         print(f"\n{name}: 2 ranks healthy after {time.monotonic() - start:.0f}s")
         if built:
-            loaded = f"DeepSpeed's {OP} op loaded as built before: {_built_op(proc)}"
+            loaded = f"DeepSpeed's {OP} op loaded as built before: {built_op_path(extensions)}"
             assert loaded in (root / "logs" / "trainer.log").read_text(), loaded
         # DeepSpeed's CPU all-reduce workspaces (66 MB of RAM each, in /dev/shm) lose their names
         # once every rank has mapped them: none outlives the ranks, killed or not.
@@ -181,10 +182,6 @@ def _service(name, root, model_dir, hosts, storage_root, options, master_addr):
     ]
 
 
-def _built_op(proc: TrainerProcess) -> Path:
-    return Path(proc.process.env["TORCH_EXTENSIONS_DIR"], OP, f"{OP}.so")
-
-
 # What a placed node's flow run does on its host (flows/trainer_node.py), without Prefect.
 NODE_ON_ITS_HOST = """
 import os, sys
@@ -194,16 +191,17 @@ os.execve(argv[0], argv, {**os.environ, **env})
 """
 
 
-def _node_on_its_host(host, node: int, args: ServiceArgs, log_path: Path) -> ManagedProcess:
+def _node_on_its_host(
+    host, node: int, args: ServiceArgs, log_path: Path, extensions: str
+) -> ManagedProcess:
     """Trainer node ``node`` started on ``host`` as its flow run starts it: its launcher command
     made there (``node_command``) from the trainer's arguments alone, on the first GPU of the
     host's own CUDA_VISIBLE_DEVICES (the ranks compute on CPU; the launchers pass the device
     on, which shows where it was resolved). Nothing of node 0's folder is there."""
     argv = host.wrap([sys.executable, "-c", NODE_ON_ITS_HOST, args.model_dump_json(), str(node)])
-    # DeepSpeed's compiled op: the image's build cache (else each host builds it, minutes)
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
+    # DeepSpeed's compiled op: node 0's build cache, the image's (else each host builds it)
     return ManagedProcess(
-        f"trainer-node-{node}", argv, log_path, env={"TORCH_EXTENSIONS_DIR": cache}
+        f"trainer-node-{node}", argv, log_path, env={"TORCH_EXTENSIONS_DIR": extensions}
     )
 
 
