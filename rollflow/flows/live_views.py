@@ -8,15 +8,21 @@
 - the progress artifact (``artifacts.RunProgress``) gets the pace, steps per minute over the last
   committed steps, and an ETA.
 
-They are redrawn every ``metrics.ui_every`` committed steps and at the end. Prefect keeps one
-version per redraw under the same key; the Artifacts page and the flow run's Artifacts tab show
-the latest.
+They are redrawn every ``metrics.ui_every`` committed steps and at the end, paced so that
+redrawing takes at most ``REDRAW_SHARE`` of the run's time: after a redraw of d seconds the next
+waits until d / REDRAW_SHARE after the last began (redraws falling due meanwhile coalesce into
+one, of the newest committed step). Prefect keeps one version per redraw under the same key; the
+Artifacts page and the flow run's Artifacts tab show the latest.
 
 Owns: what the views show. Invariant: every figure is read from storage, the metrics rows of
-committed steps only (``rollflow.runs.committed_metrics``, the rule ``rollflow.open_run``
-reads by), never from the run's memory; so a resumed run's views hold all of it, and a step in
-flight is never drawn. A redraw runs on a thread of its own (reading Parquet and drawing take
-~0.1-0.5 s, off the step loop); one that fails is a warning, never a failed run.
+committed steps only (``rollflow.runs.CommittedMetrics``, the rule ``rollflow.open_run`` reads
+by; each file read once where it cannot change), never from the run's memory; so a resumed run's
+views hold all of it, and a step in flight is never drawn. A redraw runs on a thread of its own,
+off the step loop; one that fails is a warning, never a failed run.
+
+Why paced: on 2 cores a redraw of the quickstart's model at step 100 took ~1 s of CPU (drawing
+the PNG 0.5-0.8 s, and before the rows were kept, reading 100 Parquet files 0.24-0.39 s), every 5
+steps of ~1.2 s: 17% of a core that the run's vLLM and trainer wanted (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import io
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +43,12 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from rollflow.flows.artifacts import RunProgress, _best_effort, _cell, _run_logger, artifact_key
 from rollflow.infra.metric_names import Metric, by_env, is_number, per_env, series
 from rollflow.infra.storage import RunStorage
+from rollflow.runs import CommittedMetrics
 
 logger = logging.getLogger("rollflow.artifacts")
 
 PACE_WINDOW = 10  # steps per minute: over the last N committed steps
+REDRAW_SHARE = 0.05  # at most this share of the run's wall time goes to redrawing (paced)
 CLOSE_DEADLINE_S = 60.0  # the last redraw at the end of a run; a failed run waits 5 s at most
 FIGSIZE, DPI = (9.0, 6.0), 72  # 648 x 432 px: ~40-60 kB of PNG per redraw
 
@@ -57,11 +66,10 @@ class Snapshot:
     steps_per_min: float | None  # over the last PACE_WINDOW committed steps
 
 
-def snapshot(storage: RunStorage) -> Snapshot:
-    """Read the run's committed metrics and build every figure of the views from them."""
-    from rollflow.runs import committed_metrics
-
-    rows = sorted(committed_metrics(storage), key=lambda r: r[Metric.STEP])
+def snapshot(storage: RunStorage, metrics: CommittedMetrics | None = None) -> Snapshot:
+    """Read the run's committed metrics (through ``metrics``, which keeps the rows that cannot
+    change, where a caller redraws again and again) and build every figure of the views."""
+    rows = sorted((metrics or CommittedMetrics(storage)).read(), key=lambda r: r[Metric.STEP])
     steps = [r for r in rows if r[Metric.STEP] > 0]
     return Snapshot(
         rows=rows,
@@ -208,7 +216,8 @@ def _duration(seconds: float) -> str:
 class LiveViews:
     """Redraws the run's views every ``every`` committed steps (0: only at ``close``) and at the
     end, on a thread of its own that runs in the run flow's context (the artifacts belong to its
-    flow run). Redraws that fall due while one runs coalesce into one."""
+    flow run). Redraws take at most ``share`` of the time (``REDRAW_SHARE``; 1: unpaced); those
+    that fall due while one runs or waits coalesce into one."""
 
     def __init__(
         self,
@@ -217,6 +226,7 @@ class LiveViews:
         every: int,
         progress: RunProgress | None = None,
         publish: Callable[[Snapshot], None] | None = None,
+        share: float = REDRAW_SHARE,
     ):
         self.storage, self.num_steps, self.every, self.progress = (
             storage,
@@ -225,8 +235,12 @@ class LiveViews:
             progress,
         )
         self.publish = publish or self._publish
+        self.share = share
         self.drawn: list[int] = []  # the last step of each redraw published, in order
+        self._metrics = CommittedMetrics(storage)
+        self._next_at = 0.0  # time.monotonic() before which no redraw starts (the pacing)
         self._due, self._closing, self._final = threading.Event(), False, True
+        self._closed = threading.Event()  # ends the pacing's wait
         self._context = contextvars.copy_context()
         self._thread: threading.Thread | None = None
 
@@ -239,6 +253,7 @@ class LiveViews:
         """Stop: first redraw with all that is committed (``final``), within CLOSE_DEADLINE_S (a
         failed run stops within 5 s and does not redraw)."""
         self._closing, self._final = True, final
+        self._closed.set()
         if final:
             self._wake()
         elif self._thread is None:
@@ -254,7 +269,7 @@ class LiveViews:
     def refresh(self) -> Snapshot | None:
         """Redraw now, on this thread (a failure is a warning and returns None)."""
         try:
-            snap = snapshot(self.storage)
+            snap = snapshot(self.storage, self._metrics)
         except Exception as exc:  # storage unreachable for a moment: the next redraw retries
             _run_logger().warning(
                 "could not read the committed metrics for the live views: %s: %s",
@@ -277,10 +292,13 @@ class LiveViews:
     def _loop(self) -> None:
         while True:
             self._due.wait()
+            self._closed.wait(max(0.0, self._next_at - time.monotonic()))  # paced; not at the end
             self._due.clear()
             closing = self._closing
             if not closing or self._final_due():
+                start = time.monotonic()
                 self.refresh()
+                self._next_at = start + (time.monotonic() - start) / self.share
             if closing:
                 return
 

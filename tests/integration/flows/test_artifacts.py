@@ -77,7 +77,8 @@ def fake_run(root: str, run: str) -> None:
     storage = RunStorage(root, run)
     storage.write_metrics(0, {"eval_reward": 0.2})
     progress = RunProgress(storage.run, NUM_STEPS, 0)
-    live = LiveViews(storage, NUM_STEPS, UI_EVERY, progress)
+    # Unpaced (share 1): these steps take milliseconds, a real one longer than a redraw.
+    live = LiveViews(storage, NUM_STEPS, UI_EVERY, progress, share=1.0)
     for step in range(1, NUM_STEPS + 1):
         fake_step(storage, step)
         storage.commit("checkpoints", step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from rollflow.flows import live_views
 from rollflow.flows.live_views import LiveViews, curves_png, eta_text, snapshot
 from rollflow.infra.metric_names import Metric, per_env
 from rollflow.infra.storage import RunStorage
+from rollflow.runs import CommittedMetrics, committed_metrics
 
 
 def row(step: int) -> dict:
@@ -128,10 +130,61 @@ def test_redraws_every_n_committed_steps_off_the_loop_and_once_more_at_the_end(s
     assert drawn == []
 
 
+def test_a_redraw_reads_again_only_the_rows_that_can_change(storage):
+    """Steps at or before the last checkpoint are never redone: their files are read once. A step
+    committed by its event after it may be redone after a lost trainer, and is read each time."""
+    metrics = CommittedMetrics(storage)
+    assert metrics.read() == committed_metrics(storage)  # steps 0-3
+    assert metrics.files_read == 4
+    assert metrics.read() == committed_metrics(storage)
+    assert metrics.files_read == 5  # step 0 only: 1-3 are at or before checkpoint 3
+
+    storage.append_event("step_committed", step=4)  # committed, no checkpoint yet
+    assert [r[Metric.STEP] for r in metrics.read()] == [0, 1, 2, 3, 4]
+    storage.write_metrics(4, {**row(4), Metric.REWARD_MEAN: 7.0})  # step 4 redone
+    assert metrics.read()[-1][Metric.REWARD_MEAN] == 7.0
+    assert metrics.files_read == 9
+    storage.commit("checkpoints", 4)
+    metrics.read()
+    before = metrics.files_read
+    assert metrics.read() == committed_metrics(storage)
+    assert metrics.files_read == before + 1  # step 4 is kept now
+
+
+def test_redraws_are_paced_to_their_share_of_the_time_but_the_last_is_not(storage):
+    starts = []
+
+    def publish(snap):
+        starts.append(time.monotonic())
+        time.sleep(0.05)
+
+    live = LiveViews(storage, num_steps=10, every=1, publish=publish, share=0.2)
+    live.committed(1)
+    deadline = time.monotonic() + 30
+    while not live.drawn and time.monotonic() < deadline:
+        time.sleep(0.01)
+    live.committed(2)
+    live.committed(3)  # both fall due while the next redraw waits: one redraw
+    while len(live.drawn) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert live.drawn == [3, 3] and len(starts) == 2
+    # The second began no sooner than the first's duration (≥ 0.05 s) / 0.2 after the first.
+    assert starts[1] - starts[0] >= 0.25
+
+    slow = LiveViews(storage, num_steps=10, every=1, publish=publish, share=1e-4)
+    slow.committed(1)
+    while not slow.drawn and time.monotonic() < deadline:
+        time.sleep(0.01)
+    storage.append_event("step_committed", step=4)  # a newer step to draw at the end
+    closed_at = time.monotonic()
+    slow.close()  # its pace would wait ≥ 500 s: the end draws at once
+    assert slow.drawn == [3, 4] and time.monotonic() - closed_at < 20
+
+
 def test_a_redraw_that_cannot_read_storage_is_a_warning(tmp_path, monkeypatch, caplog):
     live = LiveViews(RunStorage(str(tmp_path), "gone"), 10, 1, publish=lambda s: None)
 
-    def broken(storage):
+    def broken(storage, metrics=None):
         raise OSError("unreachable")
 
     monkeypatch.setattr(live_views, "snapshot", broken)
