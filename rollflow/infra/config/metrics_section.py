@@ -49,7 +49,8 @@ class MetricsSection(Section):
         ge=0,
         description="Redraw the run's live views in the Prefect UI (the curves plot, the "
         "per-environment table, the progress artifact's pace and ETA) every N committed steps "
-        "and at the end, from the committed metrics; 0: at the end only.",
+        "and at the end, from the committed metrics, paced to at most 5% of the run's time; 0: "
+        "at the end only.",
     )
 
     @model_validator(mode="after")
