@@ -43,6 +43,7 @@ from rollflow.infra.outage import (
     stop_main,
     storage_outage,
 )
+from rollflow.infra.prefect_tls import share_tls_context
 from rollflow.infra.secrets import load_storage_secret, take_secrets_out
 from rollflow.infra.storage import RunStorage
 from rollflow.infra.terminal import PrefectRunLog, log_run_failure, say
@@ -57,6 +58,12 @@ from rollflow.tasks.generate.generate_task import (
 from rollflow.tasks.generate.host import ProducerHost, step_flows_in_flight
 from rollflow.tasks.train.client import TrainerClient
 from rollflow.tasks.train.warm_start import prepare_tiny_model
+
+# Every process that runs the run flow (`rollflow run`, a deployment's run) gives its Prefect
+# clients one TLS context: Prefect builds one per client, ~60 ms of CPU here, and makes one per
+# step's subflow. Here, not in rollflow/flows/__init__.py: a run that fails its preflight never
+# imports Prefect (1.2 s of `rollflow run`'s fail-fast path).
+share_tls_context()
 
 LOCAL_CACHE = Path("~/.cache/rollflow/checkpoints").expanduser()
 TRAINING_FINISHED_DEADLINE_S = 30.0

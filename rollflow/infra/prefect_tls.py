@@ -13,7 +13,8 @@ using custom SSL contexts", open) proposes the same sharing.
 ``httpx_settings`` gets the context Prefect would have built (same settings: the CA file, or
 ``PREFECT_API_TLS_INSECURE_SKIP_VERIFY``), built once per such settings and shared. A client given
 its own ``verify`` keeps it. An ``SSLContext`` is safe to share between connections and threads
-(httpx shares one between all connections of a client already).
+(httpx shares one between all connections of a client already). The run flow's module installs
+it (``flows/rl_run.py``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def context_of(client) -> ssl.SSLContext:
 
 
 def test_every_client_shares_the_context_prefect_would_build():
-    import rollflow.flows  # noqa: F401  (where the run's processes install it)
+    import rollflow.flows.rl_run  # noqa: F401  (where the run's processes install it)
 
     assert getattr(PrefectClient.__init__, "_rollflow_shared_tls", False)
     assert getattr(SyncPrefectClient.__init__, "_rollflow_shared_tls", False)
