@@ -279,19 +279,27 @@ def config_error_lines(message: str) -> list[str]:
 def _train(cfg, args: argparse.Namespace) -> int:
     """The run itself. An error is one line (its traceback in run.log, and here with --debug);
     Ctrl-C or SIGTERM stops it: one line with what is committed and the command that resumes."""
-    from rollflow.flows.rl_run import rl_run, run_log_dir
+    import importlib
+
     from rollflow.infra import terminal
     from rollflow.infra.config import dump_config
     from rollflow.infra.outage import OutageStop, install_stop_handler, pending_reason
     from rollflow.infra.prefect_api import local_prefect_api
+    from rollflow.infra.storage import RunStorage
 
     terminal.stop_on_sigterm()
     install_stop_handler()  # a service's outage past its deadline stops the run as Ctrl-C does
     log_path = None
+    loaded = {}
+
+    def import_run_flow() -> None:  # ~7 s, while the private Prefect API starts on another core
+        loaded["rl_run"] = importlib.import_module("rollflow.flows.rl_run").rl_run
+
     try:
-        log_path = terminal.attach_run_log(run_log_dir(cfg), args.debug)
-        with local_prefect_api():
-            rl_run(dump_config(cfg))
+        storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
+        log_path = terminal.attach_run_log(storage.log_dir(), args.debug)
+        with local_prefect_api(meanwhile=import_run_flow):
+            loaded["rl_run"](dump_config(cfg))
     except KeyboardInterrupt as exc:
         terminal.log_failure(exc, log_path)
         print(terminal.stopped_line(exc, cfg, args.config, args.overrides), file=sys.stderr)

@@ -508,11 +508,6 @@ def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:
     return out
 
 
-def run_log_dir(cfg: RunConfig) -> Path:
-    """Where the run's logs go (services' logs and run.log): see ``RunStorage.log_dir``."""
-    return RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options).log_dir()
-
-
 def _fmt_env(total: float, by_env: dict[str, float]) -> str:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in by_env.items())
     return f"{total:.3f} ({parts})" if len(by_env) > 1 else f"{total:.3f}"

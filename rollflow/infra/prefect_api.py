@@ -11,7 +11,7 @@ nobody can open its UI, and it ends with the run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -118,14 +118,22 @@ def require_prefect_server(timeout_s: float = 5.0) -> str:
 
 
 @contextlib.contextmanager
-def local_prefect_api(timeout_s: float = 120.0) -> Iterator[str | None]:
+def local_prefect_api(
+    timeout_s: float = 120.0, meanwhile: Callable[[], object] | None = None
+) -> Iterator[str | None]:
     """Use the configured Prefect API, or run a private one for the duration of the block.
+
+    ``meanwhile`` runs while the private API starts (before the block either way): `rollflow run`
+    imports the run flow's modules there, ~7 s of one core here that the server's ~5-10 s of
+    start-up on the other core no longer waits for.
 
     The private API runs niced, so on a host whose cores are all busy it starts last: 60 s was
     exceeded twice at load average 11-16 on 2 cores (2026-11-25). A server that exits fails the
     wait at once, whatever the deadline."""
     settings = get_current_settings()
     if settings.api.url:
+        if meanwhile is not None:
+            meanwhile()
         yield settings.api.url
         return
     port = free_port()
@@ -140,6 +148,8 @@ def local_prefect_api(timeout_s: float = 120.0) -> Iterator[str | None]:
     url = f"http://127.0.0.1:{port}/api"
     server.start()
     try:
+        if meanwhile is not None:
+            meanwhile()
         server.wait_healthy(
             lambda: http.client().get(f"{url}/health", timeout=2).status_code == 200, timeout_s
         )
