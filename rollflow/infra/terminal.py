@@ -44,7 +44,14 @@ class _NoTraceback(logging.Formatter):
 
 
 def attach_run_log(log_dir: Path, debug: bool) -> Path:
-    """Send every record to ``log_dir/run.log``; rollflow's warnings to the terminal (one line)."""
+    """Send every record to ``log_dir/run.log``; rollflow's warnings to the terminal (one line).
+
+    Prefect applies its logging config when ``prefect.main`` loads (``prefect/__init__.py`` loads
+    it at the first ``from prefect import flow``), dropping handlers and levels set before: it is
+    loaded here first, so that the run flow's modules, imported later (while the private API
+    starts, ``cli._train``), leave this set-up alone."""
+    import prefect.main  # noqa: F401
+
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / RUN_LOG
     file = logging.FileHandler(path, encoding="utf-8")
@@ -71,9 +78,8 @@ def internal_to_log(file: logging.Handler) -> None:
     """Prefect's background workers (``EventsWorker``, ``APILogWorker``) log what they failed to
     send, whole ``Event(...)`` reprs of several kilobytes each, on ``prefect._internal``, whose
     handler is the console's stderr: while the API is away that reached the terminal. They go to
-    the run's log instead (the terminal has the run's own line about the API)."""
-    import prefect.logging  # noqa: F401  (Prefect's logging config is applied at its import)
-
+    the run's log instead (the terminal has the run's own line about the API). Called once Prefect
+    has applied its logging config (``attach_run_log``)."""
     internal = logging.getLogger("prefect._internal")
     for handler in list(internal.handlers):
         if isinstance(handler, logging.StreamHandler) and not isinstance(
