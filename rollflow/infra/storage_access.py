@@ -7,7 +7,10 @@ Owns: where such a command finds the run (its name, ``run.storage``, ``run.stora
 Invariant: every failure to reach a run is one ``StorageError`` or ``InputError`` line that names
 the setting to change (``--storage-option endpoint_url``, ``AWS_ENDPOINT_URL_S3``, the
 credentials' variables, ``--storage``, the run's name), never a traceback; and the probe answers
-within ``PROBE_DEADLINE_S`` however the endpoint behaves (refused, silent, black-holed).
+within ``PROBE_DEADLINE_S`` however the endpoint behaves (refused, silent, black-holed): one
+attempt with 2 s socket timeouts answers a silent endpoint; the deadline is the backstop for
+whatever those timeouts miss, long enough that a slow but answering endpoint on busy cores is not
+called silent.
 Credentials never come from a command line: they stay in the environment or in the Prefect
 Secret block the run's config names (infra/secrets.py).
 """
@@ -25,7 +28,7 @@ from rollflow.infra.errors import InputError, StorageError
 from rollflow.infra.secrets import merge, secret_storage_options
 from rollflow.infra.storage import RunStorage
 
-PROBE_DEADLINE_S = 3.0
+PROBE_DEADLINE_S = 10.0
 # botocore reads these when no endpoint_url option is given (botocore >= 1.31).
 ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 _CREDENTIALS_HINT = (
@@ -203,7 +206,9 @@ def fail_fast_fs(uri: str, options: dict[str, Any], read_timeout_s: float) -> tu
     s3 = (fsspec.core.split_protocol(uri)[0] or "file") in ("s3", "s3a")
     if s3:
         config = dict(opts.get("config_kwargs") or {})
-        config.update(connect_timeout=2, read_timeout=read_timeout_s, retries={"max_attempts": 1})
+        config.update(
+            connect_timeout=2, read_timeout=read_timeout_s, retries={"total_max_attempts": 1}
+        )
         opts.update(config_kwargs=config, skip_instance_cache=True)
     fs, base = fsspec.core.url_to_fs(uri, **opts)
     if s3:
