@@ -8,7 +8,7 @@ Invariant: every failure to reach a run is one ``StorageError`` or ``InputError`
 the setting to change (``--storage-option endpoint_url``, ``AWS_ENDPOINT_URL_S3``, the
 credentials' variables, ``--storage``, the run's name), never a traceback; and the probe answers
 within ``PROBE_DEADLINE_S`` however the endpoint behaves (refused, silent, black-holed): one
-attempt with 2 s socket timeouts answers a silent endpoint; the deadline is the backstop for
+attempt with a 2 s connect and ``PROBE_READ_TIMEOUT_S`` read timeout answers a silent endpoint; the deadline is the backstop for
 whatever those timeouts miss, long enough that a slow but answering endpoint on busy cores is not
 called silent.
 Credentials never come from a command line: they stay in the environment or in the Prefect
@@ -29,6 +29,10 @@ from rollflow.infra.secrets import merge, secret_storage_options
 from rollflow.infra.storage import RunStorage
 
 PROBE_DEADLINE_S = 10.0
+# A request's own read timeout: long enough for a slow but answering endpoint (moto beside the
+# suite's vLLM servers took 2+ s for one 404 on busy cores), short enough that a silent one is
+# named in seconds.
+PROBE_READ_TIMEOUT_S = 5.0
 # botocore reads these when no endpoint_url option is given (botocore >= 1.31).
 ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 _CREDENTIALS_HINT = (
@@ -114,7 +118,7 @@ def open_run(address: RunAddress) -> RunStorage:
 
     def probe() -> Exception | None:
         try:
-            fs, base = fail_fast_fs(address.uri, opts, read_timeout_s=2)
+            fs, base = fail_fast_fs(address.uri, opts, read_timeout_s=PROBE_READ_TIMEOUT_S)
             seen["fs"] = fs
             fs.info(base)
         except Exception as exc:  # classified by the caller

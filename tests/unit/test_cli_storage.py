@@ -5,6 +5,7 @@ under 5 s, never a traceback. No address other than loopback is ever contacted."
 from __future__ import annotations
 
 import contextlib
+import http.server
 import socket
 import threading
 import time
@@ -43,6 +44,13 @@ def s3_run(s3_endpoint) -> str:
     storage.fs.pipe_file(f"{folder}/model.safetensors", b"weights")
     storage.commit("checkpoints", 1)
     return s3_endpoint
+
+
+@pytest.fixture
+def credentials(monkeypatch) -> None:
+    """Credentials as a user's environment has them (an endpoint of the test's own)."""
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
+        monkeypatch.setenv(name, value)
 
 
 def closed_port() -> str:
@@ -167,7 +175,9 @@ def test_no_such_run_or_bucket_is_one_line_naming_the_storage(s3_run, command, c
     )
 
 
-def test_an_endpoint_that_never_answers_is_one_request_timing_out_not_the_deadline(capsys):
+def test_an_endpoint_that_never_answers_is_one_request_timing_out_not_the_deadline(
+    capsys, credentials
+):
     """The probe sends one request and the request's own read timeout answers: botocore's
     ``max_attempts`` counts retries (1 meant two requests, 2 x 2 s), and the whole-probe
     deadline is only a backstop."""
@@ -198,6 +208,49 @@ def test_an_endpoint_that_never_answers_is_one_request_timing_out_not_the_deadli
     assert line.startswith(f"error: storage {ROOT}: no answer from {url} (Read timeout on endpoint")
     assert len(accepted) == 1, f"{len(accepted)} connections: the probe retried"
     assert waited < PROBE_DEADLINE_S, "the backstop answered, not the request's timeout"
+
+
+def test_a_slow_endpoint_is_waited_for_not_called_silent(capsys, credentials):
+    """An endpoint that answers each request after 2.5 s (beyond the old 2 s read timeout; moto
+    beside the suite's vLLM servers took 2+ s for a 404) is answered by what it says."""
+    slow_s = 2.5
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def answer(self, body: bytes) -> None:
+            time.sleep(slow_s)
+            self.send_response(404)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def do_HEAD(self) -> None:  # noqa: N802 (http.server's names)
+            self.answer(b"")
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.answer(
+                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NoSuchBucket</Code>"
+                b"<Message>The specified bucket does not exist</Message></Error>"
+            )
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        argv = ["status", "done", "--storage", "s3://nobkt", "--storage-option"]
+        line = one_error_line(capsys, [*argv, f"endpoint_url={url}"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert line == (
+        "error: storage s3://nobkt: the bucket 'nobkt' does not exist; check --storage (the "
+        "run's run.storage)"
+    )
 
 
 @pytest.mark.parametrize(
