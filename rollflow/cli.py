@@ -279,8 +279,6 @@ def config_error_lines(message: str) -> list[str]:
 def _train(cfg, args: argparse.Namespace) -> int:
     """The run itself. An error is one line (its traceback in run.log, and here with --debug);
     Ctrl-C or SIGTERM stops it: one line with what is committed and the command that resumes."""
-    import importlib
-
     from rollflow.infra import terminal
     from rollflow.infra.config import dump_config
     from rollflow.infra.outage import OutageStop, install_stop_handler, pending_reason
@@ -293,7 +291,9 @@ def _train(cfg, args: argparse.Namespace) -> int:
     loaded = {}
 
     def import_run_flow() -> None:  # ~7 s, while the private Prefect API starts on another core
-        loaded["rl_run"] = importlib.import_module("rollflow.flows.rl_run").rl_run
+        from rollflow.flows.rl_run import rl_run
+
+        loaded["rl_run"] = rl_run
 
     try:
         storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)

@@ -8,9 +8,9 @@ Invariant: every failure to reach a run is one ``StorageError`` or ``InputError`
 the setting to change (``--storage-option endpoint_url``, ``AWS_ENDPOINT_URL_S3``, the
 credentials' variables, ``--storage``, the run's name), never a traceback; and the probe answers
 within ``PROBE_DEADLINE_S`` however the endpoint behaves (refused, silent, black-holed): one
-attempt with a 2 s connect and ``PROBE_READ_TIMEOUT_S`` read timeout answers a silent endpoint; the deadline is the backstop for
-whatever those timeouts miss, long enough that a slow but answering endpoint on busy cores is not
-called silent.
+attempt with a 2 s connect and ``PROBE_READ_TIMEOUT_S`` read timeout answers a silent endpoint;
+the deadline is the backstop for whatever those timeouts miss, long enough that a slow but
+answering endpoint on busy cores is not called silent.
 Credentials never come from a command line: they stay in the environment or in the Prefect
 Secret block the run's config names (infra/secrets.py).
 """

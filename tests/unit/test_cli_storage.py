@@ -1,6 +1,6 @@
 """`rollflow status`, `export` and `scale` on a run in object storage (moto's S3 on 127.0.0.1):
-reached with the run's storage options, and each way of failing to reach it is one line, in
-under 5 s, never a traceback. No address other than loopback is ever contacted."""
+reached with the run's storage options, and each way of failing to reach it is one line, before
+the probe's backstop deadline, never a traceback. No address other than loopback is ever contacted."""
 
 from __future__ import annotations
 

@@ -11,12 +11,11 @@ import httpx
 from run_support import session_prefect_api
 
 
-def test_no_block_types_at_start_and_a_saved_block_loads_back(monkeypatch):
+def test_no_block_types_at_start_and_a_saved_block_loads_back():
     api = session_prefect_api()
     # prefect-kubernetes's and prefect-docker's block types: registered at start before.
     for slug in ("kubernetes-cluster-config", "docker-registry-credentials"):
         assert httpx.get(f"{api}/block_types/slug/{slug}", timeout=10).status_code == 404, slug
-    monkeypatch.setenv("PREFECT_API_URL", api)
     from prefect.blocks.system import Secret
     from prefect.settings import PREFECT_API_URL, temporary_settings
 

@@ -1,5 +1,7 @@
 """The run's log set-up survives the run flow's imports (infra/terminal.py, ``attach_run_log``):
-`rollflow run` imports those modules after attaching the log, while its private API starts."""
+`rollflow run` imports those modules after attaching the log, while its private API starts. What
+undid the set-up is their ``from prefect import flow`` (it loads ``prefect.main``), so the check
+imports that alone: ~3 s, not the ~18 s of the whole run flow on the suite's busy cores."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import logging, sys
 from pathlib import Path
 from rollflow.infra import terminal
 terminal.attach_run_log(Path(sys.argv[1]), debug=False)
-import rollflow.flows.rl_run  # from prefect import flow: loads prefect.main
+from prefect import flow  # as the run flow's modules do: loads prefect.main
 internal = logging.getLogger("prefect._internal").handlers
 print([type(h).__name__ for h in internal], logging.getLogger("prefect").getEffectiveLevel())
 """
