@@ -1,23 +1,26 @@
 """The trainer service as a process tree: the real launcher, its ranks, the HTTP endpoint of rank 0.
 
 ``TrainerProcess`` starts ``torchrun`` (FSDP2) or the ``deepspeed`` launcher with N ranks of
-the service (``trainer/rank_main.py``) under one ``ManagedProcess`` (own process group, dies
-with the run), waits until rank 0 answers ``/health``, and stops the ranks with a ``/shutdown``
+the service (``trainer/rank_main.py``), or one FSDP2 rank on its own, under one
+``ManagedProcess`` (own process group, dies with the run), waits until rank 0 answers ``/health``, and stops the ranks with a ``/shutdown``
 command (every rank tears down its engine and process group) before signalling whatever is left.
 
 Invariants: ``check_alive`` raises within seconds of a rank's death with a message naming the
-rank (rank 0 answers 503 naming it; once the launcher has exited, the log's last lines do);
+rank (rank 0 answers 503 naming it; once the launcher has exited, the log's last lines do; a
+rank started on its own is named by its exit);
 after ``stop`` no process of the tree is left.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import re
+import signal
 import sys
 import sysconfig
 from collections.abc import Sequence
@@ -70,6 +73,11 @@ def _cpu_flags() -> str:
 RENDEZVOUS_FREE_TIMEOUT_S = 60.0
 
 
+def launches_directly(backend: str, num_ranks: int, num_nodes: int) -> bool:
+    """Whether the trainer's one rank is started without a launcher (``launcher_argv``)."""
+    return backend == "fsdp2" and num_ranks == 1 and num_nodes == 1
+
+
 def launcher_argv(
     backend: str,
     num_ranks: int,
@@ -101,7 +109,14 @@ def launcher_argv(
     its runner starts under ``--no_ssh`` once it has read the hostfile, with what the runner
     would have read there (``deepspeed_world_info``): the command then holds all the node
     needs, on any host, where a hostfile written on node 0 is not on node 1's.
+
+    One FSDP2 rank on one node needs no launcher (``launches_directly``): the command is the
+    rank itself, which then makes a world of one (``rank_main``). torchrun would supervise that
+    one process and cost ~1.5 s of CPU to start (it imports ``torch.distributed.run``) before
+    the rank begins to load.
     """
+    if launches_directly(backend, num_ranks, num_nodes):
+        return [sys.executable, "-m", RANK_MAIN_MODULE, str(args_file)]
     if backend == "fsdp2":
         return [
             sys.executable,
@@ -286,6 +301,7 @@ class TrainerProcess:
             num_cpus = None
         env = launcher_env(tr.num_ranks, token, device, num_cpus)
         env.update(device_env or {})
+        self.direct = launches_directly(tr.backend, tr.num_ranks, tr.num_nodes)
         self.process = ManagedProcess(
             "trainer" + suffix,
             node_argv(tr, node_rank, args_file, master_port, device_env),
@@ -336,9 +352,12 @@ class TrainerProcess:
     def check_alive(self, timeout_s: float = 10.0) -> None:
         """Raise ``ServiceError`` naming the dead rank, if one died (``timeout_s``: the probe's)."""
         if not self.process.is_alive():
+            code = self.process.returncode
             cause = _failure_in_log(self.process.log_path)
+            if cause is None and self.direct and code:  # no launcher to report it: its exit does
+                cause = f"trainer rank 0 died ({_exit_reason(code)})"
             raise ServiceError(
-                f"the trainer has exited (code {self.process.proc.returncode})"
+                f"the trainer has exited (code {code})"
                 f"{': ' + cause if cause else ''}; last lines of {self.process.log_path}:\n"
                 f"{log_tail(self.process.log_path, 15)}"
             )
@@ -395,6 +414,15 @@ def _failure_in_log(path: Path) -> str | None:
         rank, code, pid = root[-1]
         return f"trainer rank {rank} (pid {pid}) died (exit code {code})"
     return None
+
+
+def _exit_reason(code: int) -> str:
+    """A guarded service's exit code said as a reason: 128 + N is signal N (the guard's bash
+    exits so when the service was killed by it)."""
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(code - 128).name}"
+    return f"exit code {code}"
 
 
 def _has_cuda() -> bool:

@@ -1,7 +1,8 @@
-"""The trainer service: N ranks under torchrun or the deepspeed launcher; rank 0 serves HTTP.
+"""The trainer service: N ranks under torchrun or the deepspeed launcher (one FSDP2 rank on its
+own); rank 0 serves HTTP.
 
-Every rank runs ``python -m rollflow.trainer.rank_main ARGS.json`` (started by a launcher, see
-``services/trainer_process.py``). Rank 0 serves the HTTP API with the run's token; each call
+Every rank runs ``python -m rollflow.trainer.rank_main ARGS.json`` (started by a launcher, or
+alone, see ``services/trainer_process.py``). Rank 0 serves the HTTP API with the run's token; each call
 becomes one small JSON command that rank 0's main thread broadcasts over the control group, and that every
 rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training data never
 rides the control channel: a command names a committed batch step, and each rank reads the
@@ -125,13 +126,20 @@ def _init_distributed(args: ServiceArgs) -> torch.device:
     if world > local:
         network.check_reachable_name(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     network.bind_gloo_interface()
+    # A rank started without a launcher (one FSDP2 rank: trainer_process.launches_directly) is
+    # a world of one; its store is in its own memory, so it needs no rendezvous port.
+    alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    if "WORLD_SIZE" in os.environ:
+        alone = {}
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+        dist.init_process_group(
+            backend="cpu:gloo,cuda:nccl", timeout=timeout, device_id=device, **alone
+        )
     else:
         device = torch.device("cpu")
-        dist.init_process_group(backend="gloo", timeout=timeout)
+        dist.init_process_group(backend="gloo", timeout=timeout, **alone)
     return device
 
 

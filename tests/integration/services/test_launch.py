@@ -1,9 +1,11 @@
-"""Naming the dead trainer rank from the launcher's log, when rank 0 could not say it itself;
+"""Naming the dead trainer rank from the launcher's log, when rank 0 could not say it itself, or
+from its exit, when one rank ran without a launcher;
 how the ranks share a host's cores with vLLM; a trainer whose HTTP port is taken fails its start
 at once; service ports come from outside the kernel's ephemeral range."""
 
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -41,6 +43,24 @@ def test_torchruns_root_cause_names_the_rank_when_rank_zero_died(tmp_path):
     log = tmp_path / "trainer.log"
     log.write_text(TORCHRUN_ROOT_CAUSE)
     assert _failure_in_log(log) == "trainer rank 1 (pid 29834) died (exit code -9)"
+
+
+def test_a_rank_alone_killed_is_named_by_its_exit(tmp_path):
+    """One FSDP2 rank runs without a launcher, so no root cause reaches the log: the guard's exit
+    code (128 + 9) says it. The rank here kills itself at once, under the real guard."""
+    args = ServiceArgs(
+        model_path="m", storage_root="runs", run="t", trainer=TrainerServiceSection(device="cpu")
+    )
+    proc = TrainerProcess(args, token="t", log_dir=tmp_path)
+    assert proc.direct and "torch.distributed.run" not in proc.process.argv
+    proc.process.argv = [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]
+    proc.process.start()
+    proc.process.proc.wait(timeout=30)
+    with pytest.raises(ServiceError) as err:
+        proc.check_alive()
+    assert "the trainer has exited (code 137): trainer rank 0 died (killed by SIGKILL)" in str(
+        err.value
+    )
 
 
 def test_no_failure_recorded(tmp_path):

@@ -47,6 +47,16 @@ def deepspeed_devices(argv: list[str], gpus_on_host: int = 8) -> dict[str, list[
     return dict(runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus))
 
 
+def test_one_fsdp2_rank_on_one_node_starts_without_a_launcher():
+    """Its command is the rank itself; two ranks, a second node or DeepSpeed keep a launcher."""
+    alone = [sys.executable, "-m", "rollflow.trainer.rank_main", "a.json"]
+    assert launcher_argv("fsdp2", 1, "a.json", 29500) == alone
+    assert launcher_argv("fsdp2", 1, "a.json", 29500, gpus="3") == alone  # CUDA_VISIBLE_DEVICES
+    assert "torch.distributed.run" in launcher_argv("fsdp2", 2, "a.json", 29500)
+    assert "torch.distributed.run" in launcher_argv("fsdp2", 1, "a.json", 29500, num_nodes=2)
+    assert "deepspeed.launcher.runner" in launcher_argv("deepspeed", 1, "a.json", 29500)
+
+
 def test_deepspeed_ranks_get_the_plans_gpus_not_the_first_ones():
     argv = launcher_argv("deepspeed", 4, "a.json", 29500, gpus="4,5,6,7")
     assert "--include=localhost:4,5,6,7" in argv and not any("--num_gpus" in a for a in argv)
