@@ -93,22 +93,23 @@ def launcher_argv(
     for DeepSpeed, ``num_ranks`` ranks on this node of ``num_nodes``.
 
     ``gpus`` is the node's ``CUDA_VISIBLE_DEVICES`` (None on CPU). torchrun keeps the variable;
-    DeepSpeed's launcher does not (it sets the ranks' to the ids it is given: 0..N-1 of
-    ``--num_gpus`` unless named), so its devices are named: ``--include localhost:4,5`` on one
-    node, this node's entry of ``--world_info`` on several.
+    DeepSpeed's launcher does not (it sets the ranks' to the ids it is given), so its devices are
+    named: this node's entry of ``--world_info``.
 
     Both are run as modules of this interpreter (``torchrun`` is ``torch.distributed.run``,
-    ``deepspeed`` is ``deepspeed.launcher.runner``), so the ranks get the same environment.
+    DeepSpeed's is ``deepspeed.launcher.launch``), so the ranks get the same environment.
     Several nodes rendezvous at ``master_addr:master_port`` on node 0 with fixed node ranks
     (torchrun's static c10d store; DeepSpeed's per-node launcher with its node rank): global rank
     0, the one that serves the trainer's HTTP API and roots the weight group, is always on node
     0. torchrun's dynamic c10d rendezvous orders nodes by host name and pid, so it could not
     promise that (see docs/architecture.md).
 
-    DeepSpeed on several nodes starts ``deepspeed.launcher.launch``, the per-node launcher that
-    its runner starts under ``--no_ssh`` once it has read the hostfile, with what the runner
-    would have read there (``deepspeed_world_info``): the command then holds all the node
-    needs, on any host, where a hostfile written on node 0 is not on node 1's.
+    DeepSpeed starts ``deepspeed.launcher.launch``, the per-node launcher that its runner (the
+    ``deepspeed`` command) starts once it has read the hostfile and ``--include``, with what the
+    runner would have handed it (``deepspeed_world_info``): the command then holds all the node
+    needs, on any host, where a hostfile written on node 0 is not on node 1's. On one node too:
+    there the runner only starts that launcher and waits, and its own start cost ~3 s of CPU
+    (it imports DeepSpeed and torch).
 
     One FSDP2 rank on one node needs no launcher (``launches_directly``): the command is the
     rank itself, which then makes a world of one (``rank_main``). torchrun would supervise that
@@ -133,17 +134,14 @@ def launcher_argv(
             str(args_file),
         ]
     if backend == "deepspeed":
-        if num_nodes > 1:
-            world = deepspeed_world_info(gpus, num_ranks, num_nodes, node_rank)
-            argv = [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
-            argv += [f"--world_info={world}", f"--node_rank={node_rank}"]
-        elif gpus is not None:
-            argv = [sys.executable, "-m", "deepspeed.launcher.runner"]
-            argv.append("--include=" + deepspeed_include(gpus, num_ranks))
-        else:
-            argv = [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={num_ranks}"]
+        world = deepspeed_world_info(gpus, num_ranks, num_nodes, node_rank)
         return [
-            *argv,
+            sys.executable,
+            "-u",
+            "-m",
+            "deepspeed.launcher.launch",
+            f"--world_info={world}",
+            f"--node_rank={node_rank}",
             f"--master_addr={master_addr}",
             f"--master_port={master_port}",
             "--module",
@@ -173,11 +171,6 @@ def _node_gpu_ids(gpus: str, num_ranks: int) -> list[int]:
             f"({gpus}): one rank per GPU"
         )
     return ids
-
-
-def deepspeed_include(gpus: str, num_ranks: int) -> str:
-    """DeepSpeed's own way to name one node's devices: ``localhost:4,5,6,7``."""
-    return "localhost:" + ",".join(map(str, _node_gpu_ids(gpus, num_ranks)))
 
 
 def deepspeed_world_info(gpus: str | None, num_ranks: int, num_nodes: int, node_rank: int) -> str:

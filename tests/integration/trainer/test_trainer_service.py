@@ -58,8 +58,8 @@ CONFIGS = {  # name: (backend, ZeRO stage, trainer nodes; 2 ranks in all)
     "fsdp2": ("fsdp2", None, 1),
     "fsdp2-2nodes": ("fsdp2", None, 2),  # two torchrun launchers on two hosts, one rank each
     "zero1": ("deepspeed", 1, 1),
-    # DeepSpeed's per-node launchers on two hosts (before: ZeRO-2 on one; ZeRO-1 and -3 keep
-    # DeepSpeed's runner on one node)
+    # DeepSpeed's per-node launchers on two hosts (before: ZeRO-2 on one; ZeRO-1 and -3 start
+    # the same launcher on one node, as DeepSpeed's runner would)
     "zero2-2nodes": ("deepspeed", 2, 2),
     "zero3": ("deepspeed", 3, 1),
 }

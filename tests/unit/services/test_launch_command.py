@@ -54,16 +54,26 @@ def test_one_fsdp2_rank_on_one_node_starts_without_a_launcher():
     assert launcher_argv("fsdp2", 1, "a.json", 29500, gpus="3") == alone  # CUDA_VISIBLE_DEVICES
     assert "torch.distributed.run" in launcher_argv("fsdp2", 2, "a.json", 29500)
     assert "torch.distributed.run" in launcher_argv("fsdp2", 1, "a.json", 29500, num_nodes=2)
-    assert "deepspeed.launcher.runner" in launcher_argv("deepspeed", 1, "a.json", 29500)
+    assert "deepspeed.launcher.launch" in launcher_argv("deepspeed", 1, "a.json", 29500)
 
 
 def test_deepspeed_ranks_get_the_plans_gpus_not_the_first_ones():
     argv = launcher_argv("deepspeed", 4, "a.json", 29500, gpus="4,5,6,7")
-    assert "--include=localhost:4,5,6,7" in argv and not any("--num_gpus" in a for a in argv)
-    assert deepspeed_devices(argv) == {"localhost": [4, 5, 6, 7]}
-    # on CPU there are no GPUs to name: the rank count as before
-    cpu = launcher_argv("deepspeed", 2, "a.json", 29500)
-    assert "--num_gpus=2" in cpu
+    assert deepspeed_devices(argv) == {"node-0": [4, 5, 6, 7]}
+    # on CPU there are no GPUs to name: the rank count
+    assert deepspeed_devices(launcher_argv("deepspeed", 2, "a.json", 29500)) == {"node-0": [0, 1]}
+
+
+def test_one_deepspeed_node_gets_the_launcher_its_runner_would_start():
+    """On one node the ``deepspeed`` command (its runner) only starts its per-node launcher with
+    the world it read from ``--include`` (or ``--num_gpus``), then waits: the command starts that
+    launcher itself, with the same devices and rank count."""
+    for gpus, num_ranks, include in (("4,5,6,7", 4, "localhost:4,5,6,7"), (None, 2, "")):
+        active = runner.parse_inclusion_exclusion({"localhost": 8}, include, "")
+        active = runner.apply_num_nodes_and_gpus(active, -1, -1 if gpus else num_ranks)
+        by_runner = json.loads(base64.urlsafe_b64decode(runner.encode_world_info(active)))
+        ours = deepspeed_devices(launcher_argv("deepspeed", num_ranks, "a", 1, gpus=gpus))
+        assert list(ours.values()) == list(by_runner.values()), (ours, by_runner)
 
 
 def test_trainer_process_passes_the_plans_devices_to_deepspeed(tmp_path):
@@ -77,7 +87,7 @@ def test_trainer_process_passes_the_plans_devices_to_deepspeed(tmp_path):
     proc = TrainerProcess(
         args, token="t", log_dir=tmp_path, device_env={"CUDA_VISIBLE_DEVICES": "2,3"}
     )
-    assert deepspeed_devices(proc.process.argv) == {"localhost": [2, 3]}
+    assert deepspeed_devices(proc.process.argv) == {"node-0": [2, 3]}
 
 
 def test_two_node_deepspeed_names_each_nodes_gpus(tmp_path, monkeypatch):
@@ -153,7 +163,7 @@ def test_deepspeed_under_a_work_pools_gpus_gets_the_physical_ones(tmp_path):
         model_path="m", storage_root=str(tmp_path), run="r", train=cfg.train, trainer=cfg.trainer
     )
     proc = TrainerProcess(args, token="t", log_dir=tmp_path, device_env=plan.trainer_nodes[0].env)
-    assert deepspeed_devices(proc.process.argv) == {"localhost": [5]}
+    assert deepspeed_devices(proc.process.argv) == {"node-0": [5]}
 
 
 def test_another_nodes_command_carries_its_arguments_not_a_path_on_node_0(tmp_path):
