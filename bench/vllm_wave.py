@@ -9,12 +9,15 @@ seconds of vLLM's engine core and of its API server (``psutil``), and the engine
 one process, the same wave took 0.27-0.29 s in 9 iterations (2026-12-06): what a server costs
 over that is the serving path (docs/performance.md, "Where a step's time goes").
 
-    .venv/bin/python bench/vllm_wave.py [--waves 30] [--batch 0,64] [VLLM_FLAG ...]
+    .venv/bin/python bench/vllm_wave.py [--waves 30] [--batch 0,64] [--forms ids,text] [VLLM_FLAG ...]
 
 Extra arguments are ``vllm serve`` flags, e.g. ``--max-num-batched-tokens 8192``. ``--batch``
 sends the wave's prompts as lists of K per request (vLLM's batched ``/v1/completions``); several
 sizes are compared wave by wave on the one server: two server starts differ by up to 0.1 s per
 wave (a list of 64 looked 22% faster across two runs, and was within 2% on one server).
+``--forms``: ``ids`` is the request the run sends (token ids and log-probs only, nothing
+detokenized: ``inference/plugin.py``), ``text`` the same without that (vLLM's default: the text
+and each log-prob's token string made too); several are compared wave by wave, like sizes.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def cpu_s(procs: list[psutil.Process]) -> float:
 
 
 async def main(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
+    from rollflow.inference.protocol import TOKEN_IDS_ONLY
     from rollflow.infra.config import TinyModelSpec
     from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
     from rollflow.services.vllm_server import InferenceServer
@@ -78,7 +82,7 @@ async def main(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
         headers = {"Authorization": f"Bearer {server.api_key}"}
         async with aiohttp.ClientSession(headers=headers) as http:
 
-            async def one(ids: list[int] | list[list[int]]) -> int:
+            async def one(ids: list[int] | list[list[int]], form: str) -> int:
                 body = {
                     "model": server.served_model_name,
                     "prompt": ids,
@@ -88,6 +92,9 @@ async def main(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
                     "logprobs": 0,
                     "return_token_ids": True,
                 }
+                if form == "ids":
+                    body["vllm_xargs"] = {TOKEN_IDS_ONLY: 1}
+                    body["return_tokens_as_token_ids"] = True
                 async with http.post(f"{server.url}/v1/completions", json=body) as r:
                     data = await r.json()
                     if r.status != 200:
@@ -104,34 +111,37 @@ async def main(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
             def requests(k: int) -> list:
                 return [prompts[i : i + k] for i in range(0, len(prompts), k)] if k else prompts
 
+            variants = [(k, form) for k in args.batch for form in args.forms]
             for _ in range(3):  # warm-up
-                await asyncio.gather(*(one(p) for p in requests(args.batch[0])))
-            # Each batch size in turn, wave by wave, on the one server: the server's start and
-            # the host's load vary more between runs than the sizes do.
-            walls = {k: [] for k in args.batch}
-            cpu = {k: [0.0, 0.0, 0.0] for k in args.batch}  # iterations, engine, API server
-            tokens = 0
+                for k, form in variants:
+                    await asyncio.gather(*(one(p, form) for p in requests(k)))
+            # Each variant in turn, wave by wave, on the one server: the server's start and the
+            # host's load vary more between runs than the variants do.
+            walls = {v: [] for v in variants}
+            cpu = {v: [0.0, 0.0, 0.0] for v in variants}  # iterations, engine, API server
+            tokens = {v: 0 for v in variants}
             for _ in range(args.waves):
-                for k in args.batch:
+                for v in variants:
+                    k, form = v
                     it0, e0, a0 = await iterations(), cpu_s(engine), cpu_s([api])
                     start = time.perf_counter()
-                    tokens += sum(await asyncio.gather(*(one(p) for p in requests(k))))
-                    walls[k].append(time.perf_counter() - start)
+                    tokens[v] += sum(await asyncio.gather(*(one(p, form) for p in requests(k))))
+                    walls[v].append(time.perf_counter() - start)
                     it1, e1, a1 = await iterations(), cpu_s(engine), cpu_s([api])
                     for i, d in enumerate((it1 - it0, e1 - e0, a1 - a0)):
-                        cpu[k][i] += d
+                        cpu[v][i] += d
         return {
             "vllm_flags": vllm_flags,
-            "tokens_per_wave": round(tokens / args.waves / len(args.batch), 1),
-            "by_prompts_per_request": {
-                k or 1: {
-                    "wave_s_median": round(statistics.median(walls[k]), 3),
-                    "wave_s_min": round(min(walls[k]), 3),
-                    "engine_cpu_s_per_wave": round(cpu[k][1] / args.waves, 3),
-                    "api_server_cpu_s_per_wave": round(cpu[k][2] / args.waves, 3),
-                    "iterations_per_wave": round(cpu[k][0] / args.waves, 1),
+            "by_prompts_per_request_and_form": {
+                f"{k or 1} {form}": {
+                    "wave_s_median": round(statistics.median(walls[(k, form)]), 3),
+                    "wave_s_min": round(min(walls[(k, form)]), 3),
+                    "engine_cpu_s_per_wave": round(cpu[(k, form)][1] / args.waves, 3),
+                    "api_server_cpu_s_per_wave": round(cpu[(k, form)][2] / args.waves, 3),
+                    "iterations_per_wave": round(cpu[(k, form)][0] / args.waves, 1),
+                    "tokens_per_wave": round(tokens[(k, form)] / args.waves, 1),
                 }
-                for k in args.batch
+                for k, form in variants
             },
         }
     finally:
@@ -150,6 +160,13 @@ if __name__ == "__main__":
         default=[0],
         help="prompts per request, comma-separated to compare on one server, wave by wave "
         "(a list of prompts per request; 0: one each)",
+    )
+    parser.add_argument(
+        "--forms",
+        type=lambda v: v.split(","),
+        default=["ids"],
+        help="request forms, comma-separated to compare on one server, wave by wave: ids (the "
+        "run's: no text made), text (vLLM's default)",
     )
     known, flags = parser.parse_known_args()
     machine = Machine()

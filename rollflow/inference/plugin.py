@@ -1,5 +1,5 @@
-"""A vLLM general plugin, loaded by every vLLM process: idle waits without spinning, and an engine
-core forked rather than spawned, each on request.
+"""A vLLM general plugin, loaded by every vLLM process: idle waits without spinning, an engine
+core forked rather than spawned, and completions without text, each on request.
 
 **Idle waits.**
 
@@ -37,14 +37,26 @@ library. With ``ROLLFLOW_VLLM_FORK_ENGINE=1`` (set by rollflow for its one-rank 
 plugin sets the start method back to ``fork`` after the CPU platform chose ``spawn``, for a
 world size of 1 only: the engine core shares the API server's imports, and a start takes ~6 s
 less. A server with worker processes keeps ``spawn``.
+
+**Completions without text.** The run reads a completion's token ids and log-probs, never its
+text (its own tokenizer decodes what an environment needs, in the run process). vLLM's API server
+detokenizes every sampled token twice all the same: incrementally for the text, and one
+``decode([id])`` per token for the log-probs' token strings; the completions API has no switch
+for it (``SamplingParams.detokenize`` is not among its parameters). A request whose
+``vllm_xargs`` carries ``TOKEN_IDS_ONLY`` (the run's client sends it, with
+``return_tokens_as_token_ids``) gets ``detokenize = False``: vLLM then makes neither, and the
+answer's text is empty. EOS and stop token ids stop generation as before (they are ids); stop
+strings need text, so a request that names any keeps its detokenization. Other requests are
+unchanged.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
-from rollflow.inference.protocol import FORK_ENGINE_ENV, SPIN_ENV
+from rollflow.inference.protocol import FORK_ENGINE_ENV, SPIN_ENV, TOKEN_IDS_ONLY
 
 POLL_MS = 1  # how soon a reader in its window looks at the queue again without a wake-up
 
@@ -54,6 +66,28 @@ def register() -> None:
     if os.environ.get(FORK_ENGINE_ENV) == "1":
         _fork_the_engine_core()
     _idle_waits()
+    _completions_without_text()
+
+
+def _completions_without_text() -> None:
+    # Only where the API is served: its module is loaded before the plugins are (a worker
+    # process that spawned would import it for nothing).
+    protocol = sys.modules.get("vllm.entrypoints.openai.completion.protocol")
+    if protocol is None:
+        return
+    CompletionRequest = protocol.CompletionRequest  # noqa: N806 (vLLM's class)
+    make = CompletionRequest.to_sampling_params
+    if getattr(make, "_rollflow_token_ids_only", False):
+        return
+
+    def to_sampling_params(self, *args, **kwargs):
+        params = make(self, *args, **kwargs)
+        if params.extra_args and params.extra_args.pop(TOKEN_IDS_ONLY, None) and not params.stop:
+            params.detokenize = False
+        return params
+
+    to_sampling_params._rollflow_token_ids_only = True
+    CompletionRequest.to_sampling_params = to_sampling_params
 
 
 def _fork_the_engine_core() -> None:

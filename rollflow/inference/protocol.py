@@ -36,6 +36,9 @@ WORKER_EXTENSION_CLS = "rollflow.inference.worker_extension.WeightReceiver"
 # "1" to fork the engine core of a one-rank server rather than spawn it.
 SPIN_ENV = "ROLLFLOW_VLLM_SPIN_S"
 FORK_ENGINE_ENV = "ROLLFLOW_VLLM_FORK_ENGINE"
+# A completions request's ``vllm_xargs`` key (``plugin.py``): 1 asks for token ids and log-probs
+# only, no text: vLLM's API server then detokenizes nothing for it.
+TOKEN_IDS_ONLY = "rollflow_token_ids_only"
 # Adapter mode: the server-local folder the workers write each received adapter to
 # (``infra/weights/adapter.py``); unset, the workers load the whole model.
 LORA_ROOT_ENV = "ROLLFLOW_LORA_ROOT"

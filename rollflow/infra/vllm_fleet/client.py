@@ -109,19 +109,7 @@ class InferenceClient:
                 await gate.wait_open_async(timeout_s or self.timeout_s)
             except TimeoutError as err:
                 raise InferenceUnavailable(str(err)) from err
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": list(prompt_ids),
-            "n": n,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            # logprobs=0: only the sampled token's logprob, no top-k alternatives to ship.
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
-        if seed is not None:
-            body["seed"] = seed
+        body = completion_request(self.model, prompt_ids, n, max_tokens, temperature, top_p, seed)
         data = await self._post(
             protocol.COMPLETIONS, body=body, timeout_s=timeout_s or self.timeout_s
         )
@@ -283,6 +271,37 @@ _STALE_CONNECTION = (
     aiohttp.ClientPayloadError,
     aiohttp.ClientOSError,
 )
+
+
+def completion_request(
+    model: str,
+    prompt_ids: list[int],
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """The body of a ``/v1/completions`` request the run sends: token ids in, ``n`` samples'
+    token ids and their log-probs out, and no text."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        # logprobs=0: only the sampled token's logprob, no top-k alternatives to ship.
+        "logprobs": 0,
+        "return_token_ids": True,
+        # Nothing reads text: the server turns no token into a string (inference/plugin.py),
+        # and the log-probs name their tokens by id ("token_id:42").
+        "vllm_xargs": {protocol.TOKEN_IDS_ONLY: 1},
+        "return_tokens_as_token_ids": True,
+    }
+    if seed is not None:
+        body["seed"] = seed
+    return body
 
 
 def _completion(choice: dict[str, Any]) -> Completion:

@@ -72,6 +72,31 @@ def test_completions_return_token_ids_and_finite_logprobs(server):
 
 
 @pytest.mark.slow
+def test_the_runs_request_is_answered_without_text_and_samples_the_same(server):
+    """The run's request (``completion_request``) asks for token ids only: vLLM's API server
+    then detokenizes nothing (inference/plugin.py): no text, log-probs named by token id. The
+    same request asking for text, with the same seed, samples the same tokens and log-probs, and
+    ends them alike."""
+    from rollflow.infra.vllm_fleet.client import completion_request
+
+    ids_only = completion_request("policy", PROMPT_IDS, 4, MAX_LEN - len(PROMPT_IDS), 1.0, seed=3)
+    with_text = {k: v for k, v in ids_only.items() if k != "vllm_xargs"}
+    with_text["return_tokens_as_token_ids"] = False
+    answers = []
+    with httpx.Client(base_url=server.url, timeout=60, headers=auth_headers(server.url)) as http:
+        for body in (ids_only, with_text):
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            answers.append(sorted(response.json()["choices"], key=lambda c: c["index"]))
+    plain, texted = answers
+    for a, b in zip(plain, texted, strict=True):
+        assert a["token_ids"] == b["token_ids"] and a["finish_reason"] == b["finish_reason"]
+        assert a["logprobs"]["token_logprobs"] == b["logprobs"]["token_logprobs"]
+        assert a["text"] == "" and b["text"]
+        assert a["logprobs"]["tokens"] == [f"token_id:{t}" for t in a["token_ids"]]
+
+
+@pytest.mark.slow
 def test_bad_request_carries_the_servers_message(server):
     async def go(client):
         with pytest.raises(InferenceError, match="max_model_len") as err:
