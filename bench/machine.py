@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
+from collections.abc import Callable
 
 
 def _loadavg() -> str:
@@ -50,3 +52,23 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def alternate(
+    modes: tuple[str, ...], rounds: int, measure: Callable[[str, int], dict[str, float]], say
+) -> dict[str, dict[str, float]]:
+    """``measure(mode, round)`` for each mode in turn, ``rounds`` times, so that the machine's
+    load falls on every mode alike; ``say(mode, round, figures)`` prints each. Returns each
+    mode's median of every figure, after printing the load over the rounds."""
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    load = []
+    for i in range(rounds):
+        for mode in modes:
+            load.append(os.getloadavg()[0])
+            results[mode].append(measure(mode, i))
+            say(mode, i, results[mode][-1])
+    print(f"\nmachine: {os.cpu_count()} cores, load {min(load):.1f}-{max(load):.1f}")
+    return {
+        mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        for mode, rs in results.items()
+    }

@@ -17,8 +17,6 @@ alternate, so that the machine's load falls on both alike; medians are printed w
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +34,8 @@ from rollflow.infra.models.tiny import (  # noqa: E402
 )
 from rollflow.services import trainer_process  # noqa: E402
 from rollflow.trainer.protocol import ServiceArgs  # noqa: E402
+
+from machine import alternate  # noqa: E402 (this folder's)
 
 ALONE = trainer_process.launches_directly
 LAUNCHERS = ("torch.distributed.run", "deepspeed.launcher.runner", "deepspeed.launcher.launch")
@@ -80,23 +80,20 @@ def main() -> None:
     spec = TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64)
     model = save_hf_dir(build_tiny_llama(spec, vocab_size=len(tok)), tok, root / "model")
     ours, base = MODES[args.backend]
-    results: dict[str, list[dict[str, float]]] = {ours: [], base: []}
-    load = []
-    for i in range(args.starts):
-        for mode in (ours, base):
-            load.append(os.getloadavg()[0])
-            r = one_start(model, args.backend, mode, root, i)
-            results[mode].append(r)
-            print(
-                f"{mode:8s} #{i + 1}: healthy {r['ready_s']:.1f} s, CPU launcher "
-                f"{r['launcher_cpu_s']:.1f} s + rank {r['rank_cpu_s']:.1f} s",
-                flush=True,
-            )
-    print(f"\nmachine: {os.cpu_count()} cores, load {min(load):.1f}-{max(load):.1f}")
-    med = {
-        mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        for mode, rs in results.items()
-    }
+
+    def say(mode: str, i: int, r: dict[str, float]) -> None:
+        print(
+            f"{mode:8s} #{i + 1}: healthy {r['ready_s']:.1f} s, CPU launcher "
+            f"{r['launcher_cpu_s']:.1f} s + rank {r['rank_cpu_s']:.1f} s",
+            flush=True,
+        )
+
+    med = alternate(
+        (ours, base),
+        args.starts,
+        lambda mode, i: one_start(model, args.backend, mode, root, i),
+        say,
+    )
     for mode, m in med.items():
         total = m["launcher_cpu_s"] + m["rank_cpu_s"]
         print(f"{mode:8s} median: healthy {m['ready_s']:.1f} s, CPU {total:.1f} s")

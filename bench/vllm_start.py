@@ -15,8 +15,6 @@ ratio fork / spawn.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +32,8 @@ from rollflow.infra.models.tiny import (  # noqa: E402
     save_hf_dir,
 )
 from rollflow.services.vllm_server import InferenceServer  # noqa: E402
+
+from machine import alternate  # noqa: E402 (this folder's)
 
 
 def one_start(model: Path, mode: str, log: Path) -> dict[str, float]:
@@ -64,23 +64,20 @@ def main() -> None:
     tok = build_char_tokenizer()
     spec = TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64)
     model = save_hf_dir(build_tiny_llama(spec, vocab_size=len(tok)), tok, root / "model")
-    results: dict[str, list[dict[str, float]]] = {"fork": [], "spawn": []}
-    load = []
-    for i in range(args.starts):
-        for mode in ("fork", "spawn"):
-            load.append(os.getloadavg()[0])
-            r = one_start(model, mode, root / f"vllm-{mode}-{i}.log")
-            results[mode].append(r)
-            print(
-                f"{mode:5s} #{i + 1}: ready {r['ready_s']:.1f} s, CPU API server "
-                f"{r['api_cpu_s']:.1f} s + engine core {r['engine_cpu_s']:.1f} s",
-                flush=True,
-            )
-    print(f"\nmachine: {os.cpu_count()} cores, load {min(load):.1f}-{max(load):.1f}")
-    med = {
-        mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        for mode, rs in results.items()
-    }
+
+    def say(mode: str, i: int, r: dict[str, float]) -> None:
+        print(
+            f"{mode:5s} #{i + 1}: ready {r['ready_s']:.1f} s, CPU API server "
+            f"{r['api_cpu_s']:.1f} s + engine core {r['engine_cpu_s']:.1f} s",
+            flush=True,
+        )
+
+    med = alternate(
+        ("fork", "spawn"),
+        args.starts,
+        lambda mode, i: one_start(model, mode, root / f"vllm-{mode}-{i}.log"),
+        say,
+    )
     for mode, m in med.items():
         total = m["api_cpu_s"] + m["engine_cpu_s"]
         print(f"{mode:5s} median: ready {m['ready_s']:.1f} s, CPU {total:.1f} s")
