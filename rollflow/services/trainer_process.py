@@ -2,8 +2,9 @@
 
 ``TrainerProcess`` starts ``torchrun`` (FSDP2) or the ``deepspeed`` launcher with N ranks of
 the service (``trainer/rank_main.py``), or one FSDP2 rank on its own, under one
-``ManagedProcess`` (own process group, dies with the run), waits until rank 0 answers ``/health``, and stops the ranks with a ``/shutdown``
-command (every rank tears down its engine and process group) before signalling whatever is left.
+``ManagedProcess`` (own process group, dies with the run), waits until rank 0 answers
+``/health``, and stops the ranks with a ``/shutdown`` command (every rank tears down its engine
+and process group) before signalling whatever is left.
 
 Invariants: ``check_alive`` raises within seconds of a rank's death with a message naming the
 rank (rank 0 answers 503 naming it; once the launcher has exited, the log's last lines do; a
@@ -108,7 +109,7 @@ def launcher_argv(
     ``deepspeed`` command) starts once it has read the hostfile and ``--include``, with what the
     runner would have handed it (``deepspeed_world_info``): the command then holds all the node
     needs, on any host, where a hostfile written on node 0 is not on node 1's. On one node too:
-    there the runner only starts that launcher and waits, and its own start cost ~3 s of CPU
+    there the runner only starts that launcher and waits, and its own start cost ~2.6 s of CPU
     (it imports DeepSpeed and torch).
 
     One FSDP2 rank on one node needs no launcher (``launches_directly``): the command is the

@@ -2,11 +2,11 @@
 own); rank 0 serves HTTP.
 
 Every rank runs ``python -m rollflow.trainer.rank_main ARGS.json`` (started by a launcher, or
-alone, see ``services/trainer_process.py``). Rank 0 serves the HTTP API with the run's token; each call
-becomes one small JSON command that rank 0's main thread broadcasts over the control group, and that every
-rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training data never
-rides the control channel: a command names a committed batch step, and each rank reads the
-Parquet itself and takes its own share.
+alone, see ``services/trainer_process.py``). Rank 0 serves the HTTP API with the run's token; each
+call becomes one small JSON command that rank 0's main thread broadcasts over the control group,
+and that every rank then runs (``ops.RankOps``). Calls are served one at a time, in order. Training
+data never rides the control channel: a command names a committed batch step, and each rank reads
+the Parquet itself and takes its own share.
 
 Failure, fast and named: rank 0 watches the other ranks' processes (``control.PeerWatch``). When
 a rank dies, the pending call and ``/health`` answer 503 naming it within a fraction of a
@@ -128,9 +128,9 @@ def _init_distributed(args: ServiceArgs) -> torch.device:
     network.bind_gloo_interface()
     # A rank started without a launcher (one FSDP2 rank: trainer_process.launches_directly) is
     # a world of one; its store is in its own memory, so it needs no rendezvous port.
-    alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    if "WORLD_SIZE" in os.environ:
-        alone = {}
+    alone = {}
+    if "WORLD_SIZE" not in os.environ:
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
