@@ -27,7 +27,7 @@ from rollflow.flows.live_views import LiveViews
 from rollflow.flows.names import FLOW_NAME
 from rollflow.flows.order import StepOrder
 from rollflow.flows.step_metrics import StepMetrics
-from rollflow.flows.train_step import train_step
+from rollflow.flows.train_step import train_step_in_turn
 from rollflow.infra.config import RunConfig, dump_config, validate_config
 from rollflow.infra.context import RunContext
 from rollflow.infra.errors import ConfigError, ServiceError, TrainerLost
@@ -347,7 +347,9 @@ def run_steps(
                     run = (
                         contextvars.copy_context().run
                     )  # each thread's flow is a child of this run
-                    running.append((step, pool.submit(run, train_step, ctx, step, order, host)))
+                    running.append(
+                        (step, pool.submit(run, train_step_in_turn, ctx, step, order, host))
+                    )
                 if not running:
                     return
                 step, future = running.popleft()

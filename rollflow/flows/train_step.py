@@ -60,6 +60,7 @@ def train_step(ctx: RunContext, step: int, order: StepOrder, host: ProducerHost)
         )
     with m.timed(Metric.WAIT_FOR_PREVIOUS_STEP_S):
         m.record_trainer_wait(order.wait_trainer(step, deadline_s))
+    order.trains(step)
     with m.timed(Metric.TRAIN_PHASE_S):
         if plan.lag:
             trained, synced = train_syncing_mid_step(ctx, step, batch, plan.lag, order, host)
@@ -103,6 +104,12 @@ def train_step(ctx: RunContext, step: int, order: StepOrder, host: ProducerHost)
     # step's trainer must not wait for.
     publish_step_metrics(ctx.config.run.name, step, metrics)
     return metrics
+
+
+def train_step_in_turn(ctx: RunContext, step: int, order: StepOrder, host: ProducerHost) -> dict:
+    """``train_step``, its flow run created in the start order (``StepOrder.wait_start_turn``)."""
+    order.wait_start_turn(step, take_timeout_s(ctx.config))
+    return train_step(ctx, step, order, host)
 
 
 def train_syncing_mid_step(

@@ -151,6 +151,23 @@ class FSDP2Backend:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def step_changing_nothing(self) -> None:
+        """The optimizer step's code run once with nothing changed: clip, then AdamW at a learning
+        rate of 0 (its update and weight decay are then exactly 0), its new state dropped, the
+        schedule not stepped, the gradients zeroed. DTensor fills its sharding caches on a first
+        call: 0.12 s of the first ``optim_step`` on CPU against 0.012 s after."""
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        try:
+            self.optimizer.step()
+        finally:
+            for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate
+            self.optimizer.state.clear()  # the next step starts it afresh, as it would have
+            self.optimizer.zero_grad(set_to_none=True)
+
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         trust_remote_code=args.trust_remote_code,
     )
     trainer = Trainer(spec, device)
+    # Before a checkpoint's optimizer state is loaded: the warm-up leaves the optimizer fresh.
+    log.info("rank %d warmed up in %.2fs", rank, trainer.warm_up())
     if args.checkpoint_step is not None:
         trainer.load_checkpoint(args.model_path)
     storage = RunStorage(args.storage_root, args.run, args.storage_options)

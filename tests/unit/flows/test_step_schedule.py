@@ -70,3 +70,40 @@ def test_the_trainer_is_released_at_the_scheduled_phase_only():
     order.close()
     with pytest.raises(Exception, match="run closed: step 3 waited for step 2"):
         order.wait_trainer(3, 5.0)
+
+
+@pytest.mark.parametrize("resumed_from", [0, 7])
+def test_the_first_steps_flow_run_is_created_alone(monkeypatch, resumed_from):
+    """The later steps' flow runs wait until the first step's flow trains: created at once, they
+    began the first step's last (docs/performance.md, "Where a step's time goes")."""
+    from rollflow.flows import train_step as step_flow
+
+    first = resumed_from + 1
+    order, began = StepOrder(_cfg(), resumed_from), []
+    monkeypatch.setattr(step_flow, "train_step", lambda ctx, step, order, host: began.append(step))
+    ctx = type("Ctx", (), {"config": _cfg()})()
+    threads = [
+        threading.Thread(target=step_flow.train_step_in_turn, args=(ctx, step, order, None))
+        for step in range(first + 3, first - 1, -1)  # the later steps' threads first
+    ]
+    for t in threads:
+        t.start()
+    threads[-1].join(5.0)
+    for t in threads[:-1]:
+        t.join(0.2)
+    assert began == [first] and all(t.is_alive() for t in threads[:-1])
+    order.trains(first + 1)  # not the first step: nothing changes
+    threads[0].join(0.2)
+    assert began == [first]
+    order.trains(first)
+    for t in threads:
+        t.join(5.0)
+    assert sorted(began) == list(range(first, first + 4))
+
+
+def test_a_flow_run_waiting_for_its_turn_ends_when_the_run_closes():
+    order = StepOrder(_cfg(), resumed_from=0)
+    order.close()
+    with pytest.raises(Exception, match="run closed: step 2's flow run waited for step 1's flow"):
+        order.wait_start_turn(2, 5.0)
+    order.wait_start_turn(1, 5.0)  # the first never waits

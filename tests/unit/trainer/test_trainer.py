@@ -161,6 +161,29 @@ def test_checkpoint_round_trip_continues_identically(tiny_model_dir, tmp_path):
     assert max_abs_diff(wa, wb) == 0.0
 
 
+def test_the_warm_up_changes_nothing_the_steps_after_it_see(tiny_model_dir):
+    """``warm_up`` runs a step's code before the first batch (rank_main calls it at start): two
+    steps after it equal, to the bit, two steps of a trainer that did not warm up."""
+    rows = make_rows(8, seed=8)
+    cfg = LossConfig()
+    cold, warm = (
+        _trainer(tiny_model_dir, lr=1e-2, weight_decay=0.1, lr_warmup_steps=3) for _ in range(2)
+    )
+    rng = torch.get_rng_state()
+    assert warm.warm_up() > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not warm.backend.optimizer.state and warm.backend.scheduler.last_epoch == 0
+    assert max_abs_diff(dict(cold.named_weights()), dict(warm.named_weights())) == 0.0
+    outs = {}
+    for name, trainer in (("cold", cold), ("warm", warm)):
+        for _ in range(2):
+            trainer.forward_backward(_micro_batches(rows, 10_000), cfg, _tokens(rows))
+            outs.setdefault(name, []).append(trainer.optim_step())
+    for a, b in zip(outs["cold"], outs["warm"], strict=True):
+        assert (a["grad_norm"], a["lr"]) == (b["grad_norm"], b["lr"])
+    assert max_abs_diff(dict(cold.named_weights()), dict(warm.named_weights())) == 0.0
+
+
 def test_optim_step_without_gradients_is_an_error(tiny_model_dir):
     with pytest.raises(RuntimeError, match="no gradients"):
         _trainer(tiny_model_dir).optim_step()
