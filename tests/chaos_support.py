@@ -105,6 +105,16 @@ class Campaign:
             if steps
             else f"no step committed yet in {self.run_dir}"
         )
+        # Steps that wrote their metrics but were stopped before their checkpoint (every step's
+        # here: run.checkpoint_every's default, 1) are named as redone on resume.
+        ran = [int(p.stem.split("=")[1]) for p in self.run_dir.glob("metrics/step=*.parquet")]
+        after = sorted(s for s in ran if s > (steps[-1] if steps else 0))
+        if len(after) == 1:
+            done += (
+                f" (step {after[0]} ran but is not committed: a step commits with its checkpoint, "
+                "run.checkpoint_every = 1; a resume redoes it)"
+            )
+        assert len(after) <= 1, f"steps {after} ran after the last checkpoint: {out[-3000:]}"
         resume = " ".join(["rollflow run", str(self.config), *self.overrides])
         assert stopped == [f"stopped by {how}: {done}; resume with: {resume}"], out[-3000:]
         return f"{signal.Signals(signum).name} {delay}s after {name}; exit in {took:.1f}s"

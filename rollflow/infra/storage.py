@@ -192,6 +192,14 @@ class RunStorage:
             return None
         return rows[0] if rows else None
 
+    def metric_steps(self) -> list[int]:
+        """The steps that wrote a metrics row (each step does, before it commits), ascending."""
+        try:
+            files = self.fs.glob(self.path("metrics", "step=*.parquet"))
+        except FileNotFoundError:
+            return []
+        return sorted(int(_STEP_FILE.search(f).group(1)) for f in files)
+
     def read_metrics(self) -> list[dict[str, Any]]:
         try:
             files = self.fs.glob(self.path("metrics", "step=*.parquet"))

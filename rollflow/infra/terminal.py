@@ -134,6 +134,20 @@ def resume_command(config: str, overrides: list[str]) -> str:
 STOP_READ_DEADLINE_S = 5.0
 
 
+def uncommitted_note(committed: list[int], ran: list[int], checkpoint_every: int) -> str:
+    """`` (steps 9-12 ran but are not committed: ...)``: the steps that wrote their metrics after
+    the last committed one, which a resume redoes; "" if none."""
+    after = [s for s in ran if s > (committed[-1] if committed else 0)]
+    if not after:
+        return ""
+    one = len(after) == 1
+    which = f"step {after[0]} ran but is" if one else f"steps {after[0]}-{after[-1]} ran but are"
+    return (
+        f" ({which} not committed: a step commits with its checkpoint, "
+        f"run.checkpoint_every = {checkpoint_every}; a resume redoes {'it' if one else 'them'})"
+    )
+
+
 def stopped_line(exc: KeyboardInterrupt, cfg: RunConfig, config: str, overrides: list[str]) -> str:
     """``stopped by Ctrl-C: committed through step 7 of 40 in runs/x; resume with: rollflow run ...``;
     a stop for a service's outage (``OutageStop``) names it instead: ``stopped: storage s3://...
@@ -149,19 +163,23 @@ def stopped_line(exc: KeyboardInterrupt, cfg: RunConfig, config: str, overrides:
     def committed():
         try:
             storage = RunStorage(cfg.run.storage, cfg.run.name, cfg.run.storage_options)
-            return storage.committed_steps("checkpoints"), storage.uri
+            return storage.committed_steps("checkpoints"), storage.metric_steps(), storage.uri
         except Exception:  # storage unreadable: still say how to resume
             return None
 
     # The storage may be what is not answering: never wait on it for long.
     found = within_deadline(committed, STOP_READ_DEADLINE_S, None)
-    steps, where = found if found else (None, cfg.run.storage)
+    steps, ran, where = found if found else (None, [], cfg.run.storage)
     if steps is None:
         done = "committed steps unknown"
     elif not steps:
         done = f"no step committed yet in {where}"
     else:
         done = f"committed through step {steps[-1]} of {cfg.run.num_steps} in {where}"
+    # Steps that ran after the last checkpoint are redone on resume: say so, or "no step
+    # committed" reads as nothing done after a run that printed eight steps.
+    if steps is not None:
+        done += uncommitted_note(steps, ran, cfg.run.checkpoint_every)
     return f"{head}: {done}; resume with: {resume_command(config, overrides)}"
 
 

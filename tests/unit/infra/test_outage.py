@@ -165,6 +165,47 @@ def test_the_stop_line_names_the_outage_and_its_setting_and_still_says_how_to_re
     )
 
 
+@pytest.mark.parametrize(
+    ("checkpointed", "ran", "says"),
+    [
+        ([], [0], "no step committed yet in {where}"),
+        (
+            [],
+            [0, 1, 2, 3],
+            "no step committed yet in {where} (steps 1-3 ran but are not committed: a step "
+            "commits with its checkpoint, run.checkpoint_every = 5; a resume redoes them)",
+        ),
+        (
+            [5],
+            [0, 1, 2, 3, 4, 5, 6],
+            "committed through step 5 of 40 in {where} (step 6 ran but is not committed: a step "
+            "commits with its checkpoint, run.checkpoint_every = 5; a resume redoes it)",
+        ),
+        ([5], [0, 1, 2, 3, 4, 5], "committed through step 5 of 40 in {where}"),
+    ],
+)
+def test_the_stop_line_names_the_steps_a_resume_redoes(tmp_path, checkpointed, ran, says):
+    """A run stopped after steps that wrote their metrics but no checkpoint: "no step committed"
+    alone read as nothing done, after a run that had printed eight steps."""
+    from rollflow.infra.config import validate_config
+    from rollflow.infra.storage import RunStorage
+    from rollflow.infra.terminal import Stopped, stopped_line
+
+    cfg = validate_config(
+        {"run": {"name": "r", "storage": str(tmp_path), "checkpoint_every": 5}, **MINIMAL}
+    )
+    storage = RunStorage(str(tmp_path), "r")
+    for step in ran:
+        storage.write_metrics(step, {"step_s": 1.0})
+    for step in checkpointed:
+        storage.write_json(f"checkpoints/step={step}/_SUCCESS", {})
+    line = stopped_line(Stopped(), cfg, "c.toml", ["run.num_steps=40"])
+    where = f"{tmp_path}/r"
+    assert line == f"stopped by SIGTERM: {says.format(where=where)}; resume with: " + (
+        "rollflow run c.toml run.num_steps=40"
+    )
+
+
 def test_the_stop_line_does_not_wait_on_a_storage_that_does_not_answer(monkeypatch, tmp_path):
     from rollflow.infra import terminal
     from rollflow.infra.config import validate_config
