@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer = Trainer(spec, device)
     # Before a checkpoint's optimizer state is loaded: the warm-up leaves the optimizer fresh.
-    log.info("rank %d warmed up in %.2fs", rank, trainer.warm_up())
+    if (warm_s := trainer.warm_up()) is not None:
+        log.info("rank %d: the first step's one-time costs paid in %.2fs", rank, warm_s)
     if args.checkpoint_step is not None:
         trainer.load_checkpoint(args.model_path)
     storage = RunStorage(args.storage_root, args.run, args.storage_options)
