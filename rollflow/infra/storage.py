@@ -201,13 +201,11 @@ class RunStorage:
         return sorted(int(_STEP_FILE.search(f).group(1)) for f in files)
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        try:
-            files = self.fs.glob(self.path("metrics", "step=*.parquet"))
-        except FileNotFoundError:
-            return []
         rows = []
-        for f in sorted(files, key=lambda p: int(_STEP_FILE.search(p).group(1))):
-            rows.extend(self._read_parquet(f).to_pylist())
+        for step in self.metric_steps():
+            rows.extend(
+                self._read_parquet(self.path("metrics", f"step={step}.parquet")).to_pylist()
+            )
         return rows
 
     # ---------------------------------------------------------- json, events
