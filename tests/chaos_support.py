@@ -42,6 +42,10 @@ class Campaign:
         self.rng = random.Random(SEED)
         self.launches = 0
         self.proc: subprocess.Popen | None = None
+        # The events file is append-only: read once, then only the bytes added since (a wait
+        # checks it every 10 ms, through the whole run).
+        self._events: list[dict] = []
+        self._events_read = 0
         print(f"\nchaos seed {SEED} (set ROLLFLOW_CHAOS_SEED to replay or vary)")
 
     # ------------------------------------------------------------------ launches
@@ -132,7 +136,10 @@ class Campaign:
         done: Callable[[], bool],
         what: str,
         timeout_s: float = START_TIMEOUT_S,
+        poll_s: float = 0.01,
     ) -> None:
+        """Until ``done()``; every 10 ms by default, so that a kill point lands where it was
+        drawn (a condition that scans every process asks less often: ``poll_s``)."""
         deadline = time.monotonic() + timeout_s
         while not done():
             assert proc.poll() is None, (
@@ -141,7 +148,7 @@ class Campaign:
             assert time.monotonic() < deadline, (
                 f"no {what} within {timeout_s:.0f}s:\n{self.output()[-4000:]}"
             )
-            time.sleep(0.01)
+            time.sleep(poll_s)
 
     def kill_run(self, proc: subprocess.Popen) -> None:
         """SIGKILL the run; every service dies with it within seconds."""
@@ -174,10 +181,15 @@ class Campaign:
     def events(self, now: bool = False) -> list[dict]:
         """The run's events (``now``: those of the current launch only)."""
         try:
-            lines = (self.run_dir / "events.jsonl").read_text().splitlines()
+            with open(self.run_dir / "events.jsonl", "rb") as f:
+                f.seek(self._events_read)
+                added = f.read()
         except FileNotFoundError:
-            return []
-        events = [json.loads(line) for line in lines if line.endswith("}")]
+            added = b""
+        whole = added[: added.rfind(b"\n") + 1]  # a line being written is read next time
+        self._events_read += len(whole)
+        self._events += [json.loads(line) for line in whole.splitlines() if line.endswith(b"}")]
+        events = list(self._events)
         return [e for e in events if e["time"] >= self.launched_at] if now else events
 
     def published_now(self, version: int) -> bool:

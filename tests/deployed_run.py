@@ -164,7 +164,7 @@ def make_deployed_run(tmp: Path) -> DeployedRun:
         "PREFECT_HOME": str(seeded_prefect_home(tmp / "prefect-home")),
         "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",  # each step's flow run waits for a poll
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),  # and the silent-run automation's
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "PYTHONPATH": str(ROOT),

@@ -118,7 +118,9 @@ def test_vllm_killed_mid_step_is_restarted_and_the_run_goes_on(campaign):
             return False
         return True
 
-    c.wait_for(proc, vllm_started, "the vLLM server's process")
+    # Every 0.25 s: each look reads every process's command line and environment, and vLLM is
+    # needed only once step N's weights are out, tens of seconds later.
+    c.wait_for(proc, vllm_started, "the vLLM server's process", poll_s=0.25)
     vllm = found[-1]
     c.wait_for(proc, lambda: c.published_now(step), f"weights_published({step})")
     vllm.send_signal(signal.SIGSTOP)

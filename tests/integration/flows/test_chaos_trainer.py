@@ -27,7 +27,6 @@ from rollflow.trainer.protocol import RANK_MAIN_MODULE
 
 from chaos_support import (
     START_TIMEOUT_S,
-    STEPS,
     Campaign,
     flow_run_logs,
     open_campaign,
@@ -37,12 +36,16 @@ from chaos_support import (
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
+# The two fault-point launches commit at most 2 + 3 steps (their n-th passage, n ≤ 3), so the
+# trainer killed at a random point of the next step still leaves steps for the restarted one.
+STEPS = 8
+
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory, model_cache) -> Iterator[Campaign]:
     # The session's Prefect API for the launches saves its start-up each time; the trainer-killed
     # launch starts its own, as a run without a configured server does.
-    yield from open_campaign(tmp_path_factory, model_cache, "chaos-trainer")
+    yield from open_campaign(tmp_path_factory, model_cache, "chaos-trainer", steps=STEPS)
 
 
 @pytest.mark.parametrize("point", ["checkpoint_upload", "weight_broadcast"])

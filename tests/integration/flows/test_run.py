@@ -28,7 +28,7 @@ from run_support import (
 )
 
 pytestmark = pytest.mark.slow
-API_DOWN_S = 15  # how long the Prefect API is away under a run
+API_DOWN_S = 8  # how long the Prefect API is away under a run (noticed at once, probed every 2 s)
 STORAGE_PAUSE_S = 16  # how long the S3 server is frozen under a run (noticed after 10 s)
 
 

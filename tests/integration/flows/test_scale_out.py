@@ -199,7 +199,7 @@ def test_a_two_host_run_from_prefect_deployment_run_places_its_processes_and_com
         env = {
             **env_for(tmp_path, api=False),
             "PREFECT_API_URL": api,
-            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PREFECT_WORKER_QUERY_SECONDS": "1",  # each step's flow run waits for a poll
             "PYTHONPATH": str(ROOT),
         }
         services: list[Service] = []
