@@ -77,12 +77,23 @@ class TrainSection(Section):
     over_request_steps: int = Field(
         3,
         ge=0,
-        description="Dynamic sampling's over-request: each step's first wave admits "
-        "ceil(train_batch_size * p / (1 - p)) groups more (at most max_resampled_groups), p the "
-        "share of groups without signal over the last this many steps, so that replacements run "
+        description="Dynamic sampling's over-request: each step's first wave admits the groups "
+        "that train_batch_size with signal cost (over_request_quantile; at most "
+        "max_resampled_groups), p the share of groups without signal over the last this many "
+        "steps, so that replacements run "
         "alongside the batch instead of in rounds after it; a step still short replaces serially; "
         "surplus groups stay ready for the next step within max_staleness (at 0 they are "
         "dropped). 0 = off: a replacement starts only once the group it replaces has finished.",
+    )
+    over_request_quantile: float = Field(
+        0.9,
+        gt=0,
+        lt=1,
+        description="Dynamic sampling's over-request, sized so that the first wave holds "
+        "train_batch_size groups with signal with this probability (p the share without signal, "
+        "each group drawn alike: at train_batch_size 32 and p 0.3, 0.9 asks 20 groups more, 0.5 "
+        "about the mean 14), so that few steps fall short and replace serially; lower wastes "
+        "fewer groups where max_staleness drops the surplus.",
     )
     truncated: Literal["keep", "drop", "mask", "penalize"] = Field(
         "keep",

@@ -118,6 +118,7 @@ class ProducerHost:
                 has_signal=group_has_signal(advantages) if t.resamples() else None,
                 max_resampled=t.resample_budget(),
                 over_request_steps=t.over_request_steps,
+                over_request_quantile=t.over_request_quantile,
                 quarantine=EnvQuarantine(
                     after=cfg.sampling.env_quarantine_after,
                     probe_every_s=cfg.sampling.env_probe_every_s,

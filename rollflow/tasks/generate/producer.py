@@ -49,6 +49,30 @@ class FinishedGroup:
         return self.result if isinstance(self.result, str) else None
 
 
+def groups_to_over_request(needed: int, p_flat: float, quantile: float, cap: int) -> int:
+    """The least e ≤ ``cap`` for which ``needed + e`` groups hold ``needed`` with signal with
+    probability ``quantile``, each group without signal with probability ``p_flat``: the
+    quantile of a negative binomial count (groups without signal met before ``needed`` with).
+    The mean count ``needed·p/(1-p)`` falls short in about half the steps, and a step short of
+    it replaces serially (a round trip each)."""
+    if p_flat <= 0:
+        return 0
+    log_flat, log_signal = math.log(p_flat), math.log1p(-p_flat)
+    reached = 0.0
+    for e in range(cap + 1):
+        # P(exactly e without signal before the needed-th with): C(needed-1+e, e) (1-p)^needed p^e
+        reached += math.exp(
+            math.lgamma(needed + e)
+            - math.lgamma(needed)
+            - math.lgamma(e + 1)
+            + needed * log_signal
+            + e * log_flat
+        )
+        if reached >= quantile:
+            return e
+    return cap
+
+
 class RolloutProducer:
     """Generates groups ahead of training, never further ahead than ``max_staleness`` steps.
 
@@ -87,9 +111,11 @@ class RolloutProducer:
       groups per step taken so far (plus one step's worth) are dropped; past that a group is
       kept (the advantage stage filters it as before). Drops are counted in ``resampled``.
       Over-request (``over_request_steps`` > 0): so that replacements run alongside the batch, not
-      in serial rounds after it, each step's first wave admits ``⌈B·p/(1-p)⌉`` groups more (at
-      most ``max_resampled``; p the share without signal of the groups judged over the last
-      ``over_request_steps`` steps), and up to that many in flight beyond K. Drops consume that
+      in serial rounds after it, each step's first wave admits e groups more (at most
+      ``max_resampled``; p the share without signal of the groups judged over the last
+      ``over_request_steps`` steps): the least e for which B + e groups hold B with signal with
+      probability ``over_request_quantile`` (``groups_to_over_request``; 0.5 is about the mean
+      count ``B·p/(1-p)``), and up to that many in flight beyond K. Drops consume that
       credit before they open slots (``max(dropped, over_requested)`` above), so a replacement
       starts after the group it replaces only when the over-request fell short. Surplus groups
       with signal stay ready for the next step, within the staleness bound.
@@ -116,6 +142,7 @@ class RolloutProducer:
         has_signal: Callable[[GroupResult], bool] | None = None,
         max_resampled: int = 0,
         over_request_steps: int = 0,
+        over_request_quantile: float = 0.9,
         quarantine: EnvQuarantine | None = None,
     ):
         # K within [B, B * (whole steps of S + 1)] is the config's check (RunConfig), not repeated here.
@@ -149,6 +176,7 @@ class RolloutProducer:
         self._judged: deque[tuple[int, int]] = deque(maxlen=max(1, over_request_steps))
         self._judging = [0, 0]
         self._over_request_steps = over_request_steps
+        self._over_request_quantile = over_request_quantile
         self._opened_through = self.first_step - 1  # the newest step whose first wave was granted
         self._blocked_s, self._blocked_since = 0.0, None
         self._exhausted = False
@@ -305,15 +333,18 @@ class RolloutProducer:
         self._opened_through = max(self._opened_through, newest)
 
     def _over_request(self) -> int:
-        """``⌈B·p/(1-p)⌉`` (at most ``max_resampled``), p the share without signal of the groups
-        judged over the last ``over_request_steps`` steps: what B groups with signal cost."""
+        """The groups a step's first wave admits beyond B (at most ``max_resampled``), p the share
+        without signal of the groups judged over the last ``over_request_steps`` steps: what B
+        groups with signal cost at ``over_request_quantile``."""
         judged = sum(n for n, _ in self._judged)
         if not self._over_request_steps or self._has_signal is None or not judged:
             return 0
         p = sum(flat for _, flat in self._judged) / judged
         if p >= 1:
             return self.max_resampled
-        return min(self.max_resampled, math.ceil(self.train_batch_size * p / (1 - p) - 1e-9))
+        return groups_to_over_request(
+            self.train_batch_size, p, self._over_request_quantile, self.max_resampled
+        )
 
     def _num_dropped(self) -> int:
         return self.num_stale_dropped + self.num_resampled

@@ -113,6 +113,10 @@ def test_cross_field_errors_say_what_to_do():
         load_config(QUICKSTART, [*STEP_128, "train.max_staleness=2"]).train.in_flight_groups()
         == 384
     )
+    # The over-request's quantile is a probability short of certainty (1 would ask for every group).
+    for bad in ("0", "1"):
+        with pytest.raises(ConfigError, match="train.over_request_quantile: Input should be"):
+            load_config(QUICKSTART, [f"train.over_request_quantile={bad}"])
     # Between syncs vLLM's weights age: sync_every N needs a staleness bound of N - 1.
     with pytest.raises(ConfigError, match=r"train.sync_every \(2\) needs train.max_staleness >= 1"):
         load_config(QUICKSTART, ["train.sync_every=2"])

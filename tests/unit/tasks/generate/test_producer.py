@@ -2,6 +2,7 @@
 
 import asyncio
 import itertools
+import math
 import random
 import time
 
@@ -9,7 +10,11 @@ import pytest
 
 from rollflow.infra.errors import InferenceGone, ProducerFailed, TrainingFinished
 from rollflow.tasks.generate.environments import AddEnv, Prompt, Sample
-from rollflow.tasks.generate.producer import RolloutProducer, prompt_stream
+from rollflow.tasks.generate.producer import (
+    RolloutProducer,
+    groups_to_over_request,
+    prompt_stream,
+)
 from rollflow.tasks.generate.rollouts import group_runner, select_prompts
 
 
@@ -616,12 +621,19 @@ class HalfFlat:
         return len({n for _, v, n in self.starts if v == version})
 
 
+# The over-request's quantile at which these tests' exact half without signal asks B more groups
+# (B = 4: 4 more hold 4 with signal with probability 0.64, 3 more with 0.5): each step's first
+# wave is then just enough, and the tests read the mechanism, not the count.
+EXACT_HALF_QUANTILE = 0.6
+
+
 def dynamic_producer(
     run_group, B: int, max_staleness: float, over_request_steps: int, max_resampled: int = 0
 ):
     from rollflow.tasks.advantage.advantages import grpo_advantages
     from rollflow.tasks.generate.rollouts import group_has_signal
 
+    assert groups_to_over_request(B, 0.5, EXACT_HALF_QUANTILE, 2 * B) == B
     return RolloutProducer(
         run_group,
         numbered_prompts(),
@@ -631,7 +643,36 @@ def dynamic_producer(
         has_signal=group_has_signal(grpo_advantages),
         max_resampled=max_resampled or B,
         over_request_steps=over_request_steps,
+        over_request_quantile=EXACT_HALF_QUANTILE,
     )
+
+
+def chance_of_enough(needed: int, extra: int, p_flat: float) -> float:
+    """P(at least ``needed`` of ``needed + extra`` groups have signal), summed over the binomial."""
+    n = needed + extra
+    return sum(
+        math.comb(n, k) * (1 - p_flat) ** k * p_flat ** (n - k) for k in range(needed, n + 1)
+    )
+
+
+@pytest.mark.parametrize(
+    "B, p_flat, quantile", [(32, 0.3, 0.9), (32, 0.3, 0.5), (4, 0.5, 0.9), (64, 0.05, 0.99)]
+)
+def test_the_over_request_is_the_least_count_that_holds_the_batch_at_the_quantile(
+    B, p_flat, quantile
+):
+    """The first wave's extra groups: the least e for which B + e groups hold B with signal with
+    the quantile's probability (checked by the binomial sum); the mean count B·p/(1-p) falls short
+    in about half the steps, so 0.9 asks more than it and 0.5 about as many."""
+    e = groups_to_over_request(B, p_flat, quantile, cap=10 * B)
+    assert chance_of_enough(B, e, p_flat) >= quantile > chance_of_enough(B, e - 1, p_flat)
+    mean = B * p_flat / (1 - p_flat)
+    if quantile > 0.5:
+        assert e > mean
+    else:
+        assert abs(e - mean) <= 1
+    assert groups_to_over_request(B, p_flat, quantile, cap=e - 1) == e - 1  # the cap binds
+    assert groups_to_over_request(B, 0.0, quantile, cap=B) == 0  # every group has signal
 
 
 @pytest.mark.parametrize("over_request_steps", [0, 2])
