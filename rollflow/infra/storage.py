@@ -219,9 +219,13 @@ class RunStorage:
         return f"{self.uri}/{name}"
 
     def read_json(self, name: str) -> Any | None:
+        """``name`` whole, old or new, also while another process rewrites it (a control file such
+        as a trainer node's address): one GET. Through ``fs.open`` an object store's file is a HEAD
+        and then ranged GETs that must match the HEAD's ETag, and a rewrite between the two failed
+        the run (s3fs's ``FileExpired``, CI: a restarted node 0 rewrote its address as the run read
+        it)."""
         try:
-            with self.fs.open(self.path(name), "rb") as fh:
-                return json.loads(fh.read())
+            return json.loads(self.fs.cat_file(self.path(name)))
         except FileNotFoundError:
             return None
 

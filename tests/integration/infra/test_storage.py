@@ -1,3 +1,5 @@
+import json
+
 import pyarrow as pa
 import pytest
 
@@ -134,3 +136,43 @@ def test_a_local_copy_follows_a_new_commit_at_the_same_uri(storage, tmp_path):
     storage.upload_dir(src, "checkpoints", 2)
     local = storage.local_copy("checkpoints", 2, tmp_path / "cache")
     assert (local / "model.safetensors").read_bytes() == b"new weights"
+
+
+def test_a_json_file_rewritten_while_it_is_read_is_read_whole(s3_endpoint, tmp_path, monkeypatch):
+    """A control file (a trainer node's address) is read by one process as another rewrites it:
+    the reader gets the old or the new file whole. The rewrite lands just after the reader's
+    HEAD, where s3fs's file object had fixed the ETag its reads must match (CI failed a two-host
+    run there: ``FileExpired``)."""
+    storage = RunStorage(
+        f"s3://rollflow/{tmp_path.name}",
+        "run1",
+        {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"},
+    )
+    storage.write_json("control/trainer/node-0.json", {"address": "10.0.0.1", "port": 1})
+    fs, target = storage.fs, storage.path("control/trainer/node-0.json")
+    new = {"address": "10.0.0.2", "port": 22222, "restarted": True}
+    info, info_async = fs.info, fs._info
+    rewrites = []
+
+    def after_head(path, **kwargs):
+        found = info(path, **kwargs)
+        if not rewrites:
+            rewrites.append(1)
+            storage.write_json("control/trainer/node-0.json", new)
+        return found
+
+    async def after_head_async(path, **kwargs):
+        found = await info_async(path, **kwargs)
+        if not rewrites:
+            rewrites.append(1)
+            await fs._pipe_file(target, json.dumps(new, indent=2, sort_keys=True).encode())
+        return found
+
+    monkeypatch.setattr(fs, "info", after_head)
+    monkeypatch.setattr(fs, "_info", after_head_async)
+    assert storage.read_json("control/trainer/node-0.json") in (
+        {"address": "10.0.0.1", "port": 1},
+        new,
+    )
+    assert rewrites, "the rewrite never landed between the HEAD and the read"
+    assert storage.read_json("control/trainer/node-0.json") == new
