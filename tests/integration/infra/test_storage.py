@@ -148,9 +148,9 @@ def test_a_json_file_rewritten_while_it_is_read_is_read_whole(s3_endpoint, tmp_p
         "run1",
         {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"},
     )
-    storage.write_json("control/trainer/node-0.json", {"address": "10.0.0.1", "port": 1})
+    storage.write_json("control/trainer/node-0.json", {"address": "192.0.2.1", "port": 1})
     fs, target = storage.fs, storage.path("control/trainer/node-0.json")
-    new = {"address": "10.0.0.2", "port": 22222, "restarted": True}
+    new = {"address": "192.0.2.2", "port": 22222, "restarted": True}
     info, info_async = fs.info, fs._info
     rewrites = []
 
@@ -171,7 +171,7 @@ def test_a_json_file_rewritten_while_it_is_read_is_read_whole(s3_endpoint, tmp_p
     monkeypatch.setattr(fs, "info", after_head)
     monkeypatch.setattr(fs, "_info", after_head_async)
     assert storage.read_json("control/trainer/node-0.json") in (
-        {"address": "10.0.0.1", "port": 1},
+        {"address": "192.0.2.1", "port": 1},
         new,
     )
     assert rewrites, "the rewrite never landed between the HEAD and the read"
