@@ -260,6 +260,31 @@ def test_the_engine_core_is_forked_from_the_api_server_not_spawned(server):
 
 
 @pytest.mark.slow
+def test_the_engine_samples_log_probs_without_building_a_kernel(server):
+    """On CPU the server runs eagerly, its sampler too: the run's requests ask the log-prob of
+    every token, whose rank vLLM counts in a ``torch.compile``d helper; inductor built it as C++
+    with the host's compiler at the first such request (12.5 s on an empty inductor cache, 4.3 s
+    with it warm) and the engine loaded the library it built. Nothing built is loaded here."""
+    api = _api_server(server)
+    (engine,) = api.children()
+
+    async def with_log_probs(client):
+        for n in (1, 4):  # two batch sizes: a compiled helper would also be built for the second
+            await asyncio.gather(
+                *(client.complete(PROMPT_IDS, n=n, max_tokens=4, temperature=1.0) for _ in range(3))
+            )
+
+    run(with_log_probs, server)
+    built = {
+        line.split()[-1]
+        for process in (api, engine)
+        for line in Path(f"/proc/{process.pid}/maps").read_text().splitlines()
+        if "inductor" in line
+    }
+    assert not built, f"vLLM loaded libraries that torch.compile built: {sorted(built)}"
+
+
+@pytest.mark.slow
 def test_the_engine_computes_on_as_many_threads_as_its_cores(server):
     """A one-rank server's model runs on as many OpenMP threads as the cores it was given
     (``VLLM_CPU_OMP_THREADS_BIND``), no more. vLLM 0.32 binds none in its engine core and its cut

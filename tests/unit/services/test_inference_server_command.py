@@ -133,3 +133,12 @@ def test_a_server_is_not_started_on_a_port_another_process_listens_on(tiny_model
             assert not server.is_alive()
         finally:
             server.stop(timeout_s=5)
+
+
+def test_a_server_on_cpu_compiles_nothing_unless_the_user_asks(tiny_model_dir, monkeypatch):
+    # That the real server then loads no kernel torch.compile built is checked in
+    # test_inference.py; here, that the user's own setting stands.
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    assert InferenceServer(tiny_model_dir).environment()["TORCH_COMPILE_DISABLE"] == "1"
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    assert InferenceServer(tiny_model_dir).environment()["TORCH_COMPILE_DISABLE"] == "0"
