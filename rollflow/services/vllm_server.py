@@ -152,9 +152,9 @@ class InferenceServer:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpu_split()[0])))
             # Eager through and through: --enforce-eager leaves vLLM's sampler helpers under
             # torch.compile (the rank count of a log-prob, the run asks one per token), which
-            # inductor builds as C++ with the host's compiler at the first request: 12.5 s on a
-            # host whose inductor cache is empty (a new user's machine, a fresh node), 4.3 s and
-            # 2.2 s of CPU at every start with it warm, against 0.1 s eager (docs/performance.md).
+            # inductor builds as C++ with the host's compiler at the first request: 11.5 s on a
+            # host whose inductor cache is empty (a new user's machine, a fresh node), 2.4 s at
+            # every start with it warm, against 0.1 s eager (bench/vllm_first_request.py).
             env.setdefault("TORCH_COMPILE_DISABLE", "1")
             # No spinning between engine steps: the cores are shared (see inference/plugin.py).
             env.setdefault(protocol.SPIN_ENV, "0.02")

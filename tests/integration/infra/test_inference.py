@@ -263,7 +263,7 @@ def test_the_engine_core_is_forked_from_the_api_server_not_spawned(server):
 def test_the_engine_samples_log_probs_without_building_a_kernel(server):
     """On CPU the server runs eagerly, its sampler too: the run's requests ask the log-prob of
     every token, whose rank vLLM counts in a ``torch.compile``d helper; inductor built it as C++
-    with the host's compiler at the first such request (12.5 s on an empty inductor cache, 4.3 s
+    with the host's compiler at the first such request (11.5 s on an empty inductor cache, 2.4 s
     with it warm) and the engine loaded the library it built. Nothing built is loaded here."""
     api = _api_server(server)
     (engine,) = api.children()
