@@ -1,4 +1,5 @@
-"""What every benchmark prints beside its figures: the machine and how busy it was.
+"""What every benchmark prints beside its figures: the machine and how busy it was (and the tiny
+model the vLLM benchmarks serve).
 
 The benchmark machines are shared, so absolute timings are noisy; each bench prints ratios
 against a baseline measured in the same run, and this line says how loaded the machine was
@@ -12,6 +13,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _loadavg() -> str:
@@ -72,3 +74,14 @@ def alternate(
         mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         for mode, rs in results.items()
     }
+
+
+def tiny_char_llama(folder: Path) -> Path:
+    """The tiny char Llama the vLLM benchmarks serve (random weights, its char tokenizer), saved
+    as a Hugging Face folder under ``folder``; returns the folder."""
+    from rollflow.infra.config import TinyModelSpec
+    from rollflow.infra.models.tiny import build_char_tokenizer, build_tiny_llama, save_hf_dir
+
+    tok = build_char_tokenizer()
+    spec = TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64)
+    return save_hf_dir(build_tiny_llama(spec, vocab_size=len(tok)), tok, folder / "model")

@@ -30,16 +30,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollflow.infra.config import TinyModelSpec  # noqa: E402
-from rollflow.infra.models.tiny import (  # noqa: E402
-    build_char_tokenizer,
-    build_tiny_llama,
-    save_hf_dir,
-)
 from rollflow.infra.vllm_fleet.client import InferenceClient  # noqa: E402
 from rollflow.services.vllm_server import InferenceServer  # noqa: E402
 
-from machine import alternate  # noqa: E402 (this folder's)
+from machine import alternate, tiny_char_llama  # noqa: E402 (this folder's)
 
 WAVES = ((8, 4), (16, 4), (8, 8))  # prompts x samples each
 
@@ -89,9 +83,7 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=2, help="starts of each mode")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rollflow-vllm-first-"))
-    tok = build_char_tokenizer()
-    spec = TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64)
-    model = save_hf_dir(build_tiny_llama(spec, vocab_size=len(tok)), tok, root / "model")
+    model = tiny_char_llama(root)
     warm = root / "inductor-warm"
 
     def env_of(mode: str) -> dict[str, str]:

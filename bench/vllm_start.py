@@ -25,15 +25,9 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollflow.inference.protocol import FORK_ENGINE_ENV  # noqa: E402
-from rollflow.infra.config import TinyModelSpec  # noqa: E402
-from rollflow.infra.models.tiny import (  # noqa: E402
-    build_char_tokenizer,
-    build_tiny_llama,
-    save_hf_dir,
-)
 from rollflow.services.vllm_server import InferenceServer  # noqa: E402
 
-from machine import alternate  # noqa: E402 (this folder's)
+from machine import alternate, tiny_char_llama  # noqa: E402 (this folder's)
 
 
 def one_start(model: Path, mode: str, log: Path) -> dict[str, float]:
@@ -61,9 +55,7 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=3, help="starts of each mode")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rollflow-vllm-start-"))
-    tok = build_char_tokenizer()
-    spec = TinyModelSpec(hidden_size=64, num_heads=2, intermediate_size=64)
-    model = save_hf_dir(build_tiny_llama(spec, vocab_size=len(tok)), tok, root / "model")
+    model = tiny_char_llama(root)
 
     def say(mode: str, i: int, r: dict[str, float]) -> None:
         print(
