@@ -265,14 +265,17 @@ def vllm_model_dirs(tmp_path_factory) -> list[Path]:
 def vllm_server(vllm_model_dirs, tmp_path_factory):
     """A real vLLM server (the CPU build) serving the first of ``vllm_model_dirs``, shared by the
     session. A test that changes its weights puts the first model's back (``restore_weights``);
-    a test that stops or restarts a server starts its own."""
+    a test that stops or restarts a server starts its own. It starts as on a new host: its vLLM
+    cache (``VLLM_CACHE_ROOT``, ``~/.cache/vllm`` by default) is empty."""
     from rollflow.services.vllm_server import InferenceServer
 
+    logs = tmp_path_factory.mktemp("logs")
     srv = InferenceServer(
         vllm_model_dirs[0],
         max_model_len=VLLM_MAX_LEN,
-        log_path=tmp_path_factory.mktemp("logs") / "vllm.log",
+        log_path=logs / "vllm.log",
         extra_args=["--block-size", str(VLLM_BLOCK)],
+        extra_env={"VLLM_CACHE_ROOT": str(logs / "vllm-cache")},
     )
     start = time.monotonic()
     srv.start()

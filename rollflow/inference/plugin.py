@@ -1,5 +1,6 @@
 """A vLLM general plugin, loaded by every vLLM process: idle waits without spinning, an engine
-core forked rather than spawned, and completions without text, each on request.
+core forked rather than spawned, the model's class inspected in process, and completions without
+text, each on request.
 
 **Idle waits.**
 
@@ -38,6 +39,18 @@ plugin sets the start method back to ``fork`` after the CPU platform chose ``spa
 world size of 1 only: the engine core shares the API server's imports, and a start takes ~6 s
 less. A server with worker processes keeps ``spawn``.
 
+**The model's class inspected in process.** Before it builds its config, vLLM's API server
+reads what the model's class supports (``_ModelInfo``: text generation, LoRA, pooling...). It
+caches the answer per class under ``VLLM_CACHE_ROOT`` (``~/.cache/vllm/modelinfos``), and on a miss
+it imports the class in a fresh interpreter (``registry._run_in_subprocess``), so that the import
+cannot initialise CUDA in the server. That interpreter imports torch and vLLM again: measured
+31.7-37.5 s on 2 busy cores (``bench/vllm_start.py --fresh-cache``). Every host whose cache is
+empty pays it at its first server start: a new user's machine, a new node, every container
+started from an image. On CPU there is no CUDA to keep out, and the one-rank engine core, forked
+from the API server, imports the class anyway. With ``ROLLFLOW_VLLM_INSPECT_IN_PROCESS=1`` (set by
+rollflow for the servers it starts on CPU) the plugin runs that inspection in the API server's own
+process. The answer is cached as before. A GPU server keeps the subprocess.
+
 **Completions without text.** The run reads a completion's token ids and log-probs, never its
 text (its own tokenizer decodes what an environment needs, in the run process). vLLM's API server
 detokenizes every sampled token twice all the same: incrementally for the text, and one
@@ -56,7 +69,12 @@ import os
 import sys
 import time
 
-from rollflow.inference.protocol import FORK_ENGINE_ENV, SPIN_ENV, TOKEN_IDS_ONLY
+from rollflow.inference.protocol import (
+    FORK_ENGINE_ENV,
+    INSPECT_IN_PROCESS_ENV,
+    SPIN_ENV,
+    TOKEN_IDS_ONLY,
+)
 
 POLL_MS = 1  # how soon a reader in its window looks at the queue again without a wake-up
 
@@ -65,6 +83,8 @@ def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (called once per process, maybe more)."""
     if os.environ.get(FORK_ENGINE_ENV) == "1":
         _fork_the_engine_core()
+    if os.environ.get(INSPECT_IN_PROCESS_ENV) == "1":
+        _inspect_in_process()
     _idle_waits()
     _completions_without_text()
 
@@ -105,6 +125,19 @@ def _fork_the_engine_core() -> None:
 
     check_and_update_config._rollflow_fork = True
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _inspect_in_process() -> None:
+    from vllm.model_executor.models import registry
+
+    if getattr(registry._run_in_subprocess, "_rollflow_in_process", False):
+        return
+
+    def run_in_process(fn):
+        return fn()
+
+    run_in_process._rollflow_in_process = True
+    registry._run_in_subprocess = run_in_process
 
 
 def _idle_waits() -> None:

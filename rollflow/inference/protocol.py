@@ -32,10 +32,12 @@ KEY_ENV = "ROLLFLOW_VLLM_KEY"
 MIDDLEWARE = "rollflow.inference.auth.RunKeyMiddleware"
 # Given to ``--worker-extension-cls``: mixed into vLLM's worker, its methods are ``WORKER_METHODS``.
 WORKER_EXTENSION_CLS = "rollflow.inference.worker_extension.WeightReceiver"
-# The plugin's (``plugin.py``): the window (s) in which a reader polls instead of spinning, and
-# "1" to fork the engine core of a one-rank server rather than spawn it.
+# The plugin's (``plugin.py``): the window (s) in which a reader polls instead of spinning;
+# "1" to fork the engine core of a one-rank server rather than spawn it; "1" to inspect the
+# model's class in the API server's own process rather than in a fresh interpreter (CPU only).
 SPIN_ENV = "ROLLFLOW_VLLM_SPIN_S"
 FORK_ENGINE_ENV = "ROLLFLOW_VLLM_FORK_ENGINE"
+INSPECT_IN_PROCESS_ENV = "ROLLFLOW_VLLM_INSPECT_IN_PROCESS"
 # A completions request's ``vllm_xargs`` key (``plugin.py``): 1 asks for token ids and log-probs
 # only, no text: vLLM's API server then detokenizes nothing for it.
 TOKEN_IDS_ONLY = "rollflow_token_ids_only"

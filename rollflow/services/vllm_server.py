@@ -156,6 +156,9 @@ class InferenceServer:
             # host whose inductor cache is empty (a new user's machine, a fresh node), 2.4 s at
             # every start with it warm, against 0.1 s eager (bench/vllm_first_request.py).
             env.setdefault("TORCH_COMPILE_DISABLE", "1")
+            # The model's class inspected in the API server, not in a second interpreter that
+            # imports vLLM again where the host's vLLM cache is empty (inference/plugin.py).
+            env.setdefault(protocol.INSPECT_IN_PROCESS_ENV, "1")
             # No spinning between engine steps: the cores are shared (see inference/plugin.py).
             env.setdefault(protocol.SPIN_ENV, "0.02")
             if not _tensor_parallel(self.extra_args):

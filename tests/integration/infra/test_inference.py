@@ -260,6 +260,20 @@ def test_the_engine_core_is_forked_from_the_api_server_not_spawned(server):
 
 
 @pytest.mark.slow
+def test_a_server_on_a_new_host_inspects_its_model_in_its_own_process(server):
+    """The session's server started with an empty vLLM cache, as on a new node or a new user's
+    machine: vLLM inspected its model's class at that start (and cached the answer), in the API
+    server's own process (inference/plugin.py). vLLM's way imports the class in a fresh interpreter
+    that imports vLLM again (~10 s of CPU, 11-14 s of a server's start on 2 cores), a child the API
+    server waits for: its CPU is counted in the API server's children's time."""
+    cache = Path(server.extra_env["VLLM_CACHE_ROOT"])
+    assert list(cache.glob("modelinfos/*LlamaForCausalLM.json")), "nothing inspected at start"
+    times = _api_server(server).cpu_times()
+    children_s = times.children_user + times.children_system
+    assert children_s < 2.0, f"the API server's finished children took {children_s:.1f}s of CPU"
+
+
+@pytest.mark.slow
 def test_the_engine_samples_log_probs_without_building_a_kernel(server):
     """On CPU the server runs eagerly, its sampler too: the run's requests ask the log-prob of
     every token, whose rank vLLM counts in a ``torch.compile``d helper; inductor built it as C++

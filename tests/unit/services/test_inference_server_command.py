@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollflow.inference.protocol import FORK_ENGINE_ENV
+from rollflow.inference.protocol import FORK_ENGINE_ENV, INSPECT_IN_PROCESS_ENV
 from rollflow.infra.config import vllm_flag
 from rollflow.infra.errors import InferenceError
 from rollflow.services import vllm_server as server_module
@@ -142,3 +142,13 @@ def test_a_server_on_cpu_compiles_nothing_unless_the_user_asks(tiny_model_dir, m
     assert InferenceServer(tiny_model_dir).environment()["TORCH_COMPILE_DISABLE"] == "1"
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
     assert InferenceServer(tiny_model_dir).environment()["TORCH_COMPILE_DISABLE"] == "0"
+
+
+def test_a_server_on_cpu_inspects_its_model_in_process_unless_the_user_asks(
+    tiny_model_dir, monkeypatch
+):
+    # What the real server then does on an empty vLLM cache is checked in test_inference.py.
+    monkeypatch.delenv(INSPECT_IN_PROCESS_ENV, raising=False)
+    assert InferenceServer(tiny_model_dir).environment()[INSPECT_IN_PROCESS_ENV] == "1"
+    monkeypatch.setenv(INSPECT_IN_PROCESS_ENV, "0")
+    assert InferenceServer(tiny_model_dir).environment()[INSPECT_IN_PROCESS_ENV] == "0"
