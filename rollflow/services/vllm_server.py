@@ -77,6 +77,9 @@ class InferenceServer:
         # each sync's adapter is written to (made at spawn, removed at stop).
         self.lora_adapter = Path(lora_adapter) if lora_adapter is not None else None
         self.lora_root: Path | None = None
+        # The server's own temporary folder (made at spawn, removed at stop): vLLM's processes
+        # meet on IPC sockets and a file store there, files that outlived every server in /tmp.
+        self.runtime_dir: Path | None = None
         self._proc: ManagedProcess | None = None
         # Every route needs this key (inference/auth.py); this process's clients of the URL send it.
         self.api_key = api_key or keys.new_key()
@@ -173,6 +176,13 @@ class InferenceServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if self.lora_root is not None:
             env[protocol.LORA_ROOT_ENV] = str(self.lora_root)
+        if self.runtime_dir is not None:
+            # vLLM names its processes' IPC sockets (VLLM_RPC_BASE_PATH) and its process group's
+            # file store (tempfile's folder) by a new uuid at every start, in /tmp, and unlinks
+            # neither: 3 sockets and a file per start were left there for good, a killed server's
+            # too. The inductor cache, which tempfile's folder also places, stays where it was.
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+            env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(self.runtime_dir)
         env.update(self.extra_env)
         if _on_cpu() and not _tensor_parallel(self.extra_args):
             # One rank runs inside the engine core ("uni"), where vLLM 0.32 binds no OpenMP
@@ -206,6 +216,8 @@ class InferenceServer:
             self.lora_root = adapter.prepare_root(
                 tempfile.mkdtemp(prefix="rollflow-lora-"), self.lora_adapter
             )
+        self._remove_runtime_dir()  # a previous process's, if it ended without stop()
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="rollflow-vllm-"))
         self._proc = ManagedProcess(
             "vLLM server", self.command(), self.log_path, self.environment(), cpus=self.cpus
         )
@@ -252,6 +264,12 @@ class InferenceServer:
         if self.lora_root is not None:
             shutil.rmtree(self.lora_root, ignore_errors=True)
             self.lora_root = None
+        self._remove_runtime_dir()
+
+    def _remove_runtime_dir(self) -> None:
+        if self.runtime_dir is not None:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            self.runtime_dir = None
 
     def __enter__(self) -> InferenceServer:
         return self.start()
@@ -289,6 +307,21 @@ def omp_threads(bind: str) -> int | None:
             return None
         count += int(last) - int(first) + 1 if last else 1
     return count if count > 0 else None
+
+
+def _inductor_cache_dir() -> str:
+    """Where torch's inductor caches what it builds unless told: tempfile's folder, per user (as
+    ``torch._inductor.runtime.cache_dir_utils.default_cache_dir``, whose import takes seconds)."""
+    import getpass
+    import re
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for the uid (a container's user)
+        user = f"uid_{os.getuid()}"
+    return os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+    )
 
 
 def _on_cpu() -> bool:
