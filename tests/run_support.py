@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,14 +73,16 @@ with local_prefect_api() as url:
 """
 _api: subprocess.Popen | None = None
 _api_url: str | None = None
+_api_home: Path | None = None  # its Prefect home (~12 MB), removed with it
 
 
 def session_prefect_api() -> str:
     """The URL of the session's Prefect API, started on first use and stopped at exit."""
-    global _api, _api_url
+    global _api, _api_url, _api_home
     if _api_url is None:
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        home = seeded_prefect_home(Path(tempfile.mkdtemp(prefix="rollflow-tests-prefect-")))
+        _api_home = Path(tempfile.mkdtemp(prefix="rollflow-tests-prefect-"))
+        home = seeded_prefect_home(_api_home)
         env["PREFECT_HOME"] = str(home)
         _api = subprocess.Popen(
             [sys.executable, "-c", _API_HOLDER],
@@ -126,12 +129,18 @@ def seeded_prefect_home(home: Path) -> Path:
 
 
 def stop_session_api() -> None:
+    """Stop the session's Prefect API and remove its home (every suite left one in /tmp)."""
+    global _api_home
     if _api is not None and _api.poll() is None:
         _api.stdin.close()  # the holder leaves local_prefect_api's block: the API stops
         try:
             _api.wait(timeout=30)
         except subprocess.TimeoutExpired:
             _api.kill()
+            _api.wait(timeout=10)
+    if _api_home is not None:
+        shutil.rmtree(_api_home, ignore_errors=True)
+        _api_home = None
 
 
 def env_for(tmp_path: Path, api: bool = True) -> dict[str, str]:
