@@ -43,10 +43,10 @@ less. A server with worker processes keeps ``spawn``.
 reads what the model's class supports (``_ModelInfo``: text generation, LoRA, pooling...). It
 caches the answer per class under ``VLLM_CACHE_ROOT`` (``~/.cache/vllm/modelinfos``), and on a miss
 it imports the class in a fresh interpreter (``registry._run_in_subprocess``), so that the import
-cannot initialise CUDA in the server. That interpreter imports torch and vLLM again: measured
-31.7-37.5 s on 2 busy cores (``bench/vllm_start.py --fresh-cache``). Every host whose cache is
-empty pays it at its first server start: a new user's machine, a new node, every container
-started from an image. On CPU there is no CUDA to keep out, and the one-rank engine core, forked
+cannot initialise CUDA in the server. That interpreter imports torch and vLLM again, ~10 s of
+CPU: a start on an empty cache was ready after 24.4 s against 12.8 s in process on 2 cores
+(``bench/vllm_start.py --compare inspect``). Every host whose cache is empty pays it at its
+first server start: a new user's machine, a new node, every container started from an image. On CPU there is no CUDA to keep out, and the one-rank engine core, forked
 from the API server, imports the class anyway. With ``ROLLFLOW_VLLM_INSPECT_IN_PROCESS=1`` (set by
 rollflow for the servers it starts on CPU) the plugin runs that inspection in the API server's own
 process. The answer is cached as before. A GPU server keeps the subprocess.
