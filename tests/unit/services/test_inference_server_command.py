@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from rollflow.inference.protocol import FORK_ENGINE_ENV, INSPECT_IN_PROCESS_ENV
@@ -152,3 +154,25 @@ def test_a_server_on_cpu_inspects_its_model_in_process_unless_the_user_asks(
     assert InferenceServer(tiny_model_dir).environment()[INSPECT_IN_PROCESS_ENV] == "1"
     monkeypatch.setenv(INSPECT_IN_PROCESS_ENV, "0")
     assert InferenceServer(tiny_model_dir).environment()[INSPECT_IN_PROCESS_ENV] == "0"
+
+
+@pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu", "gpu"])
+def test_a_servers_temporary_files_go_to_its_folder_and_compiled_kernels_stay_cached(
+    tiny_model_dir, tmp_path, monkeypatch, on_cpu
+):
+    # vLLM's IPC sockets and file store in the server's own folder (made at spawn; that the real
+    # server's are there, and that stop removes it, is checked in test_inference.py), but not
+    # torch inductor's cache, which also follows tempfile's folder: where it was before, so that
+    # kernels compiled at one start (on GPUs) are found at the next. A user's own place stands.
+    monkeypatch.setattr(server_module, "_on_cpu", lambda: on_cpu)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "the-hosts-tmp"))  # gettempdir()'s
+    server = InferenceServer(tiny_model_dir)
+    assert "VLLM_RPC_BASE_PATH" not in server.environment()  # nothing spawned: no folder yet
+    server.runtime_dir = tmp_path / "server"
+    env = server.environment()
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == str(tmp_path / "server")
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "the-hosts-tmp"))
+    assert "torchinductor_" in env["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert server.environment()["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
