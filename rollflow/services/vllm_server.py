@@ -74,7 +74,7 @@ class InferenceServer:
         self.log_path = Path(log_path or f"vllm-{self.port}.log")
         self.kv_cache_space_gib = kv_cache_space_gib
         # Adapter mode: the adapter served at start (peft's format), and the server-local folder
-        # each sync's adapter is written to (made at spawn, removed at stop).
+        # each sync's adapter is written to (in runtime_dir).
         self.lora_adapter = Path(lora_adapter) if lora_adapter is not None else None
         self.lora_root: Path | None = None
         # The server's own temporary folder (made at spawn, removed at stop): vLLM's processes
@@ -212,12 +212,10 @@ class InferenceServer:
             wait_port_free(self.host, self.port, PORT_FREE_TIMEOUT_S, f"vLLM server at {self.url}")
         except ServiceError as exc:
             raise InferenceError(str(exc)) from None
-        if self.lora_adapter:
-            self.lora_root = adapter.prepare_root(
-                tempfile.mkdtemp(prefix="rollflow-lora-"), self.lora_adapter
-            )
         self._remove_runtime_dir()  # a previous process's, if it ended without stop()
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="rollflow-vllm-"))
+        if self.lora_adapter:
+            self.lora_root = adapter.prepare_root(self.runtime_dir / "lora", self.lora_adapter)
         self._proc = ManagedProcess(
             "vLLM server", self.command(), self.log_path, self.environment(), cpus=self.cpus
         )
@@ -261,15 +259,13 @@ class InferenceServer:
         """SIGTERM the server's process group, then SIGKILL whatever is left after ``timeout_s``."""
         if self._proc is not None:
             self._proc.stop(timeout_s)
-        if self.lora_root is not None:
-            shutil.rmtree(self.lora_root, ignore_errors=True)
-            self.lora_root = None
         self._remove_runtime_dir()
 
     def _remove_runtime_dir(self) -> None:
+        """Remove the server's temporary folder, the adapters' folder inside it."""
         if self.runtime_dir is not None:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
-            self.runtime_dir = None
+            self.runtime_dir = self.lora_root = None
 
     def __enter__(self) -> InferenceServer:
         return self.start()
